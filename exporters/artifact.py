@@ -1,0 +1,71 @@
+"""Atomic artifact directories: everything is written into a hidden staging directory beside
+the target and renamed into place only when complete, so a failure leaves nothing behind."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from tfgraph.errors import TfgraphError
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+
+
+def check_target(out_dir: Path) -> None:
+    """Fail early (before any work) on an output directory that cannot be written."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise TfgraphError(f"output '{out_dir}' exists and is not a directory; choose another -o")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
+        raise TfgraphError(
+            f"output directory '{out_dir}' is not empty and is not a tfgraph artifact; "
+            "choose another -o (tfgraph only replaces its own artifacts)"
+        )
+    parent = out_dir.resolve().parent
+    if not parent.is_dir():
+        raise TfgraphError(f"parent directory '{parent}' of the output does not exist")
+    if not os.access(parent, os.W_OK):
+        raise TfgraphError(f"cannot write to '{parent}': permission denied; choose another -o")
+
+
+@contextlib.contextmanager
+def staged_directory(out_dir: Path) -> Iterator[Path]:
+    """Yield a staging directory; on success it replaces ``out_dir``, on error it is removed."""
+    out_dir = Path(out_dir)
+    check_target(out_dir)
+    parent = out_dir.resolve().parent
+    stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tfgraph-", dir=parent))
+    try:
+        yield stage
+        _commit(stage, out_dir)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+
+
+def _commit(stage: Path, out_dir: Path) -> None:
+    os.chmod(stage, 0o755)  # mkdtemp makes it private
+    old = None
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.tfgraph-old-{os.getpid()}")
+        os.replace(out_dir, old)
+    try:
+        os.replace(stage, out_dir)
+    except BaseException:
+        if old is not None:
+            os.replace(old, out_dir)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    logger.info("wrote %s", out_dir)
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")

@@ -1,0 +1,33 @@
+"""Write an ``onnx_ir.Model`` as ``model.onnx``, with external data past protobuf's 2 GB limit."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import onnx_ir as ir
+
+logger = logging.getLogger(__name__)
+
+PROTOBUF_LIMIT = 2 * 1024**3
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+
+
+def weight_bytes(model: ir.Model) -> int:
+    """Bytes of all initializers of the main graph."""
+    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value)
+
+
+def save_onnx(model: ir.Model, directory: Path, *, external_data: bool | None = None) -> list[str]:
+    """Save into ``directory``; ``external_data=None`` decides by size. Returns the file names."""
+    if external_data is None:
+        # Leave headroom for the graph itself within the 2 GB protobuf message.
+        external_data = weight_bytes(model) > PROTOBUF_LIMIT - 64 * 1024**2
+    path = directory / MODEL_FILE
+    if external_data:
+        logger.info("saving %s with external data %s", path, DATA_FILE)
+        ir.save(model, path, external_data=DATA_FILE)
+        return [MODEL_FILE, DATA_FILE]
+    ir.save(model, path)
+    return [MODEL_FILE]

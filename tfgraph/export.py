@@ -1,0 +1,110 @@
+"""``export``: source → trace → pipeline → ONNX → parity, written as one atomic artifact.
+
+An artifact directory holds ``model.onnx`` (plus ``model.onnx.data`` past 2 GB),
+``manifest.json`` and ``report.json``. It is staged beside the target and renamed into place
+only when complete; a failure at any step leaves no output directory behind. A model whose
+parity fails is still written (its report says why), and :attr:`ExportResult.passed` is False.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tfgraph.exporters import check_target, save_onnx, staged_directory, write_json
+
+from .errors import TfgraphError
+from .fusions import count_fusions
+from .manifest import build_manifest
+from .parity import FP32, PARITY_SHAPES, Tolerance, check_parity
+from .pipeline import run_pipeline
+from .sources import ModelSource, load_source
+from .trace import DEFAULT_OPSET, trace
+
+logger = logging.getLogger(__name__)
+
+PROFILES = ("ort", "onnx", "tensorrt")
+
+
+@dataclass
+class ExportResult:
+    out_dir: Path
+    manifest: dict
+    report: dict
+
+    @property
+    def passed(self) -> bool:
+        return self.report["parity"]["passed"]
+
+
+def _no_progress(step: str) -> None:
+    pass
+
+
+def export(
+    model: str | ModelSource,
+    out_dir: str | Path,
+    *,
+    pipeline: str = "default",
+    profile: str = "ort",
+    opset: int = DEFAULT_OPSET,
+    check_each_pass: bool = False,
+    external_data: bool | None = None,
+    parity_shapes=PARITY_SHAPES,
+    tolerance: Tolerance = FP32,
+    trust_remote_code: bool = False,
+    dump_after: str | None = None,
+    progress: Callable[[str], None] = _no_progress,
+) -> ExportResult:
+    """Export ``model`` (a MODEL string as the CLI takes it, or a :class:`ModelSource`)."""
+    out_dir = Path(out_dir)
+    if profile not in PROFILES:
+        raise TfgraphError(f"unknown profile '{profile}': choose one of {', '.join(PROFILES)}")
+    check_target(out_dir)  # before any slow work
+    timings: dict[str, float] = {}
+
+    def step(name: str, fn, *args, **kwargs):
+        progress(name)
+        start = time.perf_counter()
+        value = fn(*args, **kwargs)
+        timings[name] = round(time.perf_counter() - start, 3)
+        logger.info("%s: %.2f s", name, timings[name])
+        return value
+
+    source = model if isinstance(model, ModelSource) else step(
+        "load", load_source, model, trust_remote_code=trust_remote_code
+    )
+    graph = step("trace", trace, source, opset=opset)
+    with staged_directory(out_dir) as stage:
+        records = step(
+            "passes", run_pipeline, graph, pipeline,
+            check_each_pass=check_each_pass, dump_after=dump_after, dump_dir=stage,
+        )
+        fusions = count_fusions(graph, pipeline)
+        files = step("save", save_onnx, graph, stage, external_data=external_data)
+        parity = step(
+            "parity", check_parity, source, stage / files[0],
+            shapes=parity_shapes, tolerance=tolerance,
+        )
+        passes = [r.as_dict() for r in records]
+        manifest = build_manifest(
+            graph, origin=source.origin, pipeline=pipeline, profile=profile,
+            passes=passes, fusions=fusions, files=files,
+        )
+        report = {
+            "model": source.origin,
+            "parity": parity,
+            "fusions": fusions,
+            "kv_cache": False,
+            "profile": profile,
+            "opset": graph.opset_imports.get("", opset),
+            "pipeline": pipeline,
+            "passes": passes,
+            "timings": timings,
+        }
+        write_json(stage / "manifest.json", manifest)
+        write_json(stage / "report.json", report)
+    return ExportResult(out_dir, manifest, report)

@@ -1,0 +1,93 @@
+"""Count fusion candidates in a graph, fused or not, per layer, with the reason for each miss.
+
+A *candidate* is a place where a fused kernel could run:
+- ``attention``: every fused attention op, plus every ``Softmax`` left in the graph (each one is
+  an unfused attention core: scores → softmax → ·V).
+- ``norm``: every normalization op, plus every decomposed norm left in the graph, found by its
+  ``ReduceMean`` of a square (``Pow(x, 2)`` or ``Mul(x, x)``: the variance of LayerNorm, the mean
+  square of RMSNorm; one per norm).
+
+A miss is never silent: each unfused candidate is listed with its PyTorch module name and a
+reason. Passes that try and fail record their reason in the node's metadata under
+``tfgraph.miss_reason``; otherwise the reason is that no pass of the pipeline handles the kind.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import onnx_ir as ir
+
+from .trace import module_name
+
+MISS_REASON_KEY = "tfgraph.miss_reason"
+
+FUSED_OPS: dict[str, set[tuple[str, str]]] = {
+    "attention": {
+        ("tfgraph", "Attention"),
+        ("", "Attention"),
+        ("com.microsoft", "Attention"),
+        ("com.microsoft", "MultiHeadAttention"),
+        ("com.microsoft", "GroupQueryAttention"),
+    },
+    "norm": {
+        ("tfgraph", "LayerNorm"),
+        ("tfgraph", "RMSNorm"),
+        ("", "LayerNormalization"),
+        ("", "RMSNormalization"),
+        ("com.microsoft", "SimplifiedLayerNormalization"),
+        ("com.microsoft", "SkipLayerNormalization"),
+        ("com.microsoft", "SkipSimplifiedLayerNormalization"),
+        ("", "SimplifiedLayerNormalization"),
+    },
+}
+
+
+def _is_square(value: ir.Value | None) -> bool:
+    node = value.producer() if value is not None else None
+    if node is None:
+        return False
+    if node.op_type == "Mul" and len(node.inputs) == 2:
+        return node.inputs[0] is node.inputs[1]
+    if node.op_type == "Pow" and len(node.inputs) == 2:
+        exponent = node.inputs[1].const_value if node.inputs[1] is not None else None
+        return exponent is not None and float(exponent.numpy().reshape(-1)[0]) == 2.0
+    return False
+
+
+def _unfused_candidate(kind: str, node: ir.Node) -> bool:
+    if node.domain not in ("", "ai.onnx"):
+        return False
+    if kind == "attention":
+        return node.op_type == "Softmax"
+    return node.op_type == "ReduceMean" and _is_square(node.inputs[0])
+
+
+def count_fusions(model: ir.Model, pipeline: str = "default") -> dict:
+    """``{kind: {fused, total, missed: [{module, reason}], fused_modules: [...]}}``."""
+    result = {}
+    for kind, fused_ops in FUSED_OPS.items():
+        fused, missed = [], []
+        for node in model.graph:  # fused ops live in the main graph
+            if (node.domain if node.domain != "ai.onnx" else "", node.op_type) in fused_ops:
+                fused.append({"module": module_name(node), "op": node.op_type})
+            elif _unfused_candidate(kind, node):
+                reason = node.metadata_props.get(
+                    MISS_REASON_KEY, f"no {kind} fusion pass in pipeline '{pipeline}'"
+                )
+                missed.append({"module": module_name(node), "reason": reason})
+        result[kind] = {
+            "fused": len(fused),
+            "total": len(fused) + len(missed),
+            "fused_layers": fused,
+            "missed": missed,
+        }
+    return result
+
+
+def op_histogram(model: ir.Model) -> Counter:
+    """``Counter`` of ``domain::op_type`` (just ``op_type`` for the default domain)."""
+    return Counter(
+        f"{n.domain}::{n.op_type}" if n.domain not in ("", "ai.onnx") else n.op_type
+        for n in model.graph.all_nodes()
+    )

@@ -1,0 +1,74 @@
+"""Run a named pass pipeline: every pass timed and logged, checks after the pipeline (and after
+each pass with ``check_each_pass``), a failing check naming the pass that broke the graph."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx_ir as ir
+import onnx_ir.passes.common as common
+
+from tfgraph.passes import PIPELINES, get_pipeline
+
+from .errors import TfgraphError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    name: str
+    seconds: float
+    modified: bool
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "seconds": round(self.seconds, 4), "modified": self.modified}
+
+
+class GraphCheckError(TfgraphError):
+    """The ONNX checker or shape inference rejected the graph after a pass."""
+
+    exit_code = 1
+
+
+def check_model(model: ir.Model, after: str) -> None:
+    """ONNX checker (full) and strict shape inference; raises naming the pass ``after``."""
+    for check in (common.CheckerPass(full_check=False), common.ShapeInferencePass()):
+        try:
+            check(model)
+        except Exception as exc:
+            raise GraphCheckError(
+                f"{type(check).__name__} failed after {after}: {str(exc).splitlines()[0]}"
+            ) from exc
+
+
+def run_pipeline(
+    model: ir.Model,
+    name: str,
+    *,
+    check_each_pass: bool = False,
+    dump_after: str | None = None,
+    dump_dir: Path | None = None,
+) -> list[PassRecord]:
+    """Apply pipeline ``name`` in place and return one record per pass."""
+    if name not in PIPELINES:
+        raise TfgraphError(f"unknown pipeline '{name}': choose one of {', '.join(PIPELINES)}")
+    records = []
+    for p in get_pipeline(name):
+        pass_name = type(p).__name__
+        logger.debug("running pass %s", pass_name)
+        start = time.perf_counter()
+        result = p(model)
+        seconds = time.perf_counter() - start
+        records.append(PassRecord(pass_name, seconds, bool(result.modified)))
+        logger.info("pass %s: %.3f s, modified=%s", pass_name, seconds, result.modified)
+        if check_each_pass:
+            check_model(model, pass_name)
+        if dump_after == pass_name and dump_dir is not None:
+            dump_dir.mkdir(parents=True, exist_ok=True)
+            ir.save(model, dump_dir / f"after_{pass_name}.onnx")
+    check_model(model, f"pipeline '{name}'")
+    return records

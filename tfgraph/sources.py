@@ -1,0 +1,276 @@
+"""Model sources: a preset name, a ``package.module:function`` factory, or a local HF directory.
+
+Every source becomes a :class:`ModelSource`: the eager module plus what tracing and parity need
+(input names, dynamic axes, a generator of random inputs at a given batch and sequence length).
+
+A module may describe its own inputs through the *tfgraph input protocol*: attributes
+``input_names`` / ``output_names`` and methods ``example_inputs(batch, seq, generator)`` and
+``dynamic_axes()`` (every zoo model does). Otherwise the inputs are inferred (see
+:func:`from_module`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils import _pytree
+
+from .errors import TfgraphError
+
+logger = logging.getLogger(__name__)
+
+InputMaker = Callable[[int, int, torch.Generator], dict[str, torch.Tensor]]
+
+
+@dataclass
+class ModelSource:
+    """An eager model and the facts needed to trace it and to test the traced graph."""
+
+    module: nn.Module
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    dynamic_axes: dict[str, dict[int, str]]
+    make_inputs: InputMaker
+    origin: str  # "preset:gpt-tiny", "factory:pkg.mod:fn", "hf:/path"
+    info: dict = field(default_factory=dict)
+
+    def inputs(self, batch: int, seq: int, seed: int = 0) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed)
+        return self.make_inputs(batch, seq, generator)
+
+    def eager(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run the eager module; outputs flattened and named like the graph outputs."""
+        with torch.no_grad():
+            out = self.module(*(inputs[n] for n in self.input_names))
+        flat, _ = _pytree.tree_flatten(out)
+        return dict(zip(self.output_names, flat, strict=True))
+
+
+def load_source(spec: str, *, trust_remote_code: bool = False) -> ModelSource:
+    """Resolve a MODEL argument of the CLI: preset name, ``pkg.mod:fn`` or a directory."""
+    from tfgraph.models import PRESETS
+
+    if spec in PRESETS:
+        return _from_preset(spec)
+    if os.path.isdir(spec):
+        return _from_hf_dir(Path(spec), trust_remote_code=trust_remote_code)
+    if ":" in spec and not os.path.exists(spec):
+        return _from_factory(spec)
+    if os.path.exists(spec):
+        raise TfgraphError(
+            f"'{spec}' is a file, not a model: give a preset name, a package.module:function "
+            "factory, or a Hugging Face model directory"
+        )
+    raise TfgraphError(
+        f"unknown model '{spec}': not a preset (list them with `python -m tfgraph models`), "
+        "not a package.module:function factory, not a directory"
+    )
+
+
+def _from_preset(name: str) -> ModelSource:
+    from tfgraph.models import build
+
+    source = from_module(build(name), origin=f"preset:{name}")
+    source.info["preset"] = name
+    return source
+
+
+def _from_factory(spec: str) -> ModelSource:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise TfgraphError(f"bad factory '{spec}': write it as package.module:function")
+    try:
+        mod = importlib.import_module(module_name)
+    except Exception as exc:  # an import error in user code is still the user's input
+        raise TfgraphError(
+            f"cannot import '{module_name}' for factory '{spec}' ({type(exc).__name__}: {exc}); "
+            "check the module is on PYTHONPATH"
+        ) from exc
+    fn = getattr(mod, attr, None)
+    if not callable(fn):
+        raise TfgraphError(f"'{module_name}' has no callable '{attr}' (factory '{spec}')")
+    result = fn()
+    example = None
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module):
+        result, example = result
+    if not isinstance(result, nn.Module):
+        raise TfgraphError(
+            f"factory '{spec}' returned {type(result).__name__}; it must return an nn.Module "
+            "or (nn.Module, example_inputs)"
+        )
+    return from_module(result.eval(), example, origin=f"factory:{spec}")
+
+
+def from_module(
+    module: nn.Module, example_inputs=None, *, origin: str = "module"
+) -> ModelSource:
+    """Wrap any ``nn.Module``.
+
+    1. A module that implements the tfgraph input protocol describes itself.
+    2. With example inputs (a tensor, a tuple, or a dict keyed by forward argument names):
+       every input of rank ≥ 2 gets dynamic axes 0 = ``batch`` and 1 = ``sequence``; random
+       inputs at other shapes keep the example's dtype and value range.
+    3. With nothing: a single ``input_ids`` input of (batch, sequence) token ids drawn from
+       the vocabulary of the module's first ``nn.Embedding``.
+    """
+    module = module.eval()
+    if example_inputs is None and all(
+        hasattr(module, a) for a in ("input_names", "example_inputs", "dynamic_axes")
+    ):
+        names = tuple(module.input_names)
+        make = module.example_inputs
+        axes = module.dynamic_axes()
+    else:
+        names, make, axes = _infer_inputs(module, example_inputs, origin)
+    outputs = getattr(module, "output_names", None)
+    if outputs is None:
+        probe = make(2, 5, torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            flat, _ = _pytree.tree_flatten(module(*(probe[n] for n in names)))
+        outputs = ("logits",) if len(flat) == 1 else tuple(f"output_{i}" for i in range(len(flat)))
+    return ModelSource(module, tuple(names), tuple(outputs), axes, make, origin)
+
+
+def _infer_inputs(module: nn.Module, example, origin: str):
+    params = [
+        p.name
+        for p in inspect.signature(module.forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if example is None:
+        emb = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+        if emb is None or not params:
+            raise TfgraphError(
+                f"cannot tell the inputs of {origin}: it has no nn.Embedding; return "
+                "(module, example_inputs) from the factory"
+            )
+        vocab = emb.num_embeddings
+        name = params[0]
+
+        def make_ids(batch, seq, generator):
+            return {name: torch.randint(0, vocab, (batch, seq), generator=generator)}
+
+        return (name,), make_ids, {name: {0: "batch", 1: "sequence"}}
+
+    if isinstance(example, torch.Tensor):
+        example = (example,)
+    if isinstance(example, (tuple, list)):
+        if len(example) > len(params):
+            raise TfgraphError(f"{origin}: {len(example)} example inputs for forward({params})")
+        example = dict(zip(params, example))
+    if not isinstance(example, dict) or not all(
+        isinstance(v, torch.Tensor) for v in example.values()
+    ):
+        raise TfgraphError(f"{origin}: example inputs must be tensors, a tuple or a dict of them")
+    names = tuple(example)
+    axes = {n: ({0: "batch", 1: "sequence"} if t.dim() >= 2 else {}) for n, t in example.items()}
+
+    def make_like(batch, seq, generator):
+        out = {}
+        for n, t in example.items():
+            shape = (batch, seq, *t.shape[2:]) if t.dim() >= 2 else tuple(t.shape)
+            if t.dtype == torch.bool:
+                out[n] = torch.ones(shape, dtype=torch.bool)
+            elif t.dtype.is_floating_point:
+                out[n] = torch.randn(shape, generator=generator, dtype=t.dtype)
+            else:
+                lo, hi = int(t.min()), int(t.max())
+                out[n] = torch.randint(lo, hi + 1, shape, generator=generator, dtype=t.dtype)
+        return out
+
+    return names, make_like, axes
+
+
+# --- Hugging Face directories ---------------------------------------------------------------
+
+
+class _HFWrapper(nn.Module):
+    """Positional tensors in, logits (or the last hidden state) out; no cache, no dicts."""
+
+    def __init__(self, model: nn.Module, input_names: tuple[str, ...], output: str) -> None:
+        super().__init__()
+        self.model = model
+        self.input_names = input_names
+        self.output_names = (output,)
+        self._output = output
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        kwargs = dict(zip(self.input_names, args))
+        if getattr(self.model.config, "is_encoder_decoder", False) or "use_cache" in (
+            inspect.signature(self.model.forward).parameters
+        ):
+            kwargs["use_cache"] = False
+        return getattr(self.model(**kwargs, return_dict=True), self._output)
+
+
+def _from_hf_dir(path: Path, *, trust_remote_code: bool) -> ModelSource:
+    if not (path / "config.json").is_file():
+        raise TfgraphError(
+            f"directory '{path}' holds no model: expected config.json and weights from "
+            "save_pretrained()"
+        )
+    weights = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")]
+    if not weights:
+        raise TfgraphError(
+            f"directory '{path}' has config.json but no weights (*.safetensors or "
+            "pytorch_model.bin)"
+        )
+    try:
+        import transformers
+    except ImportError as exc:
+        raise TfgraphError(
+            "loading a Hugging Face directory needs transformers: pip install 'tfgraph[hf]'"
+        ) from exc
+    config = transformers.AutoConfig.from_pretrained(
+        path, local_files_only=True, trust_remote_code=trust_remote_code
+    )
+    if getattr(config, "auto_map", None) and not trust_remote_code:
+        raise TfgraphError(
+            f"'{path}' needs its own Python code (auto_map in config.json); read it, then pass "
+            "--trust-remote-code to run it"
+        )
+    arch = (config.architectures or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    if cls is None:
+        cls = transformers.AutoModel
+    logger.info("loading %s from %s", cls.__name__, path)
+    model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    model.eval()
+    vocab = config.vocab_size
+    if config.is_encoder_decoder:
+        names: tuple[str, ...] = ("input_ids", "decoder_input_ids")
+        axes = {"input_ids": {0: "batch", 1: "sequence"},
+                "decoder_input_ids": {0: "batch", 1: "decoder_sequence"}}
+    elif "attention_mask" in inspect.signature(model.forward).parameters and not (
+        arch or ""
+    ).endswith(("LMHeadModel", "ForCausalLM")):
+        names = ("input_ids", "attention_mask")
+        axes = {n: {0: "batch", 1: "sequence"} for n in names}
+    else:
+        names = ("input_ids",)
+        axes = {"input_ids": {0: "batch", 1: "sequence"}}
+    has_logits = arch is not None and not arch.endswith("Model")
+    output = "logits" if has_logits else "last_hidden_state"
+
+    def make(batch, seq, generator):
+        out = {}
+        for n in names:
+            length = max(1, seq - 2) if n == "decoder_input_ids" else seq
+            if n == "attention_mask":
+                out[n] = torch.ones(batch, length, dtype=torch.int64)
+            else:
+                out[n] = torch.randint(0, vocab, (batch, length), generator=generator)
+        return out
+
+    wrapper = _HFWrapper(model, names, output).eval()
+    source = ModelSource(wrapper, names, (output,), axes, make, f"hf:{path}")
+    source.info.update({"hf_architecture": arch, "model_type": config.model_type})
+    return source
