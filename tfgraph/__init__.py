@@ -2,23 +2,31 @@
 
 trace (torch.export → torch.onnx dynamo exporter → ``onnx_ir.Model``) → passes → ONNX →
 ONNX Runtime, with every artifact proven against eager PyTorch.
+
+Heavy modules (torch) load on first use, so ``tfgraph.runtime`` runs without importing torch.
 """
+
+from .errors import ParityError, TfgraphError
 
 __version__ = "0.1.0"
 
 ARTIFACT_FORMAT = 1  # bumped when manifest.json changes incompatibly
 
-from .errors import ParityError, TfgraphError  # noqa: E402
-from .export import ExportResult, export  # noqa: E402
-from .sources import ModelSource, load_source  # noqa: E402
+_LAZY = {
+    "export": "exporting",
+    "ExportResult": "exporting",
+    "ModelSource": "sources",
+    "load_source": "sources",
+    "from_module": "sources",
+}
 
-__all__ = [
-    "ARTIFACT_FORMAT",
-    "ExportResult",
-    "ModelSource",
-    "ParityError",
-    "TfgraphError",
-    "__version__",
-    "export",
-    "load_source",
-]
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'tfgraph' has no attribute '{name}'")
+
+
+__all__ = ["ARTIFACT_FORMAT", "ParityError", "TfgraphError", "__version__", *_LAZY]

@@ -50,9 +50,21 @@ def _is_square(value: ir.Value | None) -> bool:
     if node.op_type == "Mul" and len(node.inputs) == 2:
         return node.inputs[0] is node.inputs[1]
     if node.op_type == "Pow" and len(node.inputs) == 2:
-        exponent = node.inputs[1].const_value if node.inputs[1] is not None else None
-        return exponent is not None and float(exponent.numpy().reshape(-1)[0]) == 2.0
+        exponent = constant_value(node.inputs[1])
+        return exponent is not None and exponent.size == 1 and float(exponent.reshape(-1)[0]) == 2
     return False
+
+
+def constant_value(value: ir.Value | None):
+    """The numpy value of an initializer or a ``Constant`` node's output, else ``None``."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return value.const_value.numpy()
+    node = value.producer()
+    if node is not None and node.op_type == "Constant" and "value" in node.attributes:
+        return node.attributes["value"].as_tensor().numpy()
+    return None
 
 
 def _unfused_candidate(kind: str, node: ir.Node) -> bool:

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common
 
@@ -35,14 +36,25 @@ class GraphCheckError(TfgraphError):
 
 
 def check_model(model: ir.Model, after: str) -> None:
-    """ONNX checker (full) and strict shape inference; raises naming the pass ``after``."""
-    for check in (common.CheckerPass(full_check=False), common.ShapeInferencePass()):
+    """ONNX checker and strict shape inference; raises naming the pass ``after``.
+
+    Inferred shapes are then recorded in the graph (``ShapeInferencePass``).
+    """
+    proto = ir.serde.serialize_model(model)
+    for name, check in (
+        ("ONNX checker", lambda: onnx.checker.check_model(proto)),
+        (
+            "shape inference",
+            lambda: onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True),
+        ),
+    ):
         try:
-            check(model)
+            check()
         except Exception as exc:
             raise GraphCheckError(
-                f"{type(check).__name__} failed after {after}: {str(exc).splitlines()[0]}"
+                f"{name} failed after {after}: {str(exc).strip().splitlines()[0]}"
             ) from exc
+    common.ShapeInferencePass()(model)
 
 
 def run_pipeline(

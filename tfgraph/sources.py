@@ -193,22 +193,43 @@ def _infer_inputs(module: nn.Module, example, origin: str):
 
 
 class _HFWrapper(nn.Module):
-    """Positional tensors in, logits (or the last hidden state) out; no cache, no dicts."""
+    """Tensors in, logits (or the last hidden state) out; no cache, no dicts.
 
-    def __init__(self, model: nn.Module, input_names: tuple[str, ...], output: str) -> None:
+    torch.export needs named forward arguments, so each input signature has its subclass.
+    """
+
+    def __init__(self, model: nn.Module, output: str) -> None:
         super().__init__()
         self.model = model
-        self.input_names = input_names
         self.output_names = (output,)
         self._output = output
+        self._no_cache = {"use_cache": False} if "use_cache" in inspect.signature(
+            model.forward
+        ).parameters else {}
 
-    def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        kwargs = dict(zip(self.input_names, args))
-        if getattr(self.model.config, "is_encoder_decoder", False) or "use_cache" in (
-            inspect.signature(self.model.forward).parameters
-        ):
-            kwargs["use_cache"] = False
-        return getattr(self.model(**kwargs, return_dict=True), self._output)
+    def _run(self, **kwargs: torch.Tensor) -> torch.Tensor:
+        return getattr(self.model(**kwargs, **self._no_cache, return_dict=True), self._output)
+
+
+class _HFTokens(_HFWrapper):
+    input_names = ("input_ids",)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._run(input_ids=input_ids)
+
+
+class _HFTokensMask(_HFWrapper):
+    input_names = ("input_ids", "attention_mask")
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self._run(input_ids=input_ids, attention_mask=attention_mask)
+
+
+class _HFSeq2Seq(_HFWrapper):
+    input_names = ("input_ids", "decoder_input_ids")
+
+    def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor) -> torch.Tensor:
+        return self._run(input_ids=input_ids, decoder_input_ids=decoder_input_ids)
 
 
 def _from_hf_dir(path: Path, *, trust_remote_code: bool) -> ModelSource:
@@ -229,6 +250,7 @@ def _from_hf_dir(path: Path, *, trust_remote_code: bool) -> ModelSource:
         raise TfgraphError(
             "loading a Hugging Face directory needs transformers: pip install 'tfgraph[hf]'"
         ) from exc
+    transformers.utils.logging.disable_progress_bar()
     config = transformers.AutoConfig.from_pretrained(
         path, local_files_only=True, trust_remote_code=trust_remote_code
     )
@@ -245,19 +267,18 @@ def _from_hf_dir(path: Path, *, trust_remote_code: bool) -> ModelSource:
     model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     model.eval()
     vocab = config.vocab_size
+    is_lm = (arch or "").endswith(("LMHeadModel", "ForCausalLM"))
     if config.is_encoder_decoder:
-        names: tuple[str, ...] = ("input_ids", "decoder_input_ids")
-        axes = {"input_ids": {0: "batch", 1: "sequence"},
-                "decoder_input_ids": {0: "batch", 1: "decoder_sequence"}}
-    elif "attention_mask" in inspect.signature(model.forward).parameters and not (
-        arch or ""
-    ).endswith(("LMHeadModel", "ForCausalLM")):
-        names = ("input_ids", "attention_mask")
-        axes = {n: {0: "batch", 1: "sequence"} for n in names}
+        wrapper_cls: type[_HFWrapper] = _HFSeq2Seq
+    elif not is_lm and "attention_mask" in inspect.signature(model.forward).parameters:
+        wrapper_cls = _HFTokensMask
     else:
-        names = ("input_ids",)
-        axes = {"input_ids": {0: "batch", 1: "sequence"}}
-    has_logits = arch is not None and not arch.endswith("Model")
+        wrapper_cls = _HFTokens
+    names = wrapper_cls.input_names
+    axes = {n: {0: "batch", 1: "sequence"} for n in names}
+    if config.is_encoder_decoder:
+        axes["decoder_input_ids"] = {0: "batch", 1: "decoder_sequence"}
+    has_logits = is_lm or (arch is not None and not arch.endswith("Model"))
     output = "logits" if has_logits else "last_hidden_state"
 
     def make(batch, seq, generator):
@@ -270,7 +291,7 @@ def _from_hf_dir(path: Path, *, trust_remote_code: bool) -> ModelSource:
                 out[n] = torch.randint(0, vocab, (batch, length), generator=generator)
         return out
 
-    wrapper = _HFWrapper(model, names, output).eval()
+    wrapper = wrapper_cls(model, output).eval()
     source = ModelSource(wrapper, names, (output,), axes, make, f"hf:{path}")
     source.info.update({"hf_architecture": arch, "model_type": config.model_type})
     return source

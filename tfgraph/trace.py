@@ -54,7 +54,9 @@ def trace(source: ModelSource, *, opset: int = DEFAULT_OPSET) -> ir.Model:
     return model
 
 
-def _first_line(exc: Exception) -> str:
+def _first_line(exc: BaseException) -> str:
+    while exc.__cause__ is not None:  # the exporter wraps the real error; name that one
+        exc = exc.__cause__
     text = str(exc).strip()
     for line in text.splitlines():
         line = line.strip()

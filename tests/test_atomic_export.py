@@ -1,0 +1,49 @@
+"""A failure at any step of export leaves no artifact and no staging directory behind."""
+
+import pytest
+
+import tfgraph
+import tfgraph.exporting as export_mod
+from tfgraph import TfgraphError
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _fail(*args, **kwargs):
+    raise Boom("injected failure")
+
+
+@pytest.mark.parametrize("target", ["check_parity", "write_json", "save_onnx"])
+def test_failure_mid_export_leaves_nothing(tmp_path, monkeypatch, target):
+    monkeypatch.setattr(export_mod, target, _fail)
+    out = tmp_path / "art"
+    with pytest.raises(Boom):
+        tfgraph.export("factories:tiny_lm", out)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failure_keeps_previous_artifact(tmp_path, monkeypatch):
+    out = tmp_path / "art"
+    tfgraph.export("factories:tiny_lm", out)
+    before = (out / "model.onnx").read_bytes()
+    monkeypatch.setattr(export_mod, "write_json", _fail)
+    with pytest.raises(Boom):
+        tfgraph.export("factories:tiny_lm_with_inputs", out)
+    assert (out / "model.onnx").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+def test_refuses_foreign_directory(tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(TfgraphError, match="not a tfgraph artifact"):
+        tfgraph.export("factories:tiny_lm", out)
+    assert (out / "notes.txt").read_text() == "keep me"
+
+
+def test_unwritable_parent(tmp_path):
+    with pytest.raises(TfgraphError, match="does not exist"):
+        tfgraph.export("factories:tiny_lm", tmp_path / "a" / "b" / "c")

@@ -1,0 +1,81 @@
+"""End to end: each model source → trace → pipeline → ONNX → parity against eager PyTorch."""
+
+import json
+
+import onnx
+
+import tfgraph
+from tfgraph.parity import FP32
+
+REPORT_KEYS = {"parity", "fusions", "kv_cache", "profile", "opset"}
+
+
+def _check_artifact(result, *, files=("model.onnx",)):
+    out = result.out_dir
+    for name in (*files, "manifest.json", "report.json"):
+        assert (out / name).is_file(), name
+    report = json.loads((out / "report.json").read_text())
+    assert REPORT_KEYS <= set(report)
+    assert report["parity"]["passed"] is True
+    assert report["kv_cache"] is False
+    for row in report["parity"]["outputs"]:
+        assert row["max_abs_err"] <= FP32.atol + FP32.rtol * 100, row
+        assert set(row) >= {"name", "max_abs_err", "max_rel_err", "tolerance"}
+    # two shapes, every output, each compared
+    shapes = {(c["batch"], c["sequence"]) for c in report["parity"]["cases"]}
+    assert shapes == {(1, 7), (2, 33)}
+    for kind in ("attention", "norm"):
+        f = report["fusions"][kind]
+        assert f["fused"] + len(f["missed"]) == f["total"]
+    onnx.checker.check_model(str(out / "model.onnx"))
+    return report
+
+
+def test_preset_exports_with_parity(gpt_artifact):
+    report = _check_artifact(gpt_artifact)
+    # gpt-tiny: 2 layers → 2 attention cores (unfused today), 5 LayerNorms (2 per block + final)
+    assert report["fusions"]["attention"]["total"] == 2
+    assert report["fusions"]["norm"]["total"] == 5
+    misses = report["fusions"]["attention"]["missed"]
+    modules = [m["module"] for m in misses]  # one per layer, named after its PyTorch module
+    assert len(set(modules)) == 2 and all("0" in modules[0] and "1" in modules[1] for _ in "x")
+    manifest = gpt_artifact.manifest
+    assert manifest["inputs"] == [
+        {"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"]}
+    ]
+    assert manifest["outputs"][0]["shape"] == ["batch", "sequence", 256]
+    assert manifest["opsets"][""] == 20
+    assert manifest["versions"]["tfgraph"] == tfgraph.__version__
+    assert {"torch", "onnx", "onnxruntime", "onnx-ir", "onnxscript"} <= set(manifest["versions"])
+    assert [p["name"] for p in manifest["passes"]][0] == "IdentityEliminationPass"
+    assert all(p["seconds"] >= 0 for p in manifest["passes"])
+
+
+def test_factory_module_only(tmp_path):
+    result = tfgraph.export("factories:tiny_lm", tmp_path / "a")
+    _check_artifact(result)
+    assert result.manifest["inputs"][0]["name"] == "tokens"
+    assert result.manifest["model"] == "factory:factories:tiny_lm"
+
+
+def test_factory_with_example_inputs_and_external_data(tmp_path):
+    result = tfgraph.export(
+        "factories:tiny_lm_with_inputs", tmp_path / "b", external_data=True
+    )
+    _check_artifact(result, files=("model.onnx", "model.onnx.data"))
+    assert (tmp_path / "b" / "model.onnx").stat().st_size < 20_000  # the weights live outside
+
+
+def test_factory_using_zoo_protocol(tmp_path):
+    report = _check_artifact(tfgraph.export("factories:zoo_gpt", tmp_path / "c"))
+    assert report["fusions"]["attention"]["total"] == 2
+
+
+def test_hf_directory(hf_gpt2_dir, tmp_path):
+    result = tfgraph.export(str(hf_gpt2_dir), tmp_path / "hf")
+    report = _check_artifact(result)
+    assert result.manifest["outputs"][0]["shape"] == ["batch", "sequence", 1000]
+    assert report["fusions"]["attention"]["total"] == 2
+    assert report["fusions"]["norm"]["total"] == 5
+    assert all(m["module"].startswith("model.transformer.h.") for m in
+               report["fusions"]["attention"]["missed"])

@@ -1,0 +1,66 @@
+"""tfgraph.runtime.Session on numpy and torch inputs, and its errors."""
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+import torch
+
+from tfgraph import TfgraphError
+from tfgraph.runtime import Session
+
+TEXT = """
+<ir_version: 10, opset_import: ["" : 20]>
+g (float[N, 3] x, int64[N] k) => (float[N, 3] y) {
+    kf = Cast<to = 1>(k)
+    kk = Unsqueeze(kf, axes)
+    y = Mul(x, kk)
+}
+"""
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    model = ir.from_onnx_text(TEXT.replace("Unsqueeze(kf, axes)", "Unsqueeze(kf, one)"))
+    one = ir.Value(name="one", const_value=ir.tensor(np.array([1], dtype=np.int64)))
+    model.graph.register_initializer(one)
+    node = next(n for n in model.graph if n.op_type == "Unsqueeze")
+    node.replace_input_with(1, one)
+    ir.save(model, tmp_path / "model.onnx")
+    return tmp_path
+
+
+def test_numpy_and_torch_inputs_agree(model_dir):
+    session = Session(model_dir)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    k = np.array([2, 3])
+    want = x * k[:, None]
+    np.testing.assert_array_equal(session.run({"x": x, "k": k})["y"], want)
+    got = session.run({"x": torch.from_numpy(x), "k": torch.tensor([2, 3])})["y"]
+    np.testing.assert_array_equal(got, want)
+    # float64 arrays are cast to the model's float32
+    np.testing.assert_array_equal(session.run({"x": x.astype(np.float64), "k": k})["y"], want)
+
+
+def test_wrong_inputs(model_dir):
+    session = Session(model_dir)
+    with pytest.raises(TfgraphError, match=r"missing \['k'\]"):
+        session.run({"x": np.zeros((1, 3), np.float32)})
+    with pytest.raises(TfgraphError, match="dtype float32, the model wants int64"):
+        session.run({"x": np.zeros((1, 3), np.float32), "k": np.zeros(1, np.float32)})
+
+
+def test_provider_not_installed(model_dir):
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this machine has CUDA: the error path cannot be reached")
+    with pytest.raises(TfgraphError, match="provider 'cuda' is not in this ONNX Runtime"):
+        Session(model_dir, providers=["cuda"])
+
+
+def test_missing_and_corrupt_model(tmp_path):
+    with pytest.raises(TfgraphError, match="no ONNX model"):
+        Session(tmp_path)
+    (tmp_path / "model.onnx").write_bytes(b"not a protobuf")
+    with pytest.raises(TfgraphError, match="cannot load"):
+        Session(tmp_path)

@@ -1,0 +1,250 @@
+"""``python -m tfgraph``: export, run, inspect, models. ``main(argv) -> int``; the CLI prints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from .errors import TfgraphError
+
+EXPORT_STEPS = ("load", "trace", "passes", "save", "parity")
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def _progress(total: int):
+    start = time.perf_counter()
+    seen: list[str] = []
+
+    def report(step: str) -> None:
+        seen.append(step)
+        print(f"[{len(seen)}/{total}] {step} … ({time.perf_counter() - start:.1f} s)",
+              file=sys.stderr, flush=True)
+
+    return report
+
+
+def _cmd_export(args) -> int:
+    from .exporting import export
+
+    result = export(
+        args.model,
+        args.output,
+        pipeline=args.pipeline,
+        profile=args.profile,
+        opset=args.opset,
+        check_each_pass=args.check_each_pass,
+        external_data=True if args.external_data else None,
+        trust_remote_code=args.trust_remote_code,
+        dump_after=args.dump_after,
+        progress=_progress(len(EXPORT_STEPS)),
+    )
+    report = result.report
+    if args.verbose:
+        rows = [[p["name"], f"{p['seconds'] * 1000:.1f} ms", str(p["modified"])]
+                for p in report["passes"]]
+        print(_table(rows, ["pass", "time", "modified"]))
+        print()
+    print(f"wrote {result.out_dir}/ ({', '.join([*result.manifest['files'], 'manifest.json', 'report.json'])})")
+    _print_fusions(report["fusions"], verbose=args.verbose)
+    parity = report["parity"]
+    rows = [[o["name"], f"{o['max_abs_err']:.3g}", f"{o['max_rel_err']:.3g}",
+             f"atol {o['tolerance']['atol']:g} rtol {o['tolerance']['rtol']:g}",
+             "pass" if o["passed"] else "FAIL"] for o in parity["outputs"]]
+    shapes = ", ".join(f"{b}x{s}" for b, s in parity["shapes"])
+    print(f"parity vs eager PyTorch (batch x seq: {shapes}):")
+    print(_table(rows, ["output", "max abs err", "max rel err", "tolerance", "result"]))
+    if not result.passed:
+        print(f"error: parity failed; see {result.out_dir / 'report.json'}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _print_fusions(fusions: dict, *, verbose: bool) -> None:
+    rows = [[k, f"{v['fused']}/{v['total']}", str(len(v["missed"]))] for k, v in fusions.items()]
+    print(_table(rows, ["fusion", "fused/total", "missed"]))
+    for kind, v in fusions.items():
+        shown = v["missed"] if verbose else v["missed"][:3]
+        for miss in shown:
+            print(f"  missed {kind} in {miss['module'] or '<top level>'}: {miss['reason']}")
+        if len(v["missed"]) > len(shown):
+            print(f"  … {len(v['missed']) - len(shown)} more {kind} misses (-v lists all)")
+
+
+def _cmd_inspect(args) -> int:
+    import onnx_ir as ir
+
+    from tfgraph.runtime import model_path
+
+    from .fusions import count_fusions, op_histogram
+    from .manifest import describe_value
+
+    path = model_path(args.path)
+    try:
+        model = ir.load(path)
+    except Exception as exc:
+        raise TfgraphError(f"cannot read '{path}' as ONNX: {str(exc).splitlines()[0]}") from exc
+    report_file = path.parent / "report.json"
+    fusions = (
+        json.loads(report_file.read_text())["fusions"]
+        if report_file.is_file()
+        else count_fusions(model, "unknown")
+    )
+    print(f"{path}  opsets {dict(sorted(model.opset_imports.items()))}")
+    for title, values in (("inputs", model.graph.inputs), ("outputs", model.graph.outputs)):
+        rows = [[d["name"], d["dtype"], str(d["shape"])] for d in map(describe_value, values)]
+        print(_table(rows, [title[:-1], "dtype", "shape"]))
+        print()
+    hist = op_histogram(model)
+    print(_table([[op, str(n)] for op, n in hist.most_common()], ["op", "count"]))
+    print(f"{sum(hist.values())} nodes\n")
+    _print_fusions(fusions, verbose=True)
+    if args.verbose:
+        for kind, v in fusions.items():
+            for layer in v.get("fused_layers", []):
+                print(f"  fused {kind} in {layer['module'] or '<top level>'}: {layer['op']}")
+    return 0
+
+
+def _parse_ids(text: str, flag: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError as exc:
+        raise TfgraphError(f"{flag} must be integers separated by spaces, got '{text}'") from exc
+    if not ids:
+        raise TfgraphError(f"{flag} is empty; give at least one token id")
+    return ids
+
+
+def _cmd_run(args) -> int:
+    import numpy as np
+
+    from tfgraph.runtime import Session
+
+    session = Session(args.path, providers=args.provider)
+    ids = np.array([_parse_ids(args.input_ids, "--input-ids")], dtype=np.int64)
+    feeds: dict[str, np.ndarray] = {}
+    for name in session.input_names:
+        if name == "input_ids":
+            feeds[name] = ids
+        elif name == "attention_mask":
+            feeds[name] = np.ones_like(ids)
+        elif name == "decoder_input_ids":
+            dec = args.decoder_input_ids or "0"
+            feeds[name] = np.array([_parse_ids(dec, "--decoder-input-ids")], dtype=np.int64)
+        else:
+            raise TfgraphError(f"the model takes input '{name}', which `run` cannot fill")
+    outputs = session.run(feeds)
+    rows = []
+    for name, value in outputs.items():
+        row = [name, str(value.dtype), str(tuple(value.shape))]
+        if value.ndim == 3:  # (B, T, vocab): the next-token prediction of the last position
+            last = value[0, -1]
+            top = np.argsort(last)[::-1][:5]
+            row.append("next token top-5: " + " ".join(f"{t}({last[t]:.2f})" for t in top))
+        else:
+            row.append(np.array2string(value.reshape(-1)[:6], precision=4))
+        rows.append(row)
+    print(_table(rows, ["output", "dtype", "shape", "values"]))
+    if args.save:
+        np.savez(args.save, **outputs)
+        print(f"saved outputs to {args.save}")
+    return 0
+
+
+def _cmd_models(args) -> int:
+    from tfgraph.models import PRESETS, describe
+
+    rows = []
+    for name in PRESETS:
+        d = describe(name)
+        rows.append([name, d["family"], d["attention"], d["positions"], d["norm"], d["ffn"]])
+    print(_table(rows, ["preset", "family", "attention", "positions", "norm", "ffn"]))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tfgraph.passes import PIPELINES
+
+    from . import __version__
+    from .exporting import PROFILES
+    from .trace import DEFAULT_OPSET
+
+    parser = argparse.ArgumentParser(
+        prog="tfgraph", description="Compile PyTorch transformers to proven ONNX artifacts."
+    )
+    parser.add_argument("--version", action="version", version=f"tfgraph {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def verbose(p):
+        p.add_argument("-v", "--verbose", action="store_true", help="per-pass and per-layer detail")
+
+    p = sub.add_parser("export", help="trace, optimize, export to ONNX and check parity")
+    p.add_argument("model", help="preset name, package.module:function, or a HF model directory")
+    p.add_argument("-o", "--output", required=True, type=Path, help="artifact directory")
+    p.add_argument("--pipeline", default="default", choices=list(PIPELINES))
+    p.add_argument("--profile", default="ort", choices=list(PROFILES))
+    p.add_argument("--opset", type=int, default=DEFAULT_OPSET)
+    p.add_argument("--check-each-pass", action="store_true",
+                   help="run the ONNX checker and shape inference after every pass")
+    p.add_argument("--external-data", action="store_true",
+                   help="store weights in model.onnx.data (automatic past 2 GB)")
+    p.add_argument("--dump-after", metavar="PASS", help="also save the graph after pass PASS")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow a model directory's own Python code to run")
+    verbose(p)
+    p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("run", help="run an artifact on token ids with ONNX Runtime")
+    p.add_argument("path", help="artifact directory or .onnx file")
+    p.add_argument("--input-ids", required=True, help='token ids, e.g. "1 2 3"')
+    p.add_argument("--decoder-input-ids", help="decoder token ids (encoder-decoder models)")
+    p.add_argument("--provider", action="append", default=None,
+                   help="cpu (default), cuda or tensorrt; repeat for a fallback order")
+    p.add_argument("--save", metavar="FILE.npz", help="save all outputs")
+    verbose(p)
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("inspect", help="op histogram, fusions and signature of an artifact")
+    p.add_argument("path", help="artifact directory or .onnx file")
+    verbose(p)
+    p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("models", help="list the model presets")
+    verbose(p)
+    p.set_defaults(func=_cmd_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
+        return int(exc.code or 0)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if args.verbose:  # third-party libraries stay quiet unless something is wrong
+        for name in ("onnx_ir", "onnxscript", "torch"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    if getattr(args, "provider", "x") is None:
+        args.provider = ["cpu"]
+    try:
+        return args.func(args)
+    except TfgraphError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
