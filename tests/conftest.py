@@ -16,6 +16,6 @@ def hf_gpt2_dir(tmp_path_factory):
     """A random-init GPT-2 saved with save_pretrained (no download)."""
     transformers = pytest.importorskip("transformers")
     path = tmp_path_factory.mktemp("hf") / "gpt2"
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4)  # the issue's exact config
     transformers.GPT2LMHeadModel(config).eval().save_pretrained(path)
     return path

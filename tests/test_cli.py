@@ -85,6 +85,20 @@ def test_run_errors(gpt_artifact, tmp_path, capsys):
     assert "unknown provider 'tpu'" in _one_line_error(capsys)
 
 
+def test_parity_failure_exits_1_and_keeps_report(tmp_path, capsys):
+    out = tmp_path / "strict"
+    code = main(["export", "factories:tiny_lm", "-o", str(out), "--atol", "0", "--rtol", "0",
+                 "--pipeline", "cleanup", "--dump-after", "TopologicalSortPass"])
+    report = json.loads((out / "report.json").read_text())
+    worst = report["parity"]["outputs"][0]["max_abs_err"]
+    if worst == 0.0:
+        pytest.fail("ORT reproduced eager bit for bit: the zero tolerance cannot fail here")
+    assert code == 1
+    assert report["parity"]["passed"] is False
+    assert "parity failed" in _one_line_error(capsys)
+    assert (out / "after_TopologicalSortPass.onnx").is_file()
+
+
 def test_usage_error_exit_code(capsys):
     assert main(["export"]) == 2
     assert main(["--version"]) == 0

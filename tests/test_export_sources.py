@@ -74,7 +74,7 @@ def test_factory_using_zoo_protocol(tmp_path):
 def test_hf_directory(hf_gpt2_dir, tmp_path):
     result = tfgraph.export(str(hf_gpt2_dir), tmp_path / "hf")
     report = _check_artifact(result)
-    assert result.manifest["outputs"][0]["shape"] == ["batch", "sequence", 1000]
+    assert result.manifest["outputs"][0]["shape"] == ["batch", "sequence", 50257]
     assert report["fusions"]["attention"]["total"] == 2
     assert report["fusions"]["norm"]["total"] == 5
     assert all(m["module"].startswith("model.transformer.h.") for m in

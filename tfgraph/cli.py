@@ -34,6 +34,7 @@ def _progress(total: int):
 
 def _cmd_export(args) -> int:
     from .exporting import export
+    from .parity import Tolerance
 
     result = export(
         args.model,
@@ -45,6 +46,7 @@ def _cmd_export(args) -> int:
         external_data=True if args.external_data else None,
         trust_remote_code=args.trust_remote_code,
         dump_after=args.dump_after,
+        tolerance=Tolerance(args.atol, args.rtol),
         progress=_progress(len(EXPORT_STEPS)),
     )
     report = result.report
@@ -197,7 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the ONNX checker and shape inference after every pass")
     p.add_argument("--external-data", action="store_true",
                    help="store weights in model.onnx.data (automatic past 2 GB)")
-    p.add_argument("--dump-after", metavar="PASS", help="also save the graph after pass PASS")
+    p.add_argument("--dump-after", metavar="PASS",
+                   help="also save the graph after pass PASS as after_PASS.onnx in the artifact")
+    p.add_argument("--atol", type=float, default=1e-4, help="parity: absolute tolerance")
+    p.add_argument("--rtol", type=float, default=1e-3, help="parity: relative tolerance")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow a model directory's own Python code to run")
     verbose(p)
