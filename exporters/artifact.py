@@ -28,11 +28,13 @@ def check_target(out_dir: Path) -> None:
             f"output directory '{out_dir}' is not empty and is not a tfgraph artifact; "
             "choose another -o (tfgraph only replaces its own artifacts)"
         )
-    parent = out_dir.resolve().parent
-    if not parent.is_dir():
-        raise TfgraphError(f"parent directory '{parent}' of the output does not exist")
-    if not os.access(parent, os.W_OK):
-        raise TfgraphError(f"cannot write to '{parent}': permission denied; choose another -o")
+    existing = out_dir.resolve().parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise TfgraphError(f"'{existing}' is not a directory; choose another -o")
+    if not os.access(existing, os.W_OK):
+        raise TfgraphError(f"cannot write to '{existing}': permission denied; choose another -o")
 
 
 @contextlib.contextmanager
@@ -41,12 +43,17 @@ def staged_directory(out_dir: Path) -> Iterator[Path]:
     out_dir = Path(out_dir)
     check_target(out_dir)
     parent = out_dir.resolve().parent
+    created = [p for p in (parent, *parent.parents) if not p.exists()]  # like mkdir -p
+    parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tfgraph-", dir=parent))
     try:
         yield stage
         _commit(stage, out_dir)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
+        for p in created:  # innermost first: leave the tree as it was
+            with contextlib.suppress(OSError):
+                p.rmdir()
         raise
 
 

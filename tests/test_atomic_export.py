@@ -44,6 +44,17 @@ def test_refuses_foreign_directory(tmp_path):
     assert (out / "notes.txt").read_text() == "keep me"
 
 
-def test_unwritable_parent(tmp_path):
-    with pytest.raises(TfgraphError, match="does not exist"):
-        tfgraph.export("factories:tiny_lm", tmp_path / "a" / "b" / "c")
+def test_missing_parents_are_created_and_removed_on_failure(tmp_path, monkeypatch):
+    out = tmp_path / "a" / "b" / "art"
+    tfgraph.export("factories:tiny_lm", out)
+    assert (out / "model.onnx").is_file()
+    monkeypatch.setattr(export_mod, "check_parity", _fail)
+    with pytest.raises(Boom):
+        tfgraph.export("factories:tiny_lm", tmp_path / "x" / "y" / "art")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+
+
+def test_output_under_a_file(tmp_path):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(TfgraphError, match="is not a directory"):
+        tfgraph.export("factories:tiny_lm", tmp_path / "f" / "art")
