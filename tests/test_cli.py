@@ -87,8 +87,22 @@ def test_run_errors(gpt_artifact, tmp_path, capsys):
 
 def test_parity_failure_exits_1_and_keeps_report(tmp_path, capsys):
     out = tmp_path / "strict"
-    code = main(["export", "factories:tiny_lm", "-o", str(out), "--atol", "0", "--rtol", "0",
-                 "--pipeline", "cleanup", "--dump-after", "TopologicalSortPass"])
+    code = main(
+        [
+            "export",
+            "factories:tiny_lm",
+            "-o",
+            str(out),
+            "--atol",
+            "0",
+            "--rtol",
+            "0",
+            "--pipeline",
+            "cleanup",
+            "--dump-after",
+            "TopologicalSortPass",
+        ]
+    )
     report = json.loads((out / "report.json").read_text())
     worst = report["parity"]["outputs"][0]["max_abs_err"]
     if worst == 0.0:

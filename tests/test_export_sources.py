@@ -59,9 +59,7 @@ def test_factory_module_only(tmp_path):
 
 
 def test_factory_with_example_inputs_and_external_data(tmp_path):
-    result = tfgraph.export(
-        "factories:tiny_lm_with_inputs", tmp_path / "b", external_data=True
-    )
+    result = tfgraph.export("factories:tiny_lm_with_inputs", tmp_path / "b", external_data=True)
     _check_artifact(result, files=("model.onnx", "model.onnx.data"))
     assert (tmp_path / "b" / "model.onnx").stat().st_size < 20_000  # the weights live outside
 
@@ -77,5 +75,7 @@ def test_hf_directory(hf_gpt2_dir, tmp_path):
     assert result.manifest["outputs"][0]["shape"] == ["batch", "sequence", 50257]
     assert report["fusions"]["attention"]["total"] == 2
     assert report["fusions"]["norm"]["total"] == 5
-    assert all(m["module"].startswith("model.transformer.h.") for m in
-               report["fusions"]["attention"]["missed"])
+    assert all(
+        m["module"].startswith("model.transformer.h.")
+        for m in report["fusions"]["attention"]["missed"]
+    )

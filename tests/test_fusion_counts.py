@@ -32,7 +32,8 @@ def test_counts_candidates_and_fused():
     fusions = count_fusions(model, "none")
     assert fusions["attention"]["fused"] == 0
     assert fusions["attention"]["total"] == 1
-    assert fusions["attention"]["missed"][0]["reason"] == "no attention fusion pass in pipeline 'none'"
+    reason = fusions["attention"]["missed"][0]["reason"]
+    assert reason == "no attention fusion pass in pipeline 'none'"
     # LayerNormalization is fused; ReduceMean(Pow(.,2)) and ReduceMean(Mul(a,a)) are norms
     # left decomposed; the third ReduceMean is of a square too (Pow(ms2, 2)).
     assert fusions["norm"]["fused"] == 1

@@ -16,7 +16,7 @@ EXPORT_STEPS = ("load", "trace", "passes", "save", "parity")
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)).rstrip()  # noqa: E731
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
@@ -26,8 +26,11 @@ def _progress(total: int):
 
     def report(step: str) -> None:
         seen.append(step)
-        print(f"[{len(seen)}/{total}] {step} … ({time.perf_counter() - start:.1f} s)",
-              file=sys.stderr, flush=True)
+        print(
+            f"[{len(seen)}/{total}] {step} … ({time.perf_counter() - start:.1f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     return report
 
@@ -51,16 +54,26 @@ def _cmd_export(args) -> int:
     )
     report = result.report
     if args.verbose:
-        rows = [[p["name"], f"{p['seconds'] * 1000:.1f} ms", str(p["modified"])]
-                for p in report["passes"]]
+        rows = [
+            [p["name"], f"{p['seconds'] * 1000:.1f} ms", str(p["modified"])]
+            for p in report["passes"]
+        ]
         print(_table(rows, ["pass", "time", "modified"]))
         print()
-    print(f"wrote {result.out_dir}/ ({', '.join([*result.manifest['files'], 'manifest.json', 'report.json'])})")
+    files = [*result.manifest["files"], "manifest.json", "report.json"]
+    print(f"wrote {result.out_dir}/ ({', '.join(files)})")
     _print_fusions(report["fusions"], verbose=args.verbose)
     parity = report["parity"]
-    rows = [[o["name"], f"{o['max_abs_err']:.3g}", f"{o['max_rel_err']:.3g}",
-             f"atol {o['tolerance']['atol']:g} rtol {o['tolerance']['rtol']:g}",
-             "pass" if o["passed"] else "FAIL"] for o in parity["outputs"]]
+    rows = [
+        [
+            o["name"],
+            f"{o['max_abs_err']:.3g}",
+            f"{o['max_rel_err']:.3g}",
+            f"atol {o['tolerance']['atol']:g} rtol {o['tolerance']['rtol']:g}",
+            "pass" if o["passed"] else "FAIL",
+        ]
+        for o in parity["outputs"]
+    ]
     shapes = ", ".join(f"{b}x{s}" for b, s in parity["shapes"])
     print(f"parity vs eager PyTorch (batch x seq: {shapes}):")
     print(_table(rows, ["output", "max abs err", "max rel err", "tolerance", "result"]))
@@ -195,16 +208,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline", default="default", choices=list(PIPELINES))
     p.add_argument("--profile", default="ort", choices=list(PROFILES))
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET)
-    p.add_argument("--check-each-pass", action="store_true",
-                   help="run the ONNX checker and shape inference after every pass")
-    p.add_argument("--external-data", action="store_true",
-                   help="store weights in model.onnx.data (automatic past 2 GB)")
-    p.add_argument("--dump-after", metavar="PASS",
-                   help="also save the graph after pass PASS as after_PASS.onnx in the artifact")
+    p.add_argument(
+        "--check-each-pass",
+        action="store_true",
+        help="run the ONNX checker and shape inference after every pass",
+    )
+    p.add_argument(
+        "--external-data",
+        action="store_true",
+        help="store weights in model.onnx.data (automatic past 2 GB)",
+    )
+    p.add_argument(
+        "--dump-after",
+        metavar="PASS",
+        help="also save the graph after pass PASS as after_PASS.onnx in the artifact",
+    )
     p.add_argument("--atol", type=float, default=1e-4, help="parity: absolute tolerance")
     p.add_argument("--rtol", type=float, default=1e-3, help="parity: relative tolerance")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="allow a model directory's own Python code to run")
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow a model directory's own Python code to run",
+    )
     verbose(p)
     p.set_defaults(func=_cmd_export)
 
@@ -212,8 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="artifact directory or .onnx file")
     p.add_argument("--input-ids", required=True, help='token ids, e.g. "1 2 3"')
     p.add_argument("--decoder-input-ids", help="decoder token ids (encoder-decoder models)")
-    p.add_argument("--provider", action="append", default=None,
-                   help="cpu (default), cuda or tensorrt; repeat for a fallback order")
+    p.add_argument(
+        "--provider",
+        action="append",
+        default=None,
+        help="cpu (default), cuda or tensorrt; repeat for a fallback order",
+    )
     p.add_argument("--save", metavar="FILE.npz", help="save all outputs")
     verbose(p)
     p.set_defaults(func=_cmd_run)

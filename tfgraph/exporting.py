@@ -74,25 +74,41 @@ def export(
         logger.info("%s: %.2f s", name, timings[name])
         return value
 
-    source = model if isinstance(model, ModelSource) else step(
-        "load", load_source, model, trust_remote_code=trust_remote_code
+    source = (
+        model
+        if isinstance(model, ModelSource)
+        else step("load", load_source, model, trust_remote_code=trust_remote_code)
     )
     graph = step("trace", trace, source, opset=opset)
     with staged_directory(out_dir) as stage:
         records = step(
-            "passes", run_pipeline, graph, pipeline,
-            check_each_pass=check_each_pass, dump_after=dump_after, dump_dir=stage,
+            "passes",
+            run_pipeline,
+            graph,
+            pipeline,
+            check_each_pass=check_each_pass,
+            dump_after=dump_after,
+            dump_dir=stage,
         )
         fusions = count_fusions(graph, pipeline)
         files = step("save", save_onnx, graph, stage, external_data=external_data)
         parity = step(
-            "parity", check_parity, source, stage / files[0],
-            shapes=parity_shapes, tolerance=tolerance,
+            "parity",
+            check_parity,
+            source,
+            stage / files[0],
+            shapes=parity_shapes,
+            tolerance=tolerance,
         )
         passes = [r.as_dict() for r in records]
         manifest = build_manifest(
-            graph, origin=source.origin, pipeline=pipeline, profile=profile,
-            passes=passes, fusions=fusions, files=files,
+            graph,
+            origin=source.origin,
+            pipeline=pipeline,
+            profile=profile,
+            passes=passes,
+            fusions=fusions,
+            files=files,
         )
         report = {
             "model": source.origin,

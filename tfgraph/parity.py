@@ -81,18 +81,24 @@ def check_parity(
             cases.append({"batch": batch, "sequence": seq, **row})
             logger.info(
                 "parity %s b=%d s=%d: max_abs=%.3g passed=%s",
-                name, batch, seq, row["max_abs_err"], row["passed"],
+                name,
+                batch,
+                seq,
+                row["max_abs_err"],
+                row["passed"],
             )
     outputs = []
     for name in source.output_names:
         rows = [c for c in cases if c["name"] == name]
-        outputs.append({
-            "name": name,
-            "max_abs_err": max(r["max_abs_err"] for r in rows),
-            "max_rel_err": max(r["max_rel_err"] for r in rows),
-            "tolerance": tolerance.as_dict(),
-            "passed": all(r["passed"] for r in rows),
-        })
+        outputs.append(
+            {
+                "name": name,
+                "max_abs_err": max(r["max_abs_err"] for r in rows),
+                "max_rel_err": max(r["max_rel_err"] for r in rows),
+                "tolerance": tolerance.as_dict(),
+                "passed": all(r["passed"] for r in rows),
+            }
+        )
     return {
         "passed": all(o["passed"] for o in outputs),
         "outputs": outputs,

@@ -109,9 +109,7 @@ def _from_factory(spec: str) -> ModelSource:
     return from_module(result.eval(), example, origin=f"factory:{spec}")
 
 
-def from_module(
-    module: nn.Module, example_inputs=None, *, origin: str = "module"
-) -> ModelSource:
+def from_module(module: nn.Module, example_inputs=None, *, origin: str = "module") -> ModelSource:
     """Wrap any ``nn.Module``.
 
     1. A module that implements the tfgraph input protocol describes itself.
@@ -165,7 +163,7 @@ def _infer_inputs(module: nn.Module, example, origin: str):
     if isinstance(example, (tuple, list)):
         if len(example) > len(params):
             raise TfgraphError(f"{origin}: {len(example)} example inputs for forward({params})")
-        example = dict(zip(params, example))
+        example = dict(zip(params, example, strict=False))
     if not isinstance(example, dict) or not all(
         isinstance(v, torch.Tensor) for v in example.values()
     ):
@@ -203,9 +201,11 @@ class _HFWrapper(nn.Module):
         self.model = model
         self.output_names = (output,)
         self._output = output
-        self._no_cache = {"use_cache": False} if "use_cache" in inspect.signature(
-            model.forward
-        ).parameters else {}
+        self._no_cache = (
+            {"use_cache": False}
+            if "use_cache" in inspect.signature(model.forward).parameters
+            else {}
+        )
 
     def _run(self, **kwargs: torch.Tensor) -> torch.Tensor:
         return getattr(self.model(**kwargs, **self._no_cache, return_dict=True), self._output)
