@@ -48,6 +48,7 @@ def _cmd_export(args) -> int:
         check_each_pass=args.check_each_pass,
         external_data=True if args.external_data else None,
         trust_remote_code=args.trust_remote_code,
+        attn_implementation=args.attn_implementation,
         dump_after=args.dump_after,
         tolerance=Tolerance(args.atol, args.rtol),
         progress=_progress(len(EXPORT_STEPS)),
@@ -225,6 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--atol", type=float, default=1e-4, help="parity: absolute tolerance")
     p.add_argument("--rtol", type=float, default=1e-3, help="parity: relative tolerance")
+    p.add_argument(
+        "--attn-implementation",
+        choices=["eager", "sdpa"],
+        help="Hugging Face directories: attention implementation to load (default: the "
+        "library's; falls back to eager if the default does not trace)",
+    )
     p.add_argument(
         "--trust-remote-code",
         action="store_true",

@@ -56,6 +56,7 @@ def export(
     parity_shapes=PARITY_SHAPES,
     tolerance: Tolerance = FP32,
     trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
     dump_after: str | None = None,
     progress: Callable[[str], None] = _no_progress,
 ) -> ExportResult:
@@ -74,12 +75,33 @@ def export(
         logger.info("%s: %.2f s", name, timings[name])
         return value
 
-    source = (
-        model
-        if isinstance(model, ModelSource)
-        else step("load", load_source, model, trust_remote_code=trust_remote_code)
-    )
-    graph = step("trace", trace, source, opset=opset)
+    if isinstance(model, ModelSource):
+        source = model
+    else:
+        source = step(
+            "load",
+            load_source,
+            model,
+            trust_remote_code=trust_remote_code,
+            attn_implementation=attn_implementation,
+        )
+    try:
+        graph = step("trace", trace, source, opset=opset)
+    except TfgraphError:
+        # Some Hugging Face attention back-ends do not trace with dynamic shapes (T5 with sdpa
+        # in transformers 5); the eager implementation computes the same function. Retry with
+        # it, unless the user chose the implementation.
+        if attn_implementation or source.info.get("attn_implementation") in (None, "eager"):
+            raise
+        logger.warning(
+            "tracing with attn_implementation=%s failed; retrying with eager attention",
+            source.info["attn_implementation"],
+        )
+        source = load_source(
+            model, trust_remote_code=trust_remote_code, attn_implementation="eager"
+        )
+        source.info["attn_fallback"] = "eager"
+        graph = step("trace", trace, source, opset=opset)
     with staged_directory(out_dir) as stage:
         records = step(
             "passes",
@@ -112,6 +134,7 @@ def export(
         )
         report = {
             "model": source.origin,
+            "source": source.info,
             "parity": parity,
             "fusions": fusions,
             "kv_cache": False,

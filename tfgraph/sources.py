@@ -54,14 +54,22 @@ class ModelSource:
         return dict(zip(self.output_names, flat, strict=True))
 
 
-def load_source(spec: str, *, trust_remote_code: bool = False) -> ModelSource:
-    """Resolve a MODEL argument of the CLI: preset name, ``pkg.mod:fn`` or a directory."""
+def load_source(
+    spec: str, *, trust_remote_code: bool = False, attn_implementation: str | None = None
+) -> ModelSource:
+    """Resolve a MODEL argument of the CLI: preset name, ``pkg.mod:fn`` or a directory.
+
+    ``attn_implementation`` (``eager``, ``sdpa``) applies to Hugging Face directories only;
+    ``None`` keeps the library's default.
+    """
     from tfgraph.models import PRESETS
 
     if spec in PRESETS:
         return _from_preset(spec)
     if os.path.isdir(spec):
-        return _from_hf_dir(Path(spec), trust_remote_code=trust_remote_code)
+        return _from_hf_dir(
+            Path(spec), trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+        )
     if ":" in spec and not os.path.exists(spec):
         return _from_factory(spec)
     if os.path.exists(spec):
@@ -232,7 +240,9 @@ class _HFSeq2Seq(_HFWrapper):
         return self._run(input_ids=input_ids, decoder_input_ids=decoder_input_ids)
 
 
-def _from_hf_dir(path: Path, *, trust_remote_code: bool) -> ModelSource:
+def _from_hf_dir(
+    path: Path, *, trust_remote_code: bool, attn_implementation: str | None
+) -> ModelSource:
     if not (path / "config.json").is_file():
         raise TfgraphError(
             f"directory '{path}' holds no model: expected config.json and weights from "
@@ -264,7 +274,10 @@ def _from_hf_dir(path: Path, *, trust_remote_code: bool) -> ModelSource:
     if cls is None:
         cls = transformers.AutoModel
     logger.info("loading %s from %s", cls.__name__, path)
-    model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = cls.from_pretrained(
+        path, local_files_only=True, trust_remote_code=trust_remote_code, **extra
+    )
     model.eval()
     vocab = config.vocab_size
     is_lm = (arch or "").endswith(("LMHeadModel", "ForCausalLM"))
@@ -293,5 +306,11 @@ def _from_hf_dir(path: Path, *, trust_remote_code: bool) -> ModelSource:
 
     wrapper = wrapper_cls(model, output).eval()
     source = ModelSource(wrapper, names, (output,), axes, make, f"hf:{path}")
-    source.info.update({"hf_architecture": arch, "model_type": config.model_type})
+    source.info.update(
+        {
+            "hf_architecture": arch,
+            "model_type": config.model_type,
+            "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        }
+    )
     return source
