@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+FAMILIES = ("decoder", "encoder", "encoder-decoder")
+POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "t5", "shaw", "none")
+NORMS = ("layernorm", "layernorm-seed", "rmsnorm")
+FFNS = ("relu", "gelu", "gelu-tanh", "swiglu", "geglu")
+ATTN_IMPLS = ("explicit", "sdpa")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -14,16 +20,31 @@ class ModelConfig:
     d_model: int = 64
     n_layers: int = 2
     n_heads: int = 4
-    n_kv_heads: int | None = None  # None: as many as query heads (MHA)
+    n_kv_heads: int | None = None  # None: as many as query heads (MHA); 1: MQA; else GQA
     d_ff: int | None = None  # None: 4 * d_model, as the seeds write it
     max_seq_len: int = 128
-    positions: str = "learned"  # learned | sinusoidal | ...
-    norm: str = "layernorm"  # layernorm | ...
+    # Positions: absolute ones are added to the embeddings (learned, sinusoidal); the others
+    # act inside attention (rope rotates q and k; alibi, t5 and shaw change the scores).
+    positions: str = "learned"  # learned | sinusoidal | rope | alibi | t5 | shaw | none
+    position_offset: int = 0  # learned positions start at this row (RoBERTa and BART: 2)
+    rope_theta: float = 10000.0
+    rope_fraction: float = 1.0  # partial rotary (NeoX, phi): rotate this fraction of a head
+    rope_ntk_factor: float = 1.0  # NTK-aware scaling α: θ' = θ·α^(d/(d−2))
+    rel_buckets: int = 32  # T5: number of relative-position buckets
+    rel_max_distance: int = 128  # T5: distance beyond which all offsets share a bucket
+    shaw_max_distance: int = 8  # Shaw: relative distances are clipped to [−k, k]
+    sliding_window: int | None = None  # Mistral: query i sees keys j with 0 ≤ i − j < window
+    norm: str = "layernorm"  # layernorm | layernorm-seed (γ⊙(x−μ)/(σ+ε)+β) | rmsnorm
     norm_placement: str = "pre"  # pre | post
     norm_eps: float = 1e-5
-    ffn: str = "gelu"  # relu | gelu | ...
-    bias: bool = True
-    tie_embeddings: bool = True
+    embed_norm: bool = False  # normalize the embeddings (BERT, BART, BLOOM)
+    embed_scale: bool = False  # multiply token embeddings by √d_model (original Transformer)
+    parallel_block: bool = False  # PaLM: x + attn(ln(x)) + ffn(ln(x))
+    ffn: str = "gelu"  # relu | gelu (erf) | gelu-tanh | swiglu | geglu (gated GELU, Flan-T5)
+    bias: bool = True  # biases of the linear layers and of LayerNorm
+    tie_embeddings: bool = True  # LM head shares the token embedding matrix
+    num_labels: int = 2  # encoder classifier head
+    scale_scores: bool = True  # divide scores by √d_k (T5 folds it into its init: False)
     attn_impl: str = "explicit"  # explicit Q·Kᵀ/√d_k math | sdpa
 
     @property
@@ -38,8 +59,53 @@ class ModelConfig:
     def ffn_dim(self) -> int:
         return self.d_ff or 4 * self.d_model
 
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates (an even number)."""
+        return int(self.head_dim * self.rope_fraction) // 2 * 2
+
+    @property
+    def rope_base(self) -> float:
+        """θ, NTK-scaled when ``rope_ntk_factor`` > 1: θ·α^(d/(d−2)) with d the rotary width."""
+        if self.rope_ntk_factor == 1.0:
+            return self.rope_theta
+        d = self.rotary_dim
+        return self.rope_theta * self.rope_ntk_factor ** (d / (d - 2))
+
+    @property
+    def final_norm(self) -> bool:
+        """Pre-LN stacks end with a norm; post-LN ones already end normalized."""
+        return self.norm_placement == "pre"
+
     def __post_init__(self) -> None:
+        for name, allowed in (
+            ("family", FAMILIES),
+            ("positions", POSITIONS),
+            ("norm", NORMS),
+            ("ffn", FFNS),
+            ("attn_impl", ATTN_IMPLS),
+            ("norm_placement", ("pre", "post")),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {allowed}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}")
+            raise ValueError(
+                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}"
+            )
+        if self.positions == "rope":
+            if self.rotary_dim < 2:
+                raise ValueError(f"RoPE needs a rotary width ≥ 2, got {self.rotary_dim}")
+            if self.rope_ntk_factor != 1.0 and self.rotary_dim <= 2:
+                raise ValueError("NTK-aware RoPE scaling needs a rotary width > 2")
+        if self.parallel_block and (
+            self.norm_placement != "pre" or self.family == "encoder-decoder"
+        ):
+            raise ValueError("a parallel attention+FFN block is pre-LN and has no cross-attention")
+        if self.positions == "shaw" and self.attn_impl == "sdpa":
+            raise ValueError(
+                "Shaw relative keys add q·r_{i−j} inside the scores; SDPA cannot express it"
+            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be ≥ 1")

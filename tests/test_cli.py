@@ -116,3 +116,12 @@ def test_parity_failure_exits_1_and_keeps_report(tmp_path, capsys):
 def test_usage_error_exit_code(capsys):
     assert main(["export"]) == 2
     assert main(["--version"]) == 0
+
+
+def test_readme_preset_table_is_current():
+    from pathlib import Path
+
+    from tfgraph.cli import models_table
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert models_table(markdown=True) in readme, "regenerate: python -m tfgraph models --markdown"

@@ -2,9 +2,9 @@
 
 import onnx_ir as ir
 import pytest
-from tfgraph.passes import PIPELINES
 
 from tfgraph import TfgraphError
+from tfgraph.passes import PIPELINES
 from tfgraph.pipeline import GraphCheckError, run_pipeline
 
 TEXT = """

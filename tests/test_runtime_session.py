@@ -4,9 +4,9 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
-from tfgraph.runtime import Session
 
 from tfgraph import TfgraphError
+from tfgraph.runtime import Session
 
 TEXT = """
 <ir_version: 10, opset_import: ["" : 20]>

@@ -176,14 +176,24 @@ def _cmd_run(args) -> int:
     return 0
 
 
-def _cmd_models(args) -> int:
+def models_table(markdown: bool = False) -> str:
+    """The preset list: one row per preset with its family and features."""
     from tfgraph.models import PRESETS, describe
 
-    rows = []
-    for name in PRESETS:
-        d = describe(name)
-        rows.append([name, d["family"], d["attention"], d["positions"], d["norm"], d["ffn"]])
-    print(_table(rows, ["preset", "family", "attention", "positions", "norm", "ffn"]))
+    header = ["preset", "family", "attention", "positions", "norm", "ffn"]
+    rows = [[name, *(describe(name)[k] for k in header[1:])] for name in PRESETS]
+    if not markdown:
+        return _table(rows, header)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += [
+        "| " + " | ".join(f"`{r[0]}`" if i == 0 else r[i] for i in range(len(r))) + " |"
+        for r in rows
+    ]
+    return "\n".join(lines)
+
+
+def _cmd_models(args) -> int:
+    print(models_table(markdown=args.markdown))
     return 0
 
 
@@ -260,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("models", help="list the model presets")
+    p.add_argument("--markdown", action="store_true", help="as a Markdown table (README)")
     verbose(p)
     p.set_defaults(func=_cmd_models)
     return parser

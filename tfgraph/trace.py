@@ -65,14 +65,29 @@ def _first_line(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def module_name(node: ir.Node) -> str:
-    """The PyTorch module path a node was traced from (``blocks.0.attn``), or ``""``."""
-    scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes")
-    if not scopes:
-        return ""
+# Leaf modules that only hold an op (nn.Softmax, nn.Dropout, ...): a report names their owner.
+_OP_MODULES = ("torch.nn.modules.activation.", "torch.nn.modules.dropout.")
+
+
+def _literal_list(node: ir.Node, key: str) -> list[str]:
+    text = node.metadata_props.get(key)
+    if not text:
+        return []
     try:
-        names = ast.literal_eval(scopes)
+        return list(ast.literal_eval(text))
     except (ValueError, SyntaxError):
-        return ""
-    # Each scope is already the full module path; the last one is the op itself.
-    return names[-2] if len(names) >= 2 else ""
+        return []
+
+
+def module_name(node: ir.Node) -> str:
+    """The PyTorch module path a node was traced from (``blocks.0.attn``), or ``""``.
+
+    Each name scope is already a full module path and the last one is the op itself; an
+    op-holding leaf such as ``nn.Softmax`` is skipped in favour of the module that owns it.
+    """
+    scopes = _literal_list(node, "pkg.torch.onnx.name_scopes")[:-1]
+    classes = _literal_list(node, "pkg.torch.onnx.class_hierarchy")[:-1]
+    if len(classes) == len(scopes):
+        while len(scopes) > 1 and classes[-1].startswith(_OP_MODULES):
+            scopes, classes = scopes[:-1], classes[:-1]
+    return scopes[-1] if scopes else ""
