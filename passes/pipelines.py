@@ -1,9 +1,10 @@
-"""Named pass pipelines: plain lists of ``onnx_ir`` passes.
+"""Named pass pipelines: plain lists of ``onnx_ir`` passes, built for a target profile.
 
 - ``none``: no rewrite at all; the graph is what the exporter produced.
 - ``cleanup``: graph hygiene only (identity elimination, common subexpressions, unused nodes,
   duplicate initializers, topological order).
-- ``default``: what ``export`` runs unless told otherwise. Fusion passes join it as they land.
+- ``default``: cleanup, then recognition into canonical ``tfgraph`` ops (norms), then lowering
+  of those ops to the profile's kernels (``ort``, ``onnx``, ``tensorrt``), then cleanup.
 """
 
 from __future__ import annotations
@@ -13,8 +14,15 @@ from collections.abc import Callable
 import onnx_ir as ir
 import onnx_ir.passes.common as common
 
+from .fuse_norms import FuseNormsPass
+from .lower_norms import PROFILES, LowerNormsPass
 
-def _cleanup() -> list[ir.passes.PassBase]:
+# The default-domain opset each profile exports at: ORT's contrib ops need nothing newer than
+# 20; the standard ops the others lower to need 23 (RMSNormalization, Attention).
+PROFILE_OPSET = {"ort": 20, "onnx": 23, "tensorrt": 23}
+
+
+def _cleanup(profile: str) -> list[ir.passes.PassBase]:
     return [
         common.IdentityEliminationPass(),
         common.CommonSubexpressionEliminationPass(),
@@ -25,13 +33,25 @@ def _cleanup() -> list[ir.passes.PassBase]:
     ]
 
 
-PIPELINES: dict[str, Callable[[], list[ir.passes.PassBase]]] = {
-    "none": list,
+def _default(profile: str) -> list[ir.passes.PassBase]:
+    return [
+        *_cleanup(profile),
+        FuseNormsPass(),
+        LowerNormsPass(profile),
+        common.RemoveUnusedNodesPass(),
+        common.TopologicalSortPass(),
+    ]
+
+
+PIPELINES: dict[str, Callable[[str], list[ir.passes.PassBase]]] = {
+    "none": lambda profile: [],
     "cleanup": _cleanup,
-    "default": _cleanup,
+    "default": _default,
 }
 
 
-def get_pipeline(name: str) -> list[ir.passes.PassBase]:
-    """A fresh list of pass instances for a pipeline name; ``KeyError`` if unknown."""
-    return PIPELINES[name]()
+def get_pipeline(name: str, profile: str = "ort") -> list[ir.passes.PassBase]:
+    """A fresh list of pass instances for a pipeline and profile; ``KeyError`` if unknown."""
+    if profile not in PROFILES:
+        raise KeyError(profile)
+    return PIPELINES[name](profile)

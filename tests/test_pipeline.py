@@ -21,7 +21,7 @@ g (float[N, 4] x) => (float[N, 4] y) {
 def test_cleanup_pipeline_records_and_rewrites():
     model = ir.from_onnx_text(TEXT)
     records = run_pipeline(model, "cleanup", check_each_pass=True)
-    assert [r.name for r in records] == [type(p).__name__ for p in PIPELINES["cleanup"]()]
+    assert [r.name for r in records] == [type(p).__name__ for p in PIPELINES["cleanup"]("ort")]
     assert all(r.seconds >= 0 for r in records)
     by_name = {r.name: r.modified for r in records}
     assert by_name["IdentityEliminationPass"] is True
@@ -48,7 +48,7 @@ class BreakGraphPass(ir.passes.InPlacePass):
 
 
 def test_check_each_pass_names_the_breaking_pass(monkeypatch):
-    monkeypatch.setitem(PIPELINES, "broken", lambda: [BreakGraphPass()])
+    monkeypatch.setitem(PIPELINES, "broken", lambda profile: [BreakGraphPass()])
     model = ir.from_onnx_text(TEXT.replace("[N, 4]", "[2, 4]"))
     with pytest.raises(GraphCheckError, match="after BreakGraphPass"):
         run_pipeline(model, "broken", check_each_pass=True)

@@ -90,7 +90,8 @@ def _print_fusions(fusions: dict, *, verbose: bool) -> None:
     for kind, v in fusions.items():
         shown = v["missed"] if verbose else v["missed"][:3]
         for miss in shown:
-            print(f"  missed {kind} in {miss['module'] or '<top level>'}: {miss['reason']}")
+            label = "excluded" if miss.get("excluded") else "missed"
+            print(f"  {label} {kind} in {miss['module'] or '<top level>'}: {miss['reason']}")
         if len(v["missed"]) > len(shown):
             print(f"  … {len(v['missed']) - len(shown)} more {kind} misses (-v lists all)")
 
@@ -199,10 +200,9 @@ def _cmd_models(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from tfgraph.passes import PIPELINES
+    from tfgraph.passes.lower_norms import PROFILES
 
     from . import __version__
-    from .exporting import PROFILES
-    from .trace import DEFAULT_OPSET
 
     parser = argparse.ArgumentParser(
         prog="tfgraph", description="Compile PyTorch transformers to proven ONNX artifacts."
@@ -218,7 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, type=Path, help="artifact directory")
     p.add_argument("--pipeline", default="default", choices=list(PIPELINES))
     p.add_argument("--profile", default="ort", choices=list(PROFILES))
-    p.add_argument("--opset", type=int, default=DEFAULT_OPSET)
+    p.add_argument(
+        "--opset", type=int, help="default-domain opset (default: 20 for ort, 23 otherwise)"
+    )
     p.add_argument(
         "--check-each-pass",
         action="store_true",

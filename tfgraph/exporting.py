@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tfgraph.exporters import check_target, save_onnx, staged_directory, write_json
+from tfgraph.passes import PROFILE_OPSET
+from tfgraph.passes.lower_norms import PROFILES
 
 from .errors import TfgraphError
 from .fusions import count_fusions
@@ -22,11 +24,9 @@ from .manifest import build_manifest
 from .parity import FP32, PARITY_SHAPES, Tolerance, check_parity
 from .pipeline import run_pipeline
 from .sources import ModelSource, load_source
-from .trace import DEFAULT_OPSET, trace
+from .trace import trace
 
 logger = logging.getLogger(__name__)
-
-PROFILES = ("ort", "onnx", "tensorrt")
 
 
 @dataclass
@@ -50,7 +50,7 @@ def export(
     *,
     pipeline: str = "default",
     profile: str = "ort",
-    opset: int = DEFAULT_OPSET,
+    opset: int | None = None,
     check_each_pass: bool = False,
     external_data: bool | None = None,
     parity_shapes=PARITY_SHAPES,
@@ -65,6 +65,8 @@ def export(
     if profile not in PROFILES:
         raise TfgraphError(f"unknown profile '{profile}': choose one of {', '.join(PROFILES)}")
     check_target(out_dir)  # before any slow work
+    if opset is None:
+        opset = PROFILE_OPSET[profile]
     timings: dict[str, float] = {}
 
     def step(name: str, fn, *args, **kwargs):
@@ -108,6 +110,7 @@ def export(
             run_pipeline,
             graph,
             pipeline,
+            profile=profile,
             check_each_pass=check_each_pass,
             dump_after=dump_after,
             dump_dir=stage,

@@ -10,6 +10,8 @@ A *candidate* is a place where a fused kernel could run:
 A miss is never silent: each unfused candidate is listed with its PyTorch module name and a
 reason. Passes that try and fail record their reason in the node's metadata under
 ``tfgraph.miss_reason``; otherwise the reason is that no pass of the pipeline handles the kind.
+A candidate left unfused on purpose because no kernel computes it exactly (the seed's
+``(σ + ε)`` norm) is listed with ``excluded: true`` and not counted in ``total``.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from collections import Counter
 
 import onnx_ir as ir
 
-from .trace import module_name
+from tfgraph.passes.rewrite_utils import EXCLUDED_KEY, MISS_REASON_KEY
 
-MISS_REASON_KEY = "tfgraph.miss_reason"
+from .trace import module_name
 
 FUSED_OPS: dict[str, set[tuple[str, str]]] = {
     "attention": {
@@ -67,12 +69,19 @@ def constant_value(value: ir.Value | None):
     return None
 
 
+def is_norm_candidate(node: ir.Node) -> bool:
+    """A decomposed norm: a ``ReduceMean`` of a square (variance or mean square)."""
+    return (
+        node.domain in ("", "ai.onnx")
+        and node.op_type == "ReduceMean"
+        and _is_square(node.inputs[0])
+    )
+
+
 def _unfused_candidate(kind: str, node: ir.Node) -> bool:
-    if node.domain not in ("", "ai.onnx"):
-        return False
     if kind == "attention":
-        return node.op_type == "Softmax"
-    return node.op_type == "ReduceMean" and _is_square(node.inputs[0])
+        return node.domain in ("", "ai.onnx") and node.op_type == "Softmax"
+    return is_norm_candidate(node)
 
 
 def count_fusions(model: ir.Model, pipeline: str = "default") -> dict:
@@ -87,10 +96,13 @@ def count_fusions(model: ir.Model, pipeline: str = "default") -> dict:
                 reason = node.metadata_props.get(
                     MISS_REASON_KEY, f"no {kind} fusion pass in pipeline '{pipeline}'"
                 )
-                missed.append({"module": module_name(node), "reason": reason})
+                miss = {"module": module_name(node), "reason": reason}
+                if node.metadata_props.get(EXCLUDED_KEY) == "true":
+                    miss["excluded"] = True
+                missed.append(miss)
         result[kind] = {
             "fused": len(fused),
-            "total": len(fused) + len(missed),
+            "total": len(fused) + sum(not m.get("excluded") for m in missed),
             "fused_layers": fused,
             "missed": missed,
         }

@@ -1,0 +1,56 @@
+"""Recognize LayerNorm and RMSNorm subgraphs as ``tfgraph.LayerNorm`` / ``tfgraph.RMSNorm``."""
+
+from __future__ import annotations
+
+import logging
+
+import onnx_ir as ir
+from onnxscript.rewriter import RewriteRuleSet
+
+from . import norm_rules
+from .rewrite_utils import apply_rules, diagnose, mark_missed
+
+logger = logging.getLogger(__name__)
+
+
+def unfused_norm_candidates(model: ir.Model) -> list[ir.Node]:
+    """One node per decomposed norm left in the graph: its ``ReduceMean`` of a square."""
+    from tfgraph.fusions import is_norm_candidate
+
+    return [n for n in model.graph if is_norm_candidate(n)]
+
+
+class FuseNormsPass(ir.passes.InPlacePass):
+    """Fold decomposed norms into canonical ``tfgraph`` ops (see :mod:`.norm_rules`).
+
+    1. Every core form (LayerNorm with either variance form, RMSNorm) becomes
+       ``tfgraph.LayerNorm(x)`` / ``tfgraph.RMSNorm(x)``.
+    2. A following per-feature ``Mul(·, γ)`` and, for LayerNorm, ``Add(·, β)`` are absorbed.
+    3. Each decomposed norm still left gets the reason the rules failed on it
+       (``tfgraph.miss_reason``); the seed's ``(σ + ε)`` norm is marked excluded on purpose.
+
+    ``modified`` is True only when a norm was folded (reasons are bookkeeping).
+    """
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        count = apply_rules(model, RewriteRuleSet(norm_rules.CORE_RULES))
+        if count:
+            count += apply_rules(model, RewriteRuleSet(norm_rules.AFFINE_RULES, commute=True))
+        for node in unfused_norm_candidates(model):
+            reason = diagnose(model, norm_rules.DIAGNOSTIC_RULES, _norm_root(node))
+            excluded = reason == norm_rules.SeedLayerNormRule.REASON
+            mark_missed(node, reason, excluded=excluded)
+            logger.debug("norm left unfused at %s: %s", node.name, reason)
+        logger.info("folded %d norm subgraphs", count)
+        return ir.passes.PassResult(model, modified=bool(count))
+
+
+def _norm_root(candidate: ir.Node) -> ir.Node:
+    """Start diagnosis at the first ReduceMean of the norm (the mean of x for LayerNorm)."""
+    square = candidate.inputs[0].producer()
+    source = square.inputs[0].producer() if square is not None else None
+    if source is not None and source.op_type == "Sub":
+        mean = source.inputs[1].producer()
+        if mean is not None and mean.op_type == "ReduceMean":
+            return mean
+    return candidate

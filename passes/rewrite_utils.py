@@ -1,0 +1,112 @@
+"""Shared machinery for recognition and lowering passes built on onnxscript's rewriter.
+
+- :data:`DOMAIN`: the ``tfgraph`` domain of our canonical ops (attributes state semantics).
+- :func:`apply_rules`: apply a rule set, returning how many rewrites happened. The rewriter tags
+  each new node with the rule that made it (``pkg.onnxscript.rewriter.rule_name``) and copies
+  the matched nodes' metadata, so fused nodes keep their PyTorch module name.
+- :func:`diagnose`: why did no rule fuse a candidate? Tries every rule at every node
+  downstream of the candidate and returns the reason of the deepest partial match (a failed
+  ``check`` beats a structural mismatch), so a miss is reported with a cause, never silently.
+- :func:`mark_missed`: record that reason on the candidate node for the report.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.rewriter import MatchingTracer, RewriteRuleSet
+from onnxscript.rewriter import pattern as _pattern
+
+logger = logging.getLogger(__name__)
+
+DOMAIN = "tfgraph"
+MISS_REASON_KEY = "tfgraph.miss_reason"
+EXCLUDED_KEY = "tfgraph.excluded"  # "true": left unfused on purpose (not an exact match)
+
+
+def apply_rules(model: ir.Model, rules: RewriteRuleSet) -> int:
+    """Apply ``rules`` to the model's main graph and functions; the number of rewrites."""
+    return rules.apply_to_model(model)
+
+
+def downstream(node: ir.Node, depth: int) -> list[ir.Node]:
+    """Nodes reachable from ``node`` through at most ``depth`` uses, nearest first."""
+    seen, frontier, order = {id(node)}, [node], [node]
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for out in n.outputs:
+                for use in out.uses():
+                    user = use.node
+                    if id(user) not in seen:
+                        seen.add(id(user))
+                        nxt.append(user)
+        order.extend(nxt)
+        frontier = nxt
+    return order
+
+
+def diagnose(
+    model: ir.Model, rules: Iterable[_pattern.RewriteRule], candidate: ir.Node, depth: int = 10
+) -> str:
+    """The first reason the rules failed on ``candidate``'s subgraph, from the best attempt."""
+    tracer = MatchingTracer()
+    graph = candidate.graph or model.graph
+    for node in downstream(candidate, depth):
+        for rule in rules:
+            rule.match(
+                model, graph, node, tracer=tracer, check_nodes_are_removable=rule.remove_nodes
+            )
+    best = None
+    for matches in tracer.best_matches_map.values():
+        for info in matches:
+            if best is None or info.score() > best.score():
+                best = info
+    if best is None or not best.match_result.reason:
+        return "no rule matched its subgraph"
+    return str(best.match_result.reason)
+
+
+def replace_value(old: ir.Value, new: ir.Value) -> None:
+    """Point every use of ``old`` at ``new``; a graph output keeps its name."""
+    name = old.name if old.is_graph_output() else None
+    old.replace_all_uses_with(new, replace_graph_outputs=True)
+    if name is not None:
+        old.name = f"{name}__replaced"
+        new.name = name
+
+
+def mark_missed(node: ir.Node, reason: str, *, excluded: bool = False) -> None:
+    node.metadata_props[MISS_REASON_KEY] = reason
+    if excluded:
+        node.metadata_props[EXCLUDED_KEY] = "true"
+
+
+def scalar(value: ir.Value | None) -> float | None:
+    """A constant scalar's value (initializer, ``Constant`` node, or 1-element tensor)."""
+    if value is None:
+        return None
+    const = value.const_value
+    if const is None:
+        node = value.producer()
+        if node is not None and node.op_type == "Constant" and "value" in node.attributes:
+            const = node.attributes["value"].as_tensor()
+    if const is None:
+        return None
+    array = np.asarray(const.numpy())
+    return float(array.reshape(-1)[0]) if array.size == 1 else None
+
+
+def int_list(value: ir.Value | None) -> list[int] | None:
+    """A constant integer tensor as a list (``axes`` inputs)."""
+    if value is None:
+        return None
+    const = value.const_value
+    if const is None:
+        node = value.producer()
+        if node is not None and node.op_type == "Constant" and "value" in node.attributes:
+            const = node.attributes["value"].as_tensor()
+    return None if const is None else [int(v) for v in np.asarray(const.numpy()).reshape(-1)]
