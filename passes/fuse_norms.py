@@ -41,7 +41,7 @@ class FuseNormsPass(ir.passes.InPlacePass):
             excluded = reason == norm_rules.SeedLayerNormRule.REASON
             mark_missed(node, reason, excluded=excluded)
             logger.debug("norm left unfused at %s: %s", node.name, reason)
-        logger.info("folded %d norm subgraphs", count)
+        logger.info("norm rules applied %d times (core, scale and bias rewrites)", count)
         return ir.passes.PassResult(model, modified=bool(count))
 
 

@@ -3,8 +3,9 @@
 - ``none``: no rewrite at all; the graph is what the exporter produced.
 - ``cleanup``: graph hygiene only (identity elimination, common subexpressions, unused nodes,
   duplicate initializers, topological order).
-- ``default``: cleanup, then recognition into canonical ``tfgraph`` ops (norms), then lowering
-  of those ops to the profile's kernels (``ort``, ``onnx``, ``tensorrt``), then cleanup.
+- ``default``: cleanup, then recognition into canonical ``tfgraph`` ops (norms, GELU), then lowering
+  of those ops to the profile's kernels (``ort``, ``onnx``, ``tensorrt``), the workaround for
+  ONNX Runtime's ``Attention`` mask broadcasting, then cleanup.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from collections.abc import Callable
 import onnx_ir as ir
 import onnx_ir.passes.common as common
 
+from .expand_attention_mask import ExpandAttentionMaskPass
+from .fuse_gelu import FuseGeluPass
 from .fuse_norms import FuseNormsPass
+from .lower_gelu import LowerGeluPass
 from .lower_norms import PROFILES, LowerNormsPass
 
 # The default-domain opset each profile exports at: ORT's contrib ops need nothing newer than
@@ -37,7 +41,10 @@ def _default(profile: str) -> list[ir.passes.PassBase]:
     return [
         *_cleanup(profile),
         FuseNormsPass(),
+        FuseGeluPass(),
         LowerNormsPass(profile),
+        LowerGeluPass(profile),
+        ExpandAttentionMaskPass(),
         common.RemoveUnusedNodesPass(),
         common.TopologicalSortPass(),
     ]

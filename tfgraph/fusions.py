@@ -6,6 +6,8 @@ A *candidate* is a place where a fused kernel could run:
 - ``norm``: every normalization op, plus every decomposed norm left in the graph, found by its
   ``ReduceMean`` of a square (``Pow(x, 2)`` or ``Mul(x, x)``: the variance of LayerNorm, the mean
   square of RMSNorm; one per norm).
+- ``gelu``: every GELU op, plus every hand-written GELU left (its ``Erf``, or a ``Tanh`` fed by
+  a cube; :func:`tfgraph.passes.fuse_gelu.unfused_gelu_candidates`).
 
 A miss is never silent: each unfused candidate is listed with its PyTorch module name and a
 reason. Passes that try and fail record their reason in the node's metadata under
@@ -41,6 +43,13 @@ FUSED_OPS: dict[str, set[tuple[str, str]]] = {
         ("com.microsoft", "SkipLayerNormalization"),
         ("com.microsoft", "SkipSimplifiedLayerNormalization"),
         ("", "SimplifiedLayerNormalization"),
+    },
+    "gelu": {
+        ("tfgraph", "Gelu"),
+        ("", "Gelu"),
+        ("com.microsoft", "Gelu"),
+        ("com.microsoft", "FastGelu"),
+        ("com.microsoft", "BiasGelu"),
     },
 }
 
@@ -78,10 +87,16 @@ def is_norm_candidate(node: ir.Node) -> bool:
     )
 
 
-def _unfused_candidate(kind: str, node: ir.Node) -> bool:
+def _unfused_candidates(kind: str, model: ir.Model) -> set[int]:
     if kind == "attention":
-        return node.domain in ("", "ai.onnx") and node.op_type == "Softmax"
-    return is_norm_candidate(node)
+        return {
+            id(n) for n in model.graph if n.domain in ("", "ai.onnx") and n.op_type == "Softmax"
+        }
+    if kind == "gelu":
+        from tfgraph.passes.fuse_gelu import unfused_gelu_candidates
+
+        return {id(n) for n in unfused_gelu_candidates(model)}
+    return {id(n) for n in model.graph if is_norm_candidate(n)}
 
 
 def count_fusions(model: ir.Model, pipeline: str = "default") -> dict:
@@ -89,10 +104,11 @@ def count_fusions(model: ir.Model, pipeline: str = "default") -> dict:
     result = {}
     for kind, fused_ops in FUSED_OPS.items():
         fused, missed = [], []
+        unfused = _unfused_candidates(kind, model)
         for node in model.graph:  # fused ops live in the main graph
             if (node.domain if node.domain != "ai.onnx" else "", node.op_type) in fused_ops:
                 fused.append({"module": module_name(node), "op": node.op_type})
-            elif _unfused_candidate(kind, node):
+            elif id(node) in unfused:
                 reason = node.metadata_props.get(
                     MISS_REASON_KEY, f"no {kind} fusion pass in pipeline '{pipeline}'"
                 )

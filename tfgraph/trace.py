@@ -14,6 +14,7 @@ import logging
 import warnings
 
 import onnx_ir as ir
+import onnxscript.optimizer
 import torch
 
 from .errors import TfgraphError
@@ -43,13 +44,18 @@ def trace(source: ModelSource, *, opset: int = DEFAULT_OPSET) -> ir.Model:
                 input_names=list(source.input_names),
                 output_names=list(source.output_names),
                 opset_version=opset,
-                optimize=True,
+                optimize=False,  # see below: our passes do the fusions
                 verbose=False,
                 report=False,
             )
     except Exception as exc:
         raise TfgraphError(f"tracing {source.origin} failed: {_first_line(exc)}") from exc
     model = program.model
+    # The exporter's own optimize() is onnxscript's optimizer (constant folding, CSE, dead
+    # code) plus, at opset 23, onnxscript's ONNX fusions (RMSNormalization, RotaryEmbedding,
+    # GQA). Run only the former: recognition and lowering are our passes' job, with reports
+    # per layer, and the fused RotaryEmbedding it makes does not run in ONNX Runtime 1.32.
+    onnxscript.optimizer.optimize_ir(model)
     model.producer_name = "tfgraph"
     return model
 

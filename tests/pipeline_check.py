@@ -1,0 +1,23 @@
+"""Compile a traced graph with a pipeline and profile, then prove it against eager PyTorch."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from tfgraph.fusions import count_fusions, op_histogram
+from tfgraph.parity import check_parity
+from tfgraph.pipeline import run_pipeline
+
+
+def compile_and_prove(source, traced: ir.Model, pipeline: str, profile: str, tmp_path) -> dict:
+    """Run ``pipeline`` on a copy of ``traced``; return fusions, op histogram and parity."""
+    model = ir.from_proto(ir.to_proto(traced))
+    run_pipeline(model, pipeline, profile=profile, check_each_pass=True)
+    path = tmp_path / f"{pipeline}-{profile}.onnx"
+    ir.save(model, path)
+    return {
+        "fusions": count_fusions(model, pipeline),
+        "ops": op_histogram(model),
+        "parity": check_parity(source, path),
+        "model": model,
+    }

@@ -1,0 +1,84 @@
+"""Hugging Face models built from configs (random init, nothing downloaded), saved with
+``save_pretrained`` and loaded as a user would: every profile folds every norm, with parity."""
+
+import pytest
+
+from pipeline_check import compile_and_prove
+from tfgraph import load_source
+from tfgraph.trace import trace
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = {"vocab_size": 500}
+CONFIGS = {
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config", {"n_layer": 2, "n_embd": 64, "n_head": 4}),
+    "bert": (
+        "BertModel",
+        "BertConfig",
+        {
+            "num_hidden_layers": 2,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "intermediate_size": 128,
+        },
+    ),
+    "llama": (
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        {
+            "num_hidden_layers": 2,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 128,
+        },
+    ),
+    "t5": (
+        "T5ForConditionalGeneration",
+        "T5Config",
+        {"num_layers": 2, "d_model": 64, "num_heads": 4, "d_kv": 16, "d_ff": 128},
+    ),
+    "bart": (
+        "BartForConditionalGeneration",
+        "BartConfig",
+        {
+            "encoder_layers": 2,
+            "decoder_layers": 2,
+            "d_model": 64,
+            "encoder_attention_heads": 4,
+            "decoder_attention_heads": 4,
+            "encoder_ffn_dim": 128,
+            "decoder_ffn_dim": 128,
+        },
+    ),
+    "bloom": ("BloomForCausalLM", "BloomConfig", {"n_layer": 2, "hidden_size": 64, "n_head": 4}),
+}
+# Norms each model has: per layer, plus embedding/final norms.
+NORMS = {"gpt2": 5, "bert": 5, "llama": 5, "t5": 12, "bart": 12, "bloom": 6}
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_models")
+    paths = {}
+    for name, (cls, cfg, kwargs) in CONFIGS.items():
+        config = getattr(transformers, cfg)(**{**SMALL, **kwargs})
+        getattr(transformers, cls)(config).eval().save_pretrained(root / name)
+        paths[name] = root / name
+    return paths
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_hf_model_all_profiles(name, hf_dirs, tmp_path):
+    source = load_source(str(hf_dirs[name]), attn_implementation="eager")
+    for opset, profiles in ((20, ("ort",)), (23, ("onnx", "tensorrt"))):
+        traced = trace(source, opset=opset)
+        for profile in profiles:
+            result = compile_and_prove(source, traced, "default", profile, tmp_path)
+            assert result["parity"]["passed"], (profile, result["parity"]["outputs"])
+            norm = result["fusions"]["norm"]
+            assert norm["fused"] == norm["total"] == NORMS[name], (profile, norm["missed"])
+            gelu = result["fusions"]["gelu"]
+            assert gelu["fused"] == gelu["total"], (profile, gelu["missed"])
+            if profile != "ort":
+                assert not any(op.startswith("com.microsoft") for op in result["ops"])

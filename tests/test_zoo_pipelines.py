@@ -1,0 +1,78 @@
+"""Every zoo preset through every pipeline and profile, proven against eager PyTorch (fp32).
+
+- ``none`` (the graph as traced): parity, and one attention core per attention layer, each
+  named after its PyTorch module. Encoder-decoder presets are one graph (inputs ``input_ids``,
+  ``decoder_input_ids``, ``attention_mask``), so parity covers the whole model.
+- ``default`` for profiles ``ort`` (opset 20), ``onnx`` and ``tensorrt`` (opset 23): parity,
+  and every norm folded (``fused == total``; exact-semantics exclusions listed as excluded).
+"""
+
+import pytest
+from pipeline_check import compile_and_prove
+
+from tfgraph import load_source
+from tfgraph.models import PRESETS
+from tfgraph.trace import trace
+
+STANDARD_NORM_OPS = {"LayerNormalization", "RMSNormalization"}
+ORT_NORM_OPS = {
+    "LayerNormalization",
+    "SimplifiedLayerNormalization",
+    "com.microsoft::SkipLayerNormalization",
+    "com.microsoft::SkipSimplifiedLayerNormalization",
+}
+
+
+def _attention_cores(cfg) -> int:
+    return {"decoder": 1, "encoder": 1, "encoder-decoder": 3}[cfg.family] * cfg.n_layers
+
+
+def _assert_parity(result):
+    parity = result["parity"]
+    assert parity["passed"], parity["outputs"]
+    assert {(c["batch"], c["sequence"]) for c in parity["cases"]} == {(1, 7), (2, 33)}
+
+
+def _assert_norms_folded(result, allowed_ops):
+    norm = result["fusions"]["norm"]
+    assert norm["fused"] == norm["total"], norm["missed"]
+    assert all(m.get("excluded") for m in norm["missed"])
+    left = {op for op in result["ops"] if "Norm" in op}
+    assert left <= allowed_ops, left
+    if norm["fused"]:
+        assert "ReduceMean" not in result["ops"]  # nothing of a norm is left decomposed
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_preset_all_profiles(name, tmp_path):
+    source = load_source(name)
+    cfg = PRESETS[name]
+
+    traced = trace(source, opset=20)
+    raw = compile_and_prove(source, traced, "none", "ort", tmp_path)
+    _assert_parity(raw)
+    attention = raw["fusions"]["attention"]
+    assert attention["total"] == _attention_cores(cfg)
+    modules = [m["module"] for m in attention["missed"]]
+    assert all(m.endswith("attn") for m in modules) and len(set(modules)) == len(modules)
+    norms_before = raw["fusions"]["norm"]["total"] + len(
+        [m for m in raw["fusions"]["norm"]["missed"] if m.get("excluded")]
+    )
+
+    ort = compile_and_prove(source, traced, "default", "ort", tmp_path)
+    _assert_parity(ort)
+    _assert_norms_folded(ort, ORT_NORM_OPS)
+    seed = cfg.norm == "layernorm-seed"
+    if not seed:
+        assert ort["fusions"]["norm"]["fused"] == norms_before  # every norm found was folded
+
+    traced23 = trace(source, opset=23)
+    for profile in ("onnx", "tensorrt"):
+        result = compile_and_prove(source, traced23, "default", profile, tmp_path)
+        _assert_parity(result)
+        _assert_norms_folded(result, STANDARD_NORM_OPS)
+        assert not any(op.startswith("com.microsoft") for op in result["ops"])
+    if seed:  # the (σ+ε) norm is reported, excluded, with its reason, never folded
+        misses = ort["fusions"]["norm"]["missed"]
+        assert len(misses) == cfg.n_layers * 2 + 1
+        assert all("σ+ε" in m["reason"] and m["excluded"] for m in misses)
