@@ -3,7 +3,8 @@
 - ``none``: no rewrite at all; the graph is what the exporter produced.
 - ``cleanup``: graph hygiene only (identity elimination, common subexpressions, unused nodes,
   duplicate initializers, topological order).
-- ``default``: cleanup, then recognition into canonical ``tfgraph`` ops (norms, GELU), then lowering
+- ``default``: cleanup, then recognition into canonical ``tfgraph`` ops (norms, GELU,
+  attention, whose masks and biases are classified by evaluating them), then lowering
   of those ops to the profile's kernels (``ort``, ``onnx``, ``tensorrt``), the workaround for
   ONNX Runtime's ``Attention`` mask broadcasting, then cleanup.
 """
@@ -15,9 +16,12 @@ from collections.abc import Callable
 import onnx_ir as ir
 import onnx_ir.passes.common as common
 
+from .classify_attention_bias import ClassifyAttentionBiasPass
 from .expand_attention_mask import ExpandAttentionMaskPass
+from .fuse_attention import FuseAttentionPass
 from .fuse_gelu import FuseGeluPass
 from .fuse_norms import FuseNormsPass
+from .lower_attention import LowerAttentionPass
 from .lower_gelu import LowerGeluPass
 from .lower_norms import PROFILES, LowerNormsPass
 
@@ -42,10 +46,15 @@ def _default(profile: str) -> list[ir.passes.PassBase]:
         *_cleanup(profile),
         FuseNormsPass(),
         FuseGeluPass(),
+        FuseAttentionPass(),
+        ClassifyAttentionBiasPass(),
+        common.RemoveUnusedNodesPass(),  # masks the kernels compute themselves are dead now
         LowerNormsPass(profile),
         LowerGeluPass(profile),
+        LowerAttentionPass(profile),
         ExpandAttentionMaskPass(),
         common.RemoveUnusedNodesPass(),
+        common.RemoveUnusedOpsetsPass(),
         common.TopologicalSortPass(),
     ]
 

@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 DOMAIN = "tfgraph"
 MISS_REASON_KEY = "tfgraph.miss_reason"
 EXCLUDED_KEY = "tfgraph.excluded"  # "true": left unfused on purpose (not an exact match)
+# On a node that stays standard ops on purpose because the target fuses it itself (TensorRT's
+# MatMul-Softmax-MatMul): what the target makes of it. The report counts it as fused.
+FUSED_AS_KEY = "tfgraph.fused_as"
 
 
 def apply_rules(model: ir.Model, rules: RewriteRuleSet) -> int:

@@ -76,8 +76,13 @@ class Session:
         if threads:
             options.intra_op_num_threads = threads
             options.inter_op_num_threads = 1
+        # On the CPU, ORT's own SkipLayerNormFusion turns Add + LayerNormalization into a
+        # kernel measured 10× slower (docs/BENCHMARKS.md); keep the two ops there.
+        disabled = ["SkipLayerNormFusion"] if chosen[0] == PROVIDERS["cpu"] else []
         try:
-            self._session = ort.InferenceSession(str(self.path), options, providers=chosen)
+            self._session = ort.InferenceSession(
+                str(self.path), options, providers=chosen, disabled_optimizers=disabled
+            )
         except Exception as exc:
             raise TfgraphError(
                 f"ONNX Runtime cannot load '{self.path}': {str(exc).splitlines()[0]}"

@@ -4,7 +4,10 @@
   named after its PyTorch module. Encoder-decoder presets are one graph (inputs ``input_ids``,
   ``decoder_input_ids``, ``attention_mask``), so parity covers the whole model.
 - ``default`` for profiles ``ort`` (opset 20), ``onnx`` and ``tensorrt`` (opset 23): parity,
-  and every norm folded (``fused == total``; exact-semantics exclusions listed as excluded).
+  every norm folded (``fused == total``; exact-semantics exclusions listed as excluded) and
+  every attention core fused (``ort``: GroupQueryAttention / MultiHeadAttention; ``onnx``:
+  Attention-23; ``tensorrt``: standard ops only, in the MatMul-Softmax-MatMul form TensorRT
+  fuses).
 """
 
 import pytest
@@ -15,12 +18,7 @@ from tfgraph.models import PRESETS
 from tfgraph.trace import trace
 
 STANDARD_NORM_OPS = {"LayerNormalization", "RMSNormalization"}
-ORT_NORM_OPS = {
-    "LayerNormalization",
-    "SimplifiedLayerNormalization",
-    "com.microsoft::SkipLayerNormalization",
-    "com.microsoft::SkipSimplifiedLayerNormalization",
-}
+ORT_NORM_OPS = {"LayerNormalization", "SimplifiedLayerNormalization"}
 
 
 def _attention_cores(cfg) -> int:
@@ -31,6 +29,22 @@ def _assert_parity(result):
     parity = result["parity"]
     assert parity["passed"], parity["outputs"]
     assert {(c["batch"], c["sequence"]) for c in parity["cases"]} == {(1, 7), (2, 33)}
+
+
+ATTENTION_OPS = {
+    "ort": {"com.microsoft::GroupQueryAttention", "com.microsoft::MultiHeadAttention"},
+    "onnx": {"Attention"},
+    "tensorrt": set(),
+}
+
+
+def _assert_attention_fused(result, profile, cores):
+    attention = result["fusions"]["attention"]
+    assert attention["fused"] == attention["total"] == cores, attention["missed"]
+    ops = {op for op in result["ops"] if "Attention" in op}
+    assert ops and ops <= ATTENTION_OPS[profile] if profile != "tensorrt" else not ops, ops
+    if profile == "tensorrt":
+        assert not any("::" in op for op in result["ops"]), "tensorrt gets standard ops only"
 
 
 def _assert_norms_folded(result, allowed_ops):
@@ -62,6 +76,7 @@ def test_preset_all_profiles(name, tmp_path):
     ort = compile_and_prove(source, traced, "default", "ort", tmp_path)
     _assert_parity(ort)
     _assert_norms_folded(ort, ORT_NORM_OPS)
+    _assert_attention_fused(ort, "ort", _attention_cores(cfg))
     seed = cfg.norm == "layernorm-seed"
     if not seed:
         assert ort["fusions"]["norm"]["fused"] == norms_before  # every norm found was folded
@@ -71,6 +86,7 @@ def test_preset_all_profiles(name, tmp_path):
         result = compile_and_prove(source, traced23, "default", profile, tmp_path)
         _assert_parity(result)
         _assert_norms_folded(result, STANDARD_NORM_OPS)
+        _assert_attention_fused(result, profile, _attention_cores(cfg))
         assert not any(op.startswith("com.microsoft") for op in result["ops"])
     if seed:  # the (σ+ε) norm is reported, excluded, with its reason, never folded
         misses = ort["fusions"]["norm"]["missed"]

@@ -124,10 +124,9 @@ def _cmd_inspect(args) -> int:
     print(_table([[op, str(n)] for op, n in hist.most_common()], ["op", "count"]))
     print(f"{sum(hist.values())} nodes\n")
     _print_fusions(fusions, verbose=True)
-    if args.verbose:
-        for kind, v in fusions.items():
-            for layer in v.get("fused_layers", []):
-                print(f"  fused {kind} in {layer['module'] or '<top level>'}: {layer['op']}")
+    for kind, v in fusions.items():  # per layer: what each PyTorch module became
+        for layer in v.get("fused_layers", []):
+            print(f"  fused {kind} in {layer['module'] or '<top level>'}: {layer['op']}")
     return 0
 
 

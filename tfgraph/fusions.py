@@ -22,7 +22,7 @@ from collections import Counter
 
 import onnx_ir as ir
 
-from tfgraph.passes.rewrite_utils import EXCLUDED_KEY, MISS_REASON_KEY
+from tfgraph.passes.rewrite_utils import EXCLUDED_KEY, FUSED_AS_KEY, MISS_REASON_KEY
 
 from .trace import module_name
 
@@ -108,6 +108,8 @@ def count_fusions(model: ir.Model, pipeline: str = "default") -> dict:
         for node in model.graph:  # fused ops live in the main graph
             if (node.domain if node.domain != "ai.onnx" else "", node.op_type) in fused_ops:
                 fused.append({"module": module_name(node), "op": node.op_type})
+            elif id(node) in unfused and FUSED_AS_KEY in node.metadata_props:
+                fused.append({"module": module_name(node), "op": node.metadata_props[FUSED_AS_KEY]})
             elif id(node) in unfused:
                 reason = node.metadata_props.get(
                     MISS_REASON_KEY, f"no {kind} fusion pass in pipeline '{pipeline}'"

@@ -1,0 +1,248 @@
+"""Rules that recognize an attention core and rewrite it into ONE canonical ``tfgraph`` op.
+
+Canonical op: ``tfgraph.Attention(Q, K, V[, bias])`` with Q (B, Hq, T, d), K and V
+(B, Hkv, S, d) — not expanded for GQA/MQA — and ``Y = softmax(scale·Q·Kᵀ + bias)·V`` of shape
+(B, Hq, T, d). Attributes: ``num_heads``, ``kv_num_heads``, ``scale``, ``causal`` (0/1),
+``causal_alignment`` (``bottom_right``), ``window`` (0: none), ``bias_kind`` (``none`` or
+``additive`` here; :mod:`.classify_attention_bias` refines it by evaluating the bias).
+
+Core form (every exporter form seen: explicit math, SDPA's decomposition, HF eager/sdpa)::
+
+    Q ─► [Mul(·, c_q)] ─┐
+                        MatMul ─► [Div(·, c) | Mul(·, c)] ─► [Add(·, bias)] ─► Softmax(-1) ─┐
+    Kᵀ ─► [Mul(·, c_k)] ┘                    (HF: Where(IsNaN(p), 0, p) after it) ──────────┤
+    V ──────────────────────────────────────────────────────────────────────────── MatMul ─► Y
+
+``scale = c_q · c_k · (1/c or c)`` (1 when there is none: T5). K is ``Transpose(Kᵀ)``; the
+layout rules below cancel it against the transposes that produced Kᵀ, and absorb the
+``repeat_interleave`` that expands KV heads for GQA/MQA.
+
+Rejections (``check`` reasons): Softmax not over the last axis; scale factors not constant
+scalars; Q, Kᵀ or V not 4-D with static head count and head size; a NaN guard other than 0.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+from onnxscript.rewriter import pattern
+
+from .rewrite_utils import DOMAIN, int_list, scalar
+
+
+def _rank4_static_heads(value: ir.Value) -> bool:
+    shape = value.shape
+    return shape is not None and len(shape) == 4 and isinstance(shape[1], int)
+
+
+class AttentionRule(pattern.RewriteRuleClassBase):
+    """One instance per (bias, NaN guard): onnxscript's matcher cannot make the root or an
+    optional input an alternative."""
+
+    def __init__(self, with_bias: bool, nan_guard: bool) -> None:
+        name = f"Attention{'Bias' if with_bias else ''}{'NanGuard' if nan_guard else ''}"
+        super().__init__(name)
+        self._with_bias, self._nan_guard = with_bias, nan_guard
+
+    def pattern(self, op, q, c_q, kt, c_k, extra, c, bias, v, zero):
+        qs = pattern.OrValue([op.Mul(q, c_q), q], tag_var="q_scaled", tag_values=[True, False])
+        kts = pattern.OrValue([op.Mul(kt, c_k), kt], tag_var="k_scaled", tag_values=[True, False])
+        scores = op.MatMul(qs, kts)
+        scores = pattern.OrValue(  # Shaw: (Q·Kᵀ + Q·Rᵀ) / √d, the extra term scaled too
+            [op.Add(scores, extra), scores], tag_var="has_extra", tag_values=[True, False]
+        )
+        scores = pattern.OrValue(
+            [op.Div(scores, c), op.Mul(scores, c), scores],
+            tag_var="scale_op",
+            tag_values=["div", "mul", "none"],
+        )
+        if self._with_bias:
+            scores = op.Add(scores, bias)
+        probs = op.Softmax(scores, _outputs=["probs"])
+        if self._nan_guard:
+            probs = op.Where(op.IsNaN(probs), zero, probs)
+        return op.MatMul(probs, v)
+
+    def check(self, context, q, kt, v, probs, q_scaled, k_scaled, scale_op, has_extra, **kw):
+        result = pattern.MatchResult()
+        if has_extra and (q_scaled or k_scaled):
+            return result.fail("an extra score term with Q or K pre-scaled", q)
+        axis = probs.producer().attributes.get_int("axis", -1)
+        if axis not in (-1, 3):
+            return result.fail(f"softmax over axis {axis}, not the key axis", probs)
+        scale = 1.0
+        for used, name in ((q_scaled, "c_q"), (k_scaled, "c_k"), (scale_op != "none", "c")):
+            if not used:
+                continue
+            factor = scalar(kw[name])
+            if factor is None:
+                return result.fail("the score scale is not a constant scalar", kw[name])
+            scale *= 1.0 / factor if (name == "c" and scale_op == "div") else factor
+        for value, what in ((q, "Q"), (kt, "Kᵀ"), (v, "V")):
+            if not _rank4_static_heads(value):
+                return result.fail(f"{what} is not 4-D (B, heads, seq, d) with static heads", value)
+        if self._nan_guard and scalar(kw["zero"]) != 0.0:
+            return result.fail("the softmax NaN guard does not write 0", kw["zero"])
+        self._scale = scale
+        return result
+
+    def rewrite(self, op, q, kt, v, has_extra, bias=None, extra=None, **_):
+        k = op.Transpose(kt, perm=[0, 1, 3, 2])
+        if has_extra:  # an activation-dependent score term (Shaw) becomes part of the bias
+            scale = op.Constant(value=ir.tensor(self._scale, dtype=q.dtype))
+            scaled = op.Mul(extra, scale)
+            bias = scaled if bias is None else op.Add(scaled, bias)
+        inputs = [q, k, v] + ([bias] if bias is not None else [])
+        return op.Attention(
+            *inputs,
+            num_heads=q.shape[1],
+            kv_num_heads=kt.shape[1],
+            scale=float(self._scale),
+            causal=0,
+            causal_alignment="bottom_right",
+            window=0,
+            bias_kind="additive" if bias is not None else "none",
+            _domain=DOMAIN,
+        )
+
+
+class BatchedHeadsAttentionRule(pattern.RewriteRuleClassBase):
+    """BLOOM's layout: heads folded into the batch, ``baddbmm`` adding ALiBi before the view::
+
+        q3 (B·H, T, d), kᵀ3 (B·H, d, S)
+        s = Reshape(Mul(MatMul(q3, kᵀ3), c) + alibi3, (B, H, T, S)) + mask
+        y = Reshape(MatMul(Reshape(Softmax(s), (B·H, T, S)), v3), (B, H, T, d))
+
+    becomes ``tfgraph.Attention`` on 4-D views of q3, k3, v3 with ``bias = alibi + mask``.
+    """
+
+    def pattern(self, op, q3, kt3, c, alibi3, s4, mask, s3, v3, so):
+        scores3 = op.Add(op.Mul(op.MatMul(q3, kt3), c), alibi3)
+        scores = op.Add(op.Reshape(scores3, s4, _outputs=["scores4"]), mask)
+        probs3 = op.Reshape(op.Softmax(scores, _outputs=["probs"]), s3)
+        return op.Reshape(op.MatMul(probs3, v3), so, _outputs=["y4"])
+
+    def check(self, context, q3, kt3, v3, c, scores4, y4, probs, **_):
+        result = pattern.MatchResult()
+        if probs.producer().attributes.get_int("axis", -1) not in (-1, 3):
+            return result.fail("softmax is not over the key axis", probs)
+        if scalar(c) is None:
+            return result.fail("the score scale is not a constant scalar", c)
+        for value in (q3, kt3, v3):
+            if value.shape is None or len(value.shape) != 3:
+                return result.fail("Q, Kᵀ, V are not 3-D (batch·heads, seq, d)", value)
+        for value in (scores4, y4):
+            if value.shape is None or len(value.shape) != 4 or not isinstance(value.shape[1], int):
+                return result.fail("the 4-D views have no static head count", value)
+        self._heads, self._scale = scores4.shape[1], scalar(c)
+        return result
+
+    def rewrite(self, op, q3, kt3, v3, alibi3, mask, **_):
+        shape = op.Constant(value=ir.tensor([-1, self._heads, 0, 0], dtype=ir.DataType.INT64))
+        zero = op.Constant(value=ir.tensor([0], dtype=ir.DataType.INT64))
+
+        def heads(x):  # (B·H, a, b) → (B, H, a, b)
+            return op.Reshape(op.Unsqueeze(x, zero), shape)
+
+        k = op.Transpose(heads(kt3), perm=[0, 1, 3, 2])
+        bias = op.Add(heads(alibi3), mask)
+        return op.Attention(
+            heads(q3),
+            k,
+            heads(v3),
+            bias,
+            num_heads=self._heads,
+            kv_num_heads=self._heads,
+            scale=float(self._scale),
+            causal=0,
+            causal_alignment="bottom_right",
+            window=0,
+            bias_kind="additive",
+            _domain=DOMAIN,
+        )
+
+
+class DoubleTransposeRule(pattern.RewriteRuleClassBase):
+    """``Transpose(Transpose(x, p1), p2)`` → ``x`` when the permutations cancel."""
+
+    def pattern(self, op, x):
+        return op.Transpose(op.Transpose(x, _outputs=["inner"]), _outputs=["outer"])
+
+    def check(self, context, inner, outer, **_):
+        p1 = inner.producer().attributes.get_ints("perm")
+        p2 = outer.producer().attributes.get_ints("perm")
+        if p1 is None or p2 is None or [p1[i] for i in p2] != list(range(len(p1))):
+            return pattern.MatchResult().fail("the transposes do not cancel", outer)
+        return pattern.MatchResult()
+
+    def rewrite(self, op, x, **_):
+        return op.Identity(x)
+
+
+class SdpaKeyLayoutRule(pattern.RewriteRuleClassBase):
+    """SDPA's decomposition transposes K through a 3-D view: ``(B, H, S, d) → (B·H, S, d) →
+    (B·H, d, S) → (B, H, d, S)``; transposing that back is K itself."""
+
+    def pattern(self, op, k, s1, s2):
+        flat = op.Reshape(k, s1)
+        kt = op.Reshape(op.Transpose(flat, perm=[0, 2, 1]), s2, _outputs=["kt"])
+        return op.Transpose(kt, perm=[0, 1, 3, 2])
+
+    def check(self, context, k, kt, **_):
+        if k.shape is None or kt.shape is None or len(k.shape) != 4 or len(kt.shape) != 4:
+            return pattern.MatchResult().fail("K's shape is unknown", k)
+        b, h, s, d = k.shape
+        if list(kt.shape) != [b, h, d, s]:
+            return pattern.MatchResult().fail("the reshapes do not transpose K", kt)
+        return pattern.MatchResult()
+
+    def rewrite(self, op, k, **_):
+        return op.Identity(k)
+
+
+class RepeatKVRule(pattern.RewriteRuleClassBase):
+    """``Attention(Q, repeat_kv(k), repeat_kv(v))`` → ``Attention(Q, k, v)`` with
+    ``kv_num_heads`` = k's heads, where ``repeat_kv(x)`` is ``repeat_interleave(x, g, dim=1)``
+    as exported: ``Reshape(Expand(Unsqueeze(x, [2]), (…, g, …)), (B, H·g, S, d))``."""
+
+    def __init__(self, with_bias: bool) -> None:
+        super().__init__(f"RepeatKV{'Bias' if with_bias else ''}")
+        self._with_bias = with_bias
+
+    def pattern(self, op, q, k, v, ak, av, ek, ev, rk, rv, bias):
+        k_rep = op.Reshape(op.Expand(op.Unsqueeze(k, ak), ek, _outputs=["k_exp"]), rk)
+        v_rep = op.Reshape(op.Expand(op.Unsqueeze(v, av), ev, _outputs=["v_exp"]), rv)
+        inputs = [q, k_rep, v_rep] + ([bias] if self._with_bias else [])
+        return op.Attention(*inputs, _domain=DOMAIN, _outputs=["y"])
+
+    def check(self, context, k, v, ak, av, k_exp, v_exp, y, **_):
+        result = pattern.MatchResult()
+        if int_list(ak) != [2] or int_list(av) != [2]:
+            return result.fail("KV heads are not repeated along a new axis 2", ak)
+        for src, exp in ((k, k_exp), (v, v_exp)):
+            if src.shape is None or exp.shape is None or len(exp.shape) != 5:
+                return result.fail("the KV expansion's shape is unknown", exp)
+            if not isinstance(exp.shape[2], int) or not isinstance(src.shape[1], int):
+                return result.fail("the KV repeat count is not static", exp)
+        node = y.producer()
+        heads = node.attributes.get_int("num_heads")
+        if k.shape[1] * k_exp.shape[2] != heads or v.shape[1] * v_exp.shape[2] != heads:
+            return result.fail("repeated KV heads do not add up to the query heads", k)
+        return result
+
+    def rewrite(self, op, q, k, v, y, bias=None, **_):
+        attrs = {a.name: a.value for a in y.producer().attributes.values()}
+        attrs["kv_num_heads"] = k.shape[1]
+        inputs = [q, k, v] + ([bias] if self._with_bias else [])
+        return op.Attention(*inputs, _domain=DOMAIN, **attrs)
+
+
+CORE_RULES = [
+    *(AttentionRule.rule(b, g) for b in (True, False) for g in (True, False)),
+    BatchedHeadsAttentionRule.rule(),
+]
+LAYOUT_RULES = [
+    DoubleTransposeRule.rule(),
+    SdpaKeyLayoutRule.rule(),
+    RepeatKVRule.rule(True),
+    RepeatKVRule.rule(False),
+]

@@ -1,0 +1,383 @@
+"""Lower ``tfgraph.Attention`` to a target profile's kernels.
+
+The canonical op ``Y = tfgraph.Attention(Q, K, V[, bias])`` (Q: (B, Hq, T, d); K, V:
+(B, Hkv, S, d), not expanded for GQA/MQA) computes
+``softmax(scale·Q·Kᵀ + causal/window mask + bias) · repeat_interleave(V, Hq/Hkv)``, with
+the attributes ``num_heads``, ``kv_num_heads``, ``scale``, ``causal``, ``causal_alignment``
+(``bottom_right``: key j visible from query i iff j ≤ i + S − T; ``top_left``: iff j ≤ i),
+``window`` (0: none; else key j also masked when (i + S − T) − j ≥ window) and ``bias_kind``.
+
+"Self" below means S == T is proved by the shapes (equal ints or the same symbolic dim); then
+both alignments coincide. Choices are measured on ONNX Runtime 1.32 CPU
+(docs/attention-lowering.md).
+
+1. ``ort``, self, causal: ``com.microsoft.GroupQueryAttention`` (``causal=1``; KV heads
+   native; ``local_window_size = window``; the bias, if any, as ``attention_bias`` with its
+   query axis expanded to T)::
+
+       Q ─ Transpose ─ Reshape ─┐ (B, T, Hq·d)
+       K ─ Transpose ─ Reshape ─┤ (B, S, Hkv·d)
+       V ─ Transpose ─ Reshape ─┤                  ┌─ Reshape ─ Transpose ─► Y
+       Shape(K) ─► S−1, S ──────┤ seqlens_k, total ├
+       bias ─ Expand(…, T, S) ──┴► GroupQueryAttention
+
+2. ``ort``, self, not causal, with a bias or a window: ``GroupQueryAttention`` with
+   ``causal=0``, the window folded into ``attention_bias``.
+3. ``ort``, not causal, no bias, no window (self or cross): ``com.microsoft.MultiHeadAttention``
+   (its flash path on the CPU), K/V heads expanded by repeat-interleave when Hkv < Hq.
+4. ``ort``, S ≠ T (or not provable) with causal, window or bias: ``MultiHeadAttention`` with
+   the masks folded into ``attention_bias`` (``GroupQueryAttention`` rejects S ≠ T without a
+   past; ``MultiHeadAttention(unidirectional=1)`` is wrong for 1 < T < S; ``Attention``-23
+   with a mask measured no better).
+5. ``onnx`` (opset ≥ 23): ``Attention``-23 on the 4-D inputs (Hkv < Hq native), ``scale``;
+   ``is_causal=1`` when causal, no window, and top-left or self (without a past, ONNX's
+   ``is_causal`` is top-left); otherwise the causal/window mask is built from shapes and added
+   to the bias as ``attn_mask``, whose query axis is always T (ORT rejects a broadcast one).
+6. ``tensorrt``, and ``onnx`` below opset 23 (reported as missed, with the reason): standard
+   ops that TensorRT fuses, scale folded into Q::
+
+       Q ─ Mul(scale) ─► MatMul ─► Add(mask) ─► Softmax(−1) ─► MatMul ─► Y
+       K ─ expand heads ─ Transpose ─┘                              │
+       V ─ expand heads ────────────────────────────────────────────┘
+
+The causal/window mask is ``Where(masked, lowest, 0)`` over ``Range(T) × Range(S)`` (the
+dtype's lowest finite value, so a fully masked row gives no NaN). Every new node keeps the
+canonical node's metadata (the PyTorch module name).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from .rewrite_utils import DOMAIN, FUSED_AS_KEY, mark_missed, replace_value
+
+logger = logging.getLogger(__name__)
+
+PROFILES = ("ort", "onnx", "tensorrt")
+MS_DOMAIN = "com.microsoft"
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """The canonical node's attributes, read once."""
+
+    num_heads: int
+    kv_num_heads: int
+    scale: float
+    causal: bool
+    bottom_right: bool
+    window: int
+    self_attention: bool  # S == T is proved by the shapes
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.kv_num_heads
+
+
+class LowerAttentionPass(ir.passes.InPlacePass):
+    """Replace every ``tfgraph.Attention`` by the profile's op (cases in the module docstring)."""
+
+    def __init__(self, profile: str) -> None:
+        super().__init__()
+        if profile not in PROFILES:
+            raise ValueError(f"unknown profile {profile!r}")
+        self.profile = profile
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        count = 0
+        for node in list(model.graph):
+            if node.domain != DOMAIN or node.op_type != "Attention":
+                continue
+            lowered = self._lower(model, node, count)
+            logger.debug("lowered %s to %s", node.name, lowered)
+            count += 1
+        return ir.passes.PassResult(model, modified=bool(count))
+
+    def ensures(self, model: ir.Model) -> None:
+        left = [n.name for n in model.graph if n.domain == DOMAIN and n.op_type == "Attention"]
+        if left:
+            raise ir.passes.PostconditionError(f"tfgraph.Attention left unlowered: {left}")
+
+    def _lower(self, model: ir.Model, node: ir.Node, index: int) -> str:
+        graph = model.graph
+        q, k, v, bias = (list(node.inputs) + [None])[:4]
+        spec = _read_spec(node, q, k)
+        opset = model.opset_imports.get("", 1)
+        b = _Builder(graph, node.name or f"attention{index}", q, k)
+        missed = None
+        if self.profile == "ort":
+            if spec.self_attention and (spec.causal or spec.window or bias is not None):
+                y, op = b.gqa(v, bias, spec), "GroupQueryAttention"
+            else:  # MultiHeadAttention's flash path when nothing is masked; else S ≠ T
+                mask = b.full_mask(bias, spec, causal=spec.causal, window=spec.window)
+                y, op = b.mha(v, mask, spec), "MultiHeadAttention"
+            model.opset_imports.setdefault(MS_DOMAIN, 1)
+        elif self.profile == "onnx" and opset >= 23:
+            y, op = b.attention23(v, bias, spec), "Attention"
+        else:
+            y, op = b.decomposed(v, bias, spec), "decomposed"
+            if self.profile == "onnx":
+                missed = f"ONNX Attention needs opset 23; this graph is opset {opset}"
+        y.shape, y.type = node.outputs[0].shape, node.outputs[0].type
+        for initializer in b.tape.initializers:
+            graph.register_initializer(initializer)
+        graph.insert_before(node, b.tape.nodes)
+        for new in b.tape.nodes:
+            for key, value in node.metadata_props.items():
+                new.metadata_props.setdefault(key, value)
+        softmax = next((n for n in b.tape.nodes if n.op_type == "Softmax"), None)
+        if missed is not None:
+            mark_missed(softmax, missed)
+        elif softmax is not None:  # TensorRT's own MHA fusion takes this pattern
+            softmax.metadata_props[FUSED_AS_KEY] = "MatMul-Softmax-MatMul (TensorRT fuses it)"
+        replace_value(node.outputs[0], y)
+        graph.remove(node, safe=True)
+        return op
+
+
+def _read_spec(node: ir.Node, q: ir.Value, k: ir.Value) -> _Spec:
+    attrs = node.attributes
+    num_heads = attrs.get_int("num_heads")
+    kv_num_heads = attrs.get_int("kv_num_heads", num_heads)
+    if num_heads is None or kv_num_heads is None or num_heads % kv_num_heads:
+        raise ValueError(f"{node.name}: num_heads {num_heads} and kv_num_heads {kv_num_heads}")
+    scale = attrs.get_float("scale")
+    if scale is None:  # the canonical op states it; the kernels' default, if ever absent
+        head_size = _dim(q, 3)
+        if not isinstance(head_size, int):
+            raise ValueError(f"{node.name}: no scale and no static head size")
+        scale = head_size**-0.5
+    return _Spec(
+        num_heads=num_heads,
+        kv_num_heads=kv_num_heads,
+        scale=scale,
+        causal=bool(attrs.get_int("causal", 0)),
+        bottom_right=attrs.get_string("causal_alignment", "bottom_right") == "bottom_right",
+        window=attrs.get_int("window", 0),
+        self_attention=_same_dim(q, k, 2),
+    )
+
+
+def _dim(value: ir.Value, axis: int):
+    shape = value.shape
+    return None if shape is None or len(shape) <= axis else shape[axis]
+
+
+def _dims_equal(x, y) -> bool:
+    """Whether two dims are provably equal: equal ints, or the same named symbol."""
+    if x is None or y is None:
+        return False
+    if isinstance(x, int) or isinstance(y, int):
+        return x == y
+    return x.value is not None and x.value == y.value
+
+
+def _same_dim(a: ir.Value, b: ir.Value, axis: int) -> bool:
+    return _dims_equal(_dim(a, axis), _dim(b, axis))
+
+
+def _has_full_query_axis(bias: ir.Value, q: ir.Value, k: ir.Value) -> bool:
+    """Whether ``bias`` is provably 4-D (…, T, S): what ORT's fused kernels accept as is."""
+    if bias.shape is None or len(bias.shape) != 4:
+        return False
+    return _dims_equal(bias.shape[2], _dim(q, 2)) and _dims_equal(bias.shape[3], _dim(k, 2))
+
+
+class _Builder:
+    """Builds the replacement of one canonical node on a tape."""
+
+    def __init__(self, graph: ir.Graph, prefix: str, q: ir.Value, k: ir.Value) -> None:
+        self.tape = ir.tape.Tape()
+        self.graph = graph
+        self.prefix = prefix
+        self.q, self.k = q, k
+        self.dtype = q.dtype or ir.DataType.FLOAT
+        self._consts: dict[str, ir.Value] = {}
+
+    # -- constants and shapes -------------------------------------------------------------
+    def const(self, name: str, array: np.ndarray) -> ir.Value:
+        """An initializer named after the node; one per ``name`` on this tape."""
+        if name in self._consts:
+            return self._consts[name]
+        unique, i = f"{self.prefix}_{name}", 0
+        while unique in self.graph.initializers:
+            i += 1
+            unique = f"{self.prefix}_{name}_{i}"
+        self._consts[name] = self.tape.initializer(ir.tensor(array), name=unique)
+        return self._consts[name]
+
+    def ints(self, name: str, values) -> ir.Value:
+        return self.const(name, np.asarray(values, dtype=np.int64))
+
+    def scalar(self, name: str, value: float) -> ir.Value:
+        return self.const(name, np.asarray(value, dtype=self.dtype.numpy()))
+
+    def dim(self, x: ir.Value, axis: int) -> ir.Value:
+        """Dim ``axis`` of ``x`` as a 1-D int64 tensor of one element."""
+        return self.tape.op("Shape", [x], {"start": axis, "end": axis + 1})
+
+    def dim0d(self, x: ir.Value, axis: int) -> ir.Value:
+        """Dim ``axis`` of ``x`` as an int64 scalar (for ``Range``)."""
+        index = self.ints(f"index{axis}", axis)
+        return self.tape.op("Gather", [self.tape.op("Shape", [x]), index], {"axis": 0})
+
+    # -- layouts ----------------------------------------------------------------------------
+    def to_bsh(self, x: ir.Value, name: str) -> ir.Value:
+        """(B, H, S, d) → (B, S, H·d)."""
+        t = self.tape.op("Transpose", [x], {"perm": [0, 2, 1, 3]})
+        return self.tape.op("Reshape", [t, self.ints(f"{name}_bsh", [0, 0, -1])])
+
+    def from_bsh(self, y: ir.Value, heads: int) -> ir.Value:
+        """(B, T, H·d) → (B, H, T, d)."""
+        y = self.tape.op("Reshape", [y, self.ints("y_bthd", [0, 0, heads, -1])])
+        return self.tape.op("Transpose", [y], {"perm": [0, 2, 1, 3]})
+
+    def repeat_heads5(self, x: ir.Value, spec: _Spec) -> ir.Value:
+        """(B, Hkv, S, d) → (B, Hkv, g, S, d): flattening (Hkv, g) gives query head h the KV
+        head h // g (repeat-interleave)."""
+        x = self.tape.op("Unsqueeze", [x, self.ints("axis2", [2])])
+        return self.tape.op("Expand", [x, self.ints("groups", [1, 1, spec.group, 1, 1])])
+
+    def expand_heads(self, x: ir.Value, spec: _Spec, name: str) -> ir.Value:
+        """(B, Hkv, S, d) → (B, Hq, S, d) by repeat-interleave (identity when Hkv == Hq)."""
+        if spec.group == 1:
+            return x
+        shape = self.tape.op(
+            "Concat",
+            [
+                self.dim(x, 0),
+                self.ints("heads", [spec.num_heads, -1]),
+                self.tape.op("Shape", [x], {"start": 3}),
+            ],
+            {"axis": 0},
+        )
+        return self.tape.op("Reshape", [self.repeat_heads5(x, spec), shape])  # (B, Hq, S, d)
+
+    def expand_heads_bsh(self, x: ir.Value, spec: _Spec, name: str) -> ir.Value:
+        """(B, Hkv, S, d) → (B, S, Hq·d), heads repeat-interleaved, with a single Transpose."""
+        if spec.group == 1:
+            return self.to_bsh(x, name)
+        x5 = self.repeat_heads5(x, spec)
+        t = self.tape.op("Transpose", [x5], {"perm": [0, 3, 1, 2, 4]})  # (B, S, Hkv, g, d)
+        return self.tape.op("Reshape", [t, self.ints(f"{name}_bsh", [0, 0, -1])])
+
+    # -- masks ------------------------------------------------------------------------------
+    def causal_window_mask(self, spec: _Spec, *, causal: bool, window: int) -> ir.Value | None:
+        """The additive (T, S) mask: 0 where visible, the dtype's lowest value where masked."""
+        if not causal and not window:
+            return None
+        tape = self.tape
+        zero, one = self.ints("zero", 0), self.ints("one", 1)
+        t, s = self.dim0d(self.q, 2), self.dim0d(self.k, 2)
+        i = tape.op("Unsqueeze", [tape.op("Range", [zero, t, one]), self.ints("axis1", [1])])
+        j = tape.op("Range", [zero, s, one])
+        # (i + S − T) − j: how far key j lies behind query i, aligned bottom-right.  (T, S)
+        behind = tape.op("Sub", [tape.op("Add", [i, tape.op("Sub", [s, t])]), j])
+        masked = None
+        if causal:
+            masked = (
+                tape.op("Less", [behind, zero]) if spec.bottom_right else tape.op("Less", [i, j])
+            )
+        if window:
+            outside = tape.op("GreaterOrEqual", [behind, self.ints("window", window)])
+            masked = outside if masked is None else tape.op("Or", [masked, outside])
+        lowest = float(np.finfo(self.dtype.numpy()).min)
+        return tape.op("Where", [masked, self.scalar("lowest", lowest), self.scalar("zero_f", 0)])
+
+    def full_mask(
+        self, bias: ir.Value | None, spec: _Spec, *, causal: bool, window: int
+    ) -> ir.Value | None:
+        """bias + causal/window mask as a 4-D (…, T, S) tensor, since ORT's fused kernels
+        reject a mask that broadcasts over the query axis; None when there is nothing."""
+        mask = self.causal_window_mask(spec, causal=causal, window=window)
+        if mask is not None:
+            mask = self.tape.op("Unsqueeze", [mask, self.ints("axes01", [0, 1])])  # (1,1,T,S)
+            return mask if bias is None else self.tape.op("Add", [bias, mask])
+        if bias is None or _has_full_query_axis(bias, self.q, self.k):
+            return bias
+        shape = self.tape.op(
+            "Concat",
+            [self.ints("ones2", [1, 1]), self.dim(self.q, 2), self.dim(self.k, 2)],
+            {"axis": 0},
+        )
+        return self.tape.op("Expand", [bias, shape])  # (B or 1, Hq or 1, T, S)
+
+    # -- lowerings --------------------------------------------------------------------------
+    def gqa(self, v: ir.Value, bias: ir.Value | None, spec: _Spec) -> ir.Value:
+        """com.microsoft.GroupQueryAttention; only for S == T (checked by the caller)."""
+        tape = self.tape
+        # local_window_size needs causal=1: a window without causality goes in the bias.
+        window = spec.window if spec.causal else 0
+        attention_bias = self.full_mask(bias, spec, causal=False, window=spec.window - window)
+        s = self.dim0d(self.k, 2)
+        seqlens = tape.op("Sub", [s, self.ints("one", 1)])
+        seqlens = tape.op("Expand", [seqlens, self.dim(self.k, 0)])  # (B,) = S − 1
+        attrs = {
+            "num_heads": spec.num_heads,
+            "kv_num_heads": spec.kv_num_heads,
+            "scale": spec.scale,
+            "causal": int(spec.causal),
+        }
+        if window:
+            attrs["local_window_size"] = window  # measured: same semantics as our window
+        inputs = [
+            self.to_bsh(self.q, "q"),
+            self.to_bsh(self.k, "k"),
+            self.to_bsh(v, "v"),
+            None,  # past_key
+            None,  # past_value
+            tape.op("Cast", [seqlens], {"to": ir.DataType.INT32}),
+            tape.op("Cast", [s], {"to": ir.DataType.INT32}),  # total_sequence_length
+        ]
+        if attention_bias is not None:
+            inputs += [None, None, None, attention_bias]  # cos, sin, position_ids, bias
+        y = tape.op("GroupQueryAttention", inputs, attrs, domain=MS_DOMAIN)
+        return self.from_bsh(y, spec.num_heads)
+
+    def mha(self, v: ir.Value, attention_bias: ir.Value | None, spec: _Spec) -> ir.Value:
+        """com.microsoft.MultiHeadAttention with 3-D (B, S, H·d) inputs: 4-D K/V measured
+        slower (no flash path). ``attention_bias`` already carries any causal/window mask."""
+        inputs = [
+            self.to_bsh(self.q, "q"),
+            self.expand_heads_bsh(self.k, spec, "k"),
+            self.expand_heads_bsh(v, spec, "v"),
+        ]
+        if attention_bias is not None:
+            inputs += [None, None, attention_bias]  # bias, key_padding_mask, attention_bias
+        attrs = {"num_heads": spec.num_heads, "scale": spec.scale}
+        y = self.tape.op("MultiHeadAttention", inputs, attrs, domain=MS_DOMAIN)
+        return self.from_bsh(y, spec.num_heads)
+
+    def attention23(self, v: ir.Value, bias: ir.Value | None, spec: _Spec) -> ir.Value:
+        """ONNX Attention-23; its ``is_causal`` (no past) is top-left, so a bottom-right mask
+        with S ≠ T, or a window, is passed as ``attn_mask``."""
+        native = spec.causal and not spec.window and (not spec.bottom_right or spec.self_attention)
+        if native:
+            mask = self.full_mask(bias, spec, causal=False, window=0)
+        else:
+            mask = self.full_mask(bias, spec, causal=spec.causal, window=spec.window)
+        inputs = [self.q, self.k, v] + ([mask] if mask is not None else [])
+        attrs = {"scale": spec.scale, "is_causal": int(native)}
+        return self.tape.op("Attention", inputs, attrs)
+
+    def decomposed(self, v: ir.Value, bias: ir.Value | None, spec: _Spec) -> ir.Value:
+        """Standard ops in the order TensorRT's MHA fusion wants (scale on Q, one mask Add)."""
+        tape = self.tape
+        q = self.q
+        if spec.scale != 1.0:
+            q = tape.op("Mul", [q, self.scalar("scale", spec.scale)])
+        k = tape.op("Transpose", [self.expand_heads(self.k, spec, "k")], {"perm": [0, 1, 3, 2]})
+        scores = tape.op("MatMul", [q, k])  # (B, Hq, T, S)
+        mask = self.causal_window_mask(spec, causal=spec.causal, window=spec.window)
+        if mask is not None and bias is not None:
+            mask = tape.op("Add", [bias, mask])
+        elif mask is None:
+            mask = bias
+        if mask is not None:
+            scores = tape.op("Add", [scores, mask])
+        probs = tape.op("Softmax", [scores], {"axis": -1})
+        return tape.op("MatMul", [probs, self.expand_heads(v, spec, "v")])
