@@ -110,7 +110,11 @@ class LowerAttentionPass(ir.passes.InPlacePass):
         b = _Builder(graph, node.name or f"attention{index}", q, k)
         missed = None
         if self.profile == "ort":
-            if spec.self_attention and (spec.causal or spec.window or bias is not None):
+            head_size = q.shape[3] if q.shape is not None and len(q.shape) == 4 else None
+            # GroupQueryAttention's CPU kernel needs head_size % 8 == 0 (measured: it refuses
+            # Llama-2-70B-tiny's head size 2); MultiHeadAttention with the mask does not.
+            gqa_ok = isinstance(head_size, int) and head_size % 8 == 0
+            if gqa_ok and spec.self_attention and (spec.causal or spec.window or bias is not None):
                 y, op = b.gqa(v, bias, spec), "GroupQueryAttention"
             else:  # MultiHeadAttention's flash path when nothing is masked; else S ≠ T
                 mask = b.full_mask(bias, spec, causal=spec.causal, window=spec.window)

@@ -88,8 +88,8 @@ def mark_missed(node: ir.Node, reason: str, *, excluded: bool = False) -> None:
         node.metadata_props[EXCLUDED_KEY] = "true"
 
 
-def scalar(value: ir.Value | None) -> float | None:
-    """A constant scalar's value (initializer, ``Constant`` node, or 1-element tensor)."""
+def constant(value: ir.Value | None) -> np.ndarray | None:
+    """The value of an initializer or a ``Constant`` node's output, else ``None``."""
     if value is None:
         return None
     const = value.const_value
@@ -97,19 +97,16 @@ def scalar(value: ir.Value | None) -> float | None:
         node = value.producer()
         if node is not None and node.op_type == "Constant" and "value" in node.attributes:
             const = node.attributes["value"].as_tensor()
-    if const is None:
-        return None
-    array = np.asarray(const.numpy())
-    return float(array.reshape(-1)[0]) if array.size == 1 else None
+    return None if const is None else np.asarray(const.numpy())
+
+
+def scalar(value: ir.Value | None) -> float | None:
+    """A constant scalar's value (initializer, ``Constant`` node, or 1-element tensor)."""
+    array = constant(value)
+    return float(array.reshape(-1)[0]) if array is not None and array.size == 1 else None
 
 
 def int_list(value: ir.Value | None) -> list[int] | None:
     """A constant integer tensor as a list (``axes`` inputs)."""
-    if value is None:
-        return None
-    const = value.const_value
-    if const is None:
-        node = value.producer()
-        if node is not None and node.op_type == "Constant" and "value" in node.attributes:
-            const = node.attributes["value"].as_tensor()
-    return None if const is None else [int(v) for v in np.asarray(const.numpy()).reshape(-1)]
+    array = constant(value)
+    return None if array is None else [int(v) for v in array.reshape(-1)]

@@ -6,6 +6,7 @@ result in ONNX Runtime (its own graph optimizations off) against :func:`referenc
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from dataclasses import dataclass
 
@@ -333,3 +334,14 @@ def test_reference_matches_a_loop() -> None:
             weights = np.exp(logits - logits.max())
             want = (weights / weights.sum()) @ v[0, kv, keys]
             np.testing.assert_allclose(got[0, h, i], want, atol=1e-12)
+
+
+def test_ort_head_size_not_multiple_of_8_uses_mha(monkeypatch) -> None:
+    """GroupQueryAttention's CPU kernel refuses head sizes that are not multiples of 8
+    (Llama-2-70B-tiny has 2): such layers take MultiHeadAttention with the mask."""
+    monkeypatch.setattr(sys.modules[__name__], "D", 2)
+    case = CASES["causal"]
+    model = lower(build(case, 8, 2, 20), "ort")
+    assert ops(model)[MHA] == 1 and ops(model)[GQA] == 0
+    data = feeds(case, 8, 2)
+    np.testing.assert_allclose(run_ort(model, data), expected(case, 8, 2, data), atol=ATOL)

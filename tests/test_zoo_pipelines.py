@@ -34,7 +34,7 @@ def _assert_parity(result):
 ATTENTION_OPS = {
     "ort": {"com.microsoft::GroupQueryAttention", "com.microsoft::MultiHeadAttention"},
     "onnx": {"Attention"},
-    "tensorrt": set(),
+    "tensorrt": {"Attention"},  # single-output, as exported from SDPA at opset 23
 }
 
 
@@ -42,9 +42,14 @@ def _assert_attention_fused(result, profile, cores):
     attention = result["fusions"]["attention"]
     assert attention["fused"] == attention["total"] == cores, attention["missed"]
     ops = {op for op in result["ops"] if "Attention" in op}
-    assert ops and ops <= ATTENTION_OPS[profile] if profile != "tensorrt" else not ops, ops
-    if profile == "tensorrt":
+    assert ops <= ATTENTION_OPS[profile], ops
+    if profile != "tensorrt":
+        assert ops, "a fused attention op"
+    else:
         assert not any("::" in op for op in result["ops"]), "tensorrt gets standard ops only"
+        for node in result["model"].graph:
+            if node.op_type == "Attention":
+                assert len(node.outputs) == 1, "TensorRT parses single-output Attention only"
 
 
 def _assert_norms_folded(result, allowed_ops):

@@ -22,7 +22,7 @@ from collections import Counter
 
 import onnx_ir as ir
 
-from tfgraph.passes.rewrite_utils import EXCLUDED_KEY, FUSED_AS_KEY, MISS_REASON_KEY
+from tfgraph.passes.rewrite_utils import EXCLUDED_KEY, FUSED_AS_KEY, MISS_REASON_KEY, scalar
 
 from .trace import module_name
 
@@ -61,21 +61,8 @@ def _is_square(value: ir.Value | None) -> bool:
     if node.op_type == "Mul" and len(node.inputs) == 2:
         return node.inputs[0] is node.inputs[1]
     if node.op_type == "Pow" and len(node.inputs) == 2:
-        exponent = constant_value(node.inputs[1])
-        return exponent is not None and exponent.size == 1 and float(exponent.reshape(-1)[0]) == 2
+        return scalar(node.inputs[1]) == 2.0
     return False
-
-
-def constant_value(value: ir.Value | None):
-    """The numpy value of an initializer or a ``Constant`` node's output, else ``None``."""
-    if value is None:
-        return None
-    if value.const_value is not None:
-        return value.const_value.numpy()
-    node = value.producer()
-    if node is not None and node.op_type == "Constant" and "value" in node.attributes:
-        return node.attributes["value"].as_tensor().numpy()
-    return None
 
 
 def is_norm_candidate(node: ir.Node) -> bool:
