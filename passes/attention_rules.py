@@ -87,6 +87,9 @@ class AttentionRule(pattern.RewriteRuleClassBase):
 
     def rewrite(self, op, q, kt, v, has_extra, bias=None, extra=None, **_):
         k = op.Transpose(kt, perm=[0, 1, 3, 2])
+        b, h, d, s = kt.shape
+        k.shape = ir.Shape([b, h, s, d])  # lowering proves S == T from these symbols
+        k.type = kt.type
         if has_extra:  # an activation-dependent score term (Shaw) becomes part of the bias
             scale = op.Constant(value=ir.tensor(self._scale, dtype=q.dtype))
             scaled = op.Mul(extra, scale)
@@ -136,19 +139,26 @@ class BatchedHeadsAttentionRule(pattern.RewriteRuleClassBase):
         self._heads, self._scale = scores4.shape[1], scalar(c)
         return result
 
-    def rewrite(self, op, q3, kt3, v3, alibi3, mask, **_):
+    def rewrite(self, op, q3, kt3, v3, alibi3, mask, scores4, **_):
         shape = op.Constant(value=ir.tensor([-1, self._heads, 0, 0], dtype=ir.DataType.INT64))
         zero = op.Constant(value=ir.tensor([0], dtype=ir.DataType.INT64))
+        batch = scores4.shape[0]
 
-        def heads(x):  # (B·H, a, b) → (B, H, a, b)
-            return op.Reshape(op.Unsqueeze(x, zero), shape)
+        def heads(x, dims):  # (B·H, a, b) → (B, H, a, b), with the shape it is known to have
+            y = op.Reshape(op.Unsqueeze(x, zero), shape)
+            y.shape, y.type = ir.Shape([batch, self._heads, *dims]), x.type
+            return y
 
-        k = op.Transpose(heads(kt3), perm=[0, 1, 3, 2])
-        bias = op.Add(heads(alibi3), mask)
+        q = heads(q3, q3.shape[1:])
+        k = op.Transpose(heads(kt3, kt3.shape[1:]), perm=[0, 1, 3, 2])
+        k.shape = ir.Shape([batch, self._heads, kt3.shape[2], kt3.shape[1]])
+        k.type = kt3.type
+        v = heads(v3, v3.shape[1:])
+        bias = op.Add(heads(alibi3, alibi3.shape[1:]), mask)
         return op.Attention(
-            heads(q3),
+            q,
             k,
-            heads(v3),
+            v,
             bias,
             num_heads=self._heads,
             kv_num_heads=self._heads,

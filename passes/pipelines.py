@@ -44,6 +44,7 @@ def _cleanup(profile: str) -> list[ir.passes.PassBase]:
 def _default(profile: str) -> list[ir.passes.PassBase]:
     return [
         *_cleanup(profile),
+        common.ShapeInferencePass(),  # the rules read ranks and head counts from shapes
         FuseNormsPass(),
         FuseGeluPass(),
         FuseAttentionPass(),

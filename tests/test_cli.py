@@ -41,10 +41,9 @@ def test_export_run_inspect(tmp_path, capsys):
     assert main(["inspect", str(out)]) == 0
     text = capsys.readouterr().out
     norm = report["fusions"]["norm"]
-    assert "Softmax" in text
-    assert "attention  0/2" in text and f"norm       {norm['fused']}/5" in text
-    first_miss = report["fusions"]["attention"]["missed"][0]["module"]
-    assert first_miss and f"missed attention in {first_miss}:" in text
+    assert "com.microsoft::GroupQueryAttention  2" in text and "Softmax" not in text
+    assert "attention  2/2" in text and f"norm       {norm['fused']}/5" in text
+    assert "fused attention in decoder.blocks.1.attn: GroupQueryAttention" in text
     for layer in report["fusions"]["norm"]["fused_layers"]:  # folded norms, per layer
         assert f"fused norm in {layer['module']}: {layer['op']}" in text
     assert norm["fused"] == 5 and "fused norm in decoder.blocks.0.ln_1" in text

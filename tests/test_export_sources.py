@@ -36,12 +36,15 @@ def _check_artifact(result, *, files=("model.onnx",)):
 
 def test_preset_exports_with_parity(gpt_artifact):
     report = _check_artifact(gpt_artifact)
-    # gpt-tiny: 2 layers → 2 attention cores (unfused today), 5 LayerNorms (2 per block + final)
-    assert report["fusions"]["attention"]["total"] == 2
-    assert report["fusions"]["norm"]["total"] == 5
-    misses = report["fusions"]["attention"]["missed"]
-    modules = [m["module"] for m in misses]  # one per layer, named after its PyTorch module
-    assert len(set(modules)) == 2 and all("0" in modules[0] and "1" in modules[1] for _ in "x")
+    # gpt-tiny: 2 layers → 2 attention cores, 5 LayerNorms (2 per block + final), all fused
+    fusions = report["fusions"]
+    assert (fusions["attention"]["fused"], fusions["attention"]["total"]) == (2, 2)
+    assert (fusions["norm"]["fused"], fusions["norm"]["total"]) == (5, 5)
+    layers = fusions["attention"]["fused_layers"]  # one per layer, named after its module
+    assert [(x["module"], x["op"]) for x in layers] == [
+        ("decoder.blocks.0.attn", "GroupQueryAttention"),
+        ("decoder.blocks.1.attn", "GroupQueryAttention"),
+    ]
     manifest = gpt_artifact.manifest
     assert manifest["inputs"] == [
         {"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"]}
@@ -76,12 +79,10 @@ def test_hf_directory(hf_gpt2_dir, tmp_path):
     result = tfgraph.export(str(hf_gpt2_dir), tmp_path / "hf")
     report = _check_artifact(result)
     assert result.manifest["outputs"][0]["shape"] == ["batch", "sequence", 50257]
-    assert report["fusions"]["attention"]["total"] == 2
+    assert report["fusions"]["attention"]["fused"] == report["fusions"]["attention"]["total"] == 2
     assert report["fusions"]["norm"]["total"] == 5
-    assert all(
-        m["module"].startswith("model.transformer.h.")
-        for m in report["fusions"]["attention"]["missed"]
-    )
+    modules = [x["module"] for x in report["fusions"]["attention"]["fused_layers"]]
+    assert modules == ["model.transformer.h.0.attn", "model.transformer.h.1.attn"]
 
 
 def _save(tmp_path, cls_name, config_name, **config):

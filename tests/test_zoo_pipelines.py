@@ -82,6 +82,8 @@ def test_preset_all_profiles(name, tmp_path):
     _assert_parity(ort)
     _assert_norms_folded(ort, ORT_NORM_OPS)
     _assert_attention_fused(ort, "ort", _attention_cores(cfg))
+    if cfg.family == "decoder" and cfg.head_dim % 8 == 0:  # causal self-attention only
+        assert set(ort["ops"]) & ATTENTION_OPS["ort"] == {"com.microsoft::GroupQueryAttention"}
     seed = cfg.norm == "layernorm-seed"
     if not seed:
         assert ort["fusions"]["norm"]["fused"] == norms_before  # every norm found was folded
