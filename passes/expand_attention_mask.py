@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from .rewrite_utils import insert_tape
+
 
 class ExpandAttentionMaskPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -42,11 +44,7 @@ class ExpandAttentionMaskPass(ir.passes.InPlacePass):
             )
             shape = tape.op("Concat", [ones, seq, one], {"axis": 0})
             expanded = tape.op("Expand", [mask, shape])
-            for init in tape.initializers:
-                model.graph.register_initializer(init)
-            model.graph.insert_before(node, tape.nodes)
-            for n in tape.nodes:
-                n.metadata_props.update(node.metadata_props)
+            insert_tape(model.graph, node, tape)
             node.replace_input_with(3, expanded)
             count += 1
         return ir.passes.PassResult(model, modified=bool(count))

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from .rewrite_utils import DOMAIN, FUSED_AS_KEY, mark_missed, replace_value
+from .rewrite_utils import DOMAIN, FUSED_AS_KEY, insert_tape, mark_missed, replace_value
 
 logger = logging.getLogger(__name__)
 
@@ -127,12 +127,7 @@ class LowerAttentionPass(ir.passes.InPlacePass):
             if self.profile == "onnx":
                 missed = f"ONNX Attention needs opset 23; this graph is opset {opset}"
         y.shape, y.type = node.outputs[0].shape, node.outputs[0].type
-        for initializer in b.tape.initializers:
-            graph.register_initializer(initializer)
-        graph.insert_before(node, b.tape.nodes)
-        for new in b.tape.nodes:
-            for key, value in node.metadata_props.items():
-                new.metadata_props.setdefault(key, value)
+        insert_tape(graph, node, b.tape)
         softmax = next((n for n in b.tape.nodes if n.op_type == "Softmax"), None)
         if missed is not None:
             mark_missed(softmax, missed)

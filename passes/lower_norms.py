@@ -30,7 +30,7 @@ import logging
 
 import onnx_ir as ir
 
-from .rewrite_utils import DOMAIN, mark_missed, replace_value
+from .rewrite_utils import DOMAIN, insert_tape, mark_missed, replace_value
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +86,10 @@ class LowerNormsPass(ir.passes.InPlacePass):
             y, total = new[0], new[3]
             _keep_type(node.outputs[0], y)
             _keep_type(add.outputs[0], total)
-            _insert(graph, node, tape)
+            insert_tape(graph, node, tape)
             replace_value(node.outputs[0], y)
             replace_value(add.outputs[0], total)
             graph.remove([node, add], safe=True)
-            _copy_metadata(node, tape.nodes)
             return op
         if not rms:
             inputs = [x, scale] + ([bias] if bias is not None else [])
@@ -118,8 +117,7 @@ class LowerNormsPass(ir.passes.InPlacePass):
             square_mean = next(n for n in tape.nodes if n.op_type == "ReduceMean")
             mark_missed(square_mean, reason)
         _keep_type(node.outputs[0], y)
-        _insert(graph, node, tape)
-        _copy_metadata(node, tape.nodes)
+        insert_tape(graph, node, tape)
         replace_value(node.outputs[0], y)
         graph.remove(node, safe=True)
         return op
@@ -129,18 +127,6 @@ def _keep_type(old: ir.Value, new: ir.Value) -> None:
     """Later lowerings look at shapes (residual fusion): keep what was known."""
     new.shape = old.shape
     new.type = old.type
-
-
-def _insert(graph: ir.Graph, before: ir.Node, tape: ir.tape.Tape) -> None:
-    for initializer in tape.initializers:
-        graph.register_initializer(initializer)
-    graph.insert_before(before, tape.nodes)
-
-
-def _copy_metadata(source: ir.Node, nodes) -> None:
-    for n in nodes:
-        for key, value in source.metadata_props.items():
-            n.metadata_props.setdefault(key, value)
 
 
 def _residual_add(graph: ir.Graph, x: ir.Value) -> ir.Node | None:

@@ -73,6 +73,17 @@ def diagnose(
     return str(best.match_result.reason)
 
 
+def insert_tape(graph: ir.Graph, before: ir.Node, tape: ir.tape.Tape) -> None:
+    """Insert a tape's nodes (and initializers) in front of ``before``, carrying its metadata
+    (the PyTorch module name) onto every new node, so reports keep naming the layer."""
+    for initializer in tape.initializers:
+        graph.register_initializer(initializer)
+    graph.insert_before(before, tape.nodes)
+    for node in tape.nodes:
+        for key, value in before.metadata_props.items():
+            node.metadata_props.setdefault(key, value)
+
+
 def replace_value(old: ir.Value, new: ir.Value) -> None:
     """Point every use of ``old`` at ``new``; a graph output keeps its name."""
     name = old.name if old.is_graph_output() else None
