@@ -17,6 +17,7 @@ fragile. Instead, for each ``tfgraph.Attention`` with a bias input:
    - it changes with the token ids (Shaw's ``q·r``, computed from activations): kept,
      ``bias_kind="additive"``; a bias computed from a fused op's output is not evaluated.
 3. A classification that differs between the two sizes keeps the bias as ``additive``.
+4. A node that is causal already (ONNX ``Attention``'s ``is_causal``) stays causal.
 
 The result is a measured fact, so the report can say exactly what each layer's mask is.
 """
@@ -53,8 +54,8 @@ def _feeds(graph: onnx.GraphProto, size: int, pad: bool, token: int = 0) -> dict
         dtype = onnx.helper.tensor_dtype_to_np_dtype(inp.type.tensor_type.elem_type)
         if "mask" in inp.name:
             value = np.ones(shape, dtype=dtype)
-            if pad and value.ndim == 2:
-                value[-1, -1] = 0
+            if pad and value.ndim >= 2:  # (B, S), or a 4-D mask fed as is (ONNX attn_mask)
+                value[(-1,) * value.ndim] = 0
         else:
             value = np.full(shape, token, dtype=dtype)
         feeds[inp.name] = value
@@ -201,7 +202,8 @@ class ClassifyAttentionBiasPass(ir.passes.InPlacePass):
                 attrs = {**attrs, "keep": True, "bias_kind": "additive"}
             elif not np.array_equal(np.asarray(padded[k]), np.asarray(runs[0][k])):
                 attrs = {**attrs, "keep": True, "bias_kind": "padding"}
-            node.attributes["causal"] = ir.AttrInt64("causal", attrs["causal"])
+            causal = max(attrs["causal"], node.attributes.get_int("causal", 0))  # is_causal stays
+            node.attributes["causal"] = ir.AttrInt64("causal", causal)
             node.attributes["window"] = ir.AttrInt64("window", attrs["window"])
             node.attributes["bias_kind"] = ir.AttrString("bias_kind", attrs["bias_kind"])
             if not attrs["keep"]:

@@ -1,4 +1,5 @@
-"""Recognize attention cores as ``tfgraph.Attention`` (see :mod:`.attention_rules`)."""
+"""Recognize attention cores as ``tfgraph.Attention`` (see :mod:`.attention_rules` and
+:mod:`.onnx_attention_rules`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 from onnxscript.rewriter import RewriteRuleSet
 
-from . import attention_rules
+from . import attention_rules, onnx_attention_rules
 from .rewrite_utils import apply_rules, diagnose, mark_missed
 
 logger = logging.getLogger(__name__)
@@ -18,18 +19,20 @@ class FuseAttentionPass(ir.passes.InPlacePass):
     """Fuse every attention core into one ``tfgraph.Attention``.
 
     1. ``MatMul(Softmax(scale·Q·Kᵀ [+ bias]), V)`` in any of its exported forms becomes
-       ``tfgraph.Attention(Q, Transpose(Kᵀ), V[, bias])``.
+       ``tfgraph.Attention(Q, Transpose(Kᵀ), V[, bias])``; so does a standard ONNX
+       ``Attention`` (SDPA exported at opset ≥ 23), to be lowered for the profile like the rest.
     2. Layout cleanup: the transpose of Kᵀ cancels against the ones that built it (plain or
        SDPA's 3-D view), and a ``repeat_interleave`` of K and V (GQA/MQA) is absorbed into
        ``kv_num_heads``.
-    3. Each attention core left unfused (a ``Softmax`` still in the graph) gets the reason the
-       rules failed on it.
+    3. Each attention core left unfused (a ``Softmax``, or an ONNX ``Attention``, still in the
+       graph) gets the reason the rules failed on it.
 
     ``modified`` is True only when a core was fused.
     """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         count = apply_rules(model, RewriteRuleSet(attention_rules.CORE_RULES))
+        count += apply_rules(model, RewriteRuleSet(onnx_attention_rules.RULES))
         if count:
             for _ in range(2):  # cancel transposes, drop the Identity, then absorb repeat_kv
                 apply_rules(model, RewriteRuleSet(attention_rules.LAYOUT_RULES))
@@ -39,5 +42,7 @@ class FuseAttentionPass(ir.passes.InPlacePass):
             if node.op_type == "Softmax" and node.domain in ("", "ai.onnx"):
                 reason = diagnose(model, attention_rules.CORE_RULES, node, depth=3)
                 mark_missed(node, reason)
+            elif node.op_type == "Attention" and node.domain in ("", "ai.onnx"):
+                mark_missed(node, diagnose(model, onnx_attention_rules.RULES, node, depth=0))
         logger.info("fused %d attention cores", count)
         return ir.passes.PassResult(model, modified=bool(count))

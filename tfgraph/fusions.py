@@ -2,7 +2,9 @@
 
 A *candidate* is a place where a fused kernel could run:
 - ``attention``: every fused attention op, plus every ``Softmax`` left in the graph (each one is
-  an unfused attention core: scores → softmax → ·V).
+  an unfused attention core: scores → softmax → ·V). A standard ``Attention`` that the
+  recognition pass could not take over (it carries a miss reason) counts as missed, not fused:
+  it was not lowered for the profile.
 - ``norm``: every normalization op, plus every decomposed norm left in the graph, found by its
   ``ReduceMean`` of a square (``Pow(x, 2)`` or ``Mul(x, x)``: the variance of LayerNorm, the mean
   square of RMSNorm; one per norm).
@@ -77,7 +79,13 @@ def is_norm_candidate(node: ir.Node) -> bool:
 def _unfused_candidates(kind: str, model: ir.Model) -> set[int]:
     if kind == "attention":
         return {
-            id(n) for n in model.graph if n.domain in ("", "ai.onnx") and n.op_type == "Softmax"
+            id(n)
+            for n in model.graph
+            if n.domain in ("", "ai.onnx")
+            and (
+                n.op_type == "Softmax"
+                or (n.op_type == "Attention" and MISS_REASON_KEY in n.metadata_props)
+            )
         }
     if kind == "gelu":
         from tfgraph.passes.fuse_gelu import unfused_gelu_candidates
@@ -93,7 +101,8 @@ def count_fusions(model: ir.Model, pipeline: str = "default") -> dict:
         fused, missed = [], []
         unfused = _unfused_candidates(kind, model)
         for node in model.graph:  # fused ops live in the main graph
-            if (node.domain if node.domain != "ai.onnx" else "", node.op_type) in fused_ops:
+            key = (node.domain if node.domain != "ai.onnx" else "", node.op_type)
+            if key in fused_ops and id(node) not in unfused:
                 fused.append({"module": module_name(node), "op": node.op_type})
             elif id(node) in unfused and FUSED_AS_KEY in node.metadata_props:
                 fused.append({"module": module_name(node), "op": node.metadata_props[FUSED_AS_KEY]})
