@@ -21,6 +21,7 @@ from .expand_attention_mask import ExpandAttentionMaskPass
 from .fuse_attention import FuseAttentionPass
 from .fuse_gelu import FuseGeluPass
 from .fuse_norms import FuseNormsPass
+from .insert_kv_cache import InsertKVCachePass
 from .lower_attention import LowerAttentionPass
 from .lower_gelu import LowerGeluPass
 from .lower_norms import PROFILES, LowerNormsPass
@@ -67,8 +68,21 @@ PIPELINES: dict[str, Callable[[str], list[ir.passes.PassBase]]] = {
 }
 
 
-def get_pipeline(name: str, profile: str = "ort") -> list[ir.passes.PassBase]:
-    """A fresh list of pass instances for a pipeline and profile; ``KeyError`` if unknown."""
+def get_pipeline(
+    name: str, profile: str = "ort", *, kv_cache: bool = False
+) -> list[ir.passes.PassBase]:
+    """A fresh list of pass instances for a pipeline and profile; ``KeyError`` if unknown.
+
+    ``kv_cache`` adds :class:`InsertKVCachePass` after the attention biases are classified
+    (it works on the canonical ``tfgraph.Attention``, so only pipelines that fuse take it;
+    ``ValueError`` otherwise).
+    """
     if profile not in PROFILES:
         raise KeyError(profile)
-    return PIPELINES[name](profile)
+    passes = PIPELINES[name](profile)
+    if kv_cache:
+        at = [i for i, p in enumerate(passes) if isinstance(p, ClassifyAttentionBiasPass)]
+        if not at:
+            raise ValueError(f"the KV cache needs fused attention; pipeline '{name}' fuses none")
+        passes.insert(at[0] + 1, InsertKVCachePass())
+    return passes

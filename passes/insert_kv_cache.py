@@ -1,0 +1,347 @@
+"""Insert a KV cache into a fused decoder graph, for any model definition.
+
+Runs on canonical ``tfgraph.Attention`` ops (after recognition and bias classification, before
+lowering). The graph keeps its inputs and outputs and gains, per causal self-attention layer i
+(in graph order):
+
+- inputs ``past_key_values.{i}.key`` / ``.value``: (batch, kv_heads, past_sequence, head_dim);
+- outputs ``present.{i}.key`` / ``.value``: (batch, kv_heads, total_sequence, head_dim), the
+  past followed by the new tokens' keys and values (what the next step feeds back as past).
+
+Past length 0 is valid, so one graph serves prefill and decode. ``attention_mask`` (any input
+whose name contains ``mask`` and that carries the sequence axis) then spans past + new tokens.
+
+How positions, masks and biases follow, without knowing how the model computes them:
+values are split into
+
+- *token* values: computed from the token inputs (``input_ids``, ``position_ids``, …); their
+  sequence axis stays the T new tokens;
+- *machinery*: computed from shapes and masks only (position indices, RoPE tables, learned or
+  sinusoidal position rows, causal masks, ALiBi and relative biases, padding masks). Every
+  length a machinery value took from a token shape becomes L = past + T: the machinery is
+  cloned with ``Shape(x)`` of a token value offset by the past length on its sequence axis.
+
+Where machinery meets token data (``Add`` of position rows, ``Mul`` by cos/sin, a bias into the
+attention), the clone's query-side sequence axes are sliced to their last T entries: the new
+tokens' positions P … L − 1. An attention bias keeps its key axis at L, bottom-right aligned
+with the keys ``Concat(past, new)``. Shape arguments of token ops (``Reshape`` targets and the
+like) keep T. A layer that cannot be cached (not causal, a bias computed from the tokens such
+as Shaw's ``q·r``, unknown shapes) raises :class:`KVCacheError` naming the layer and the reason;
+nothing is half-rewritten, because the checks run before any change.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx_ir as ir
+import onnx_ir.passes.common as common
+
+from .rewrite_utils import DOMAIN
+
+logger = logging.getLogger(__name__)
+
+PAST_KEY, PAST_VALUE = "past_key_values.{}.key", "past_key_values.{}.value"
+PRESENT_KEY, PRESENT_VALUE = "present.{}.key", "present.{}.value"
+PAST_DIM, TOTAL_DIM = "past_sequence", "total_sequence"
+# The sequence symbol of the tokens the cache grows along: the decoder's, when there is one.
+SEQUENCE_INPUTS = ("decoder_input_ids", "input_ids")
+# Inputs of token ops that are shapes, not data: they keep the new tokens' length T.
+SHAPE_SLOTS = {
+    ("Reshape", 1),
+    ("Expand", 1),
+    ("Tile", 1),
+    ("Pad", 1),
+    ("Slice", 1),
+    ("Slice", 2),
+    ("Slice", 3),
+    ("Slice", 4),
+    ("Squeeze", 1),
+    ("Unsqueeze", 1),
+    ("Split", 1),
+    ("ConstantOfShape", 0),
+    ("Range", 0),
+    ("Range", 1),
+    ("Range", 2),
+}
+BIAS_SLOT = 3  # tfgraph.Attention(Q, K, V, bias)
+INT64_MAX = np.iinfo(np.int64).max
+
+
+class KVCacheError(ValueError):
+    """The graph cannot take a KV cache; the message names the layer and the reason."""
+
+
+def _is_attention(node: ir.Node) -> bool:
+    return node.domain == DOMAIN and node.op_type == "Attention"
+
+
+def _module(node: ir.Node) -> str:
+    from tfgraph.trace import module_name  # the report's naming of layers
+
+    return module_name(node) or node.name or node.op_type
+
+
+def sequence_symbol(graph: ir.Graph) -> str:
+    """The symbol of the axis the cache grows along (axis 1 of the decoder's token ids)."""
+    by_name = {v.name: v for v in graph.inputs}
+    for name in SEQUENCE_INPUTS:
+        value = by_name.get(name)
+        if value is not None and value.shape is not None and len(value.shape) == 2:
+            dim = value.shape[1]
+            if isinstance(dim, ir.SymbolicDim) and dim.value:
+                return dim.value
+    raise KVCacheError(
+        "no token input with a dynamic sequence axis (input_ids or decoder_input_ids); "
+        "export with a dynamic sequence length"
+    )
+
+
+def _has(value: ir.Value | None, seq: str) -> bool:
+    return value is not None and value.shape is not None and seq in _dims(value)
+
+
+def _dims(value: ir.Value) -> list:
+    return [d.value if isinstance(d, ir.SymbolicDim) else d for d in value.shape]
+
+
+class _Analysis:
+    """Token values, machinery values and the cacheable attention layers of a graph."""
+
+    def __init__(self, graph: ir.Graph, seq: str) -> None:
+        self.graph, self.seq = graph, seq
+        self.masks = [v for v in graph.inputs if "mask" in (v.name or "").lower() and _has(v, seq)]
+        roots = [v for v in graph.inputs if _has(v, seq) and v not in self.masks]
+        self.token: set[ir.Value] = set(roots)
+        self.machinery: set[ir.Value] = set(self.masks)
+        for node in graph:  # graph order is topological
+            inputs = [v for v in node.inputs if v is not None]
+            if node.op_type == "Shape" and node.domain in ("", "ai.onnx"):
+                src = inputs[0]
+                if src in self.machinery or (src in self.token and self._shape_has_seq(node)):
+                    self.machinery.update(node.outputs)
+                continue
+            if any(v in self.token for v in inputs):
+                self.token.update(node.outputs)
+            elif any(v in self.machinery for v in inputs):
+                self.machinery.update(node.outputs)
+        self.layers = [n for n in graph if _is_attention(n) and _has(n.inputs[1], seq)]
+
+    def _shape_has_seq(self, node: ir.Node) -> bool:
+        src = node.inputs[0]
+        if src.shape is None:
+            raise KVCacheError(
+                f"{_module(node)}: the shape of '{src.name}' is unknown, so its sequence axis "
+                "cannot be offset by the past length"
+            )
+        rank = len(src.shape)
+        start = node.attributes.get_int("start", 0)
+        end = node.attributes.get_int("end", rank)
+        return self.seq in _dims(src)[slice(start, end)]
+
+    def check(self) -> None:
+        if not self.layers:
+            raise KVCacheError(
+                "no fused self-attention over the token sequence: the KV cache needs every "
+                "attention layer fused (see the report's fusions.attention.missed)"
+            )
+        for node in self.graph:
+            if node.domain in ("", "ai.onnx") and node.op_type == "Softmax":
+                if node.inputs[0] in self.token and _has(node.inputs[0], self.seq):
+                    raise KVCacheError(
+                        f"{_module(node)}: an attention core is not fused (a Softmax over the "
+                        "tokens remains); the KV cache needs every attention layer fused"
+                    )
+            if node.op_type in ("Size",) and any(v in self.token for v in node.inputs):
+                raise KVCacheError(f"{_module(node)}: Size of a token tensor is not supported")
+        for node in self.layers:
+            q, k, v = node.inputs[:3]
+            if not node.attributes.get_int("causal", 0):
+                raise KVCacheError(
+                    f"{_module(node)}: self-attention over the tokens is not causal, so new "
+                    "tokens would change earlier ones; a KV cache does not apply"
+                )
+            for name, value in (("Q", q), ("K", k), ("V", v)):
+                if value.shape is None or len(value.shape) != 4 or _dims(value)[2] != self.seq:
+                    raise KVCacheError(
+                        f"{_module(node)}: {name} is not (batch, heads, sequence, head_dim)"
+                    )
+            if not all(isinstance(d, int) for d in _dims(k)[1::2]):
+                raise KVCacheError(f"{_module(node)}: K's head count or head size is not static")
+            bias = node.inputs[BIAS_SLOT] if len(node.inputs) > BIAS_SLOT else None
+            if bias is not None and bias in self.token and _dims_or_none(bias, self.seq):
+                raise KVCacheError(
+                    f"{_module(node)}: the attention bias is computed from the tokens "
+                    f"({node.attributes.get_string('bias_kind', 'additive')}, e.g. Shaw's "
+                    "q·r): caching it is not supported"
+                )
+
+
+def _dims_or_none(value: ir.Value, seq: str) -> bool:
+    return value.shape is None or seq in _dims(value)
+
+
+class _Rewriter:
+    """Clones machinery at length L = past + T and rewires junctions to its last T rows."""
+
+    def __init__(self, analysis: _Analysis, past_len: ir.Value) -> None:
+        self.a, self.past_len = analysis, past_len
+        self.memo: dict[ir.Value, ir.Value] = {m: m for m in analysis.masks}
+        self.pending: list[ir.Node] = []
+        self._consts = 0
+
+    def const(self, array: np.ndarray) -> ir.Value:
+        self._consts += 1
+        node = ir.node("Constant", [], {"value": ir.tensor(array, name=f"kv_c{self._consts}")})
+        self.pending.append(node)
+        return node.outputs[0]
+
+    def add(self, op: str, inputs: list, attributes: dict | None = None) -> ir.Value:
+        node = ir.node(op, inputs, attributes or {})
+        self.pending.append(node)
+        return node.outputs[0]
+
+    def full(self, value: ir.Value) -> ir.Value:
+        """``value`` recomputed with every token length T replaced by L."""
+        if value in self.memo:
+            return self.memo[value]
+        node = value.producer()
+        if node is None:  # a graph input that is machinery is a mask: already at L
+            return value
+        if node.op_type == "Shape" and node.inputs[0] in self.a.token:
+            src = node.inputs[0]
+            rank = len(src.shape)
+            start = node.attributes.get_int("start", 0) % (rank or 1)
+            end = node.attributes.get_int("end", rank)
+            end = end % rank if end < 0 else min(end, rank)
+            onehot = np.array([int(d == self.a.seq) for d in _dims(src)[start:end]], np.int64)
+            offset = self.add("Mul", [self.const(onehot), self.past_len])
+            out = self.add("Add", [value, offset])
+            self.memo[value] = out
+            return out
+        if any(
+            attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+            for attr in node.attributes.values()
+        ):
+            raise KVCacheError(
+                f"{_module(node)}: position or mask computation inside control flow "
+                f"({node.op_type}) is not supported"
+            )
+        inputs = [
+            self.full(v) if v is not None and v in self.a.machinery else v for v in node.inputs
+        ]
+        clone = ir.Node(
+            node.domain,
+            node.op_type,
+            inputs,
+            attributes=[ir.Attr(a.name, a.type, a.value) for a in node.attributes.values()],
+            num_outputs=len(node.outputs),
+            version=node.version,
+            name=f"{node.name}__total" if node.name else None,
+            metadata_props=dict(node.metadata_props),
+        )
+        for old, new in zip(node.outputs, clone.outputs, strict=True):
+            new.type = old.type
+            if old.shape is not None:
+                new.shape = ir.Shape([TOTAL_DIM if d == self.a.seq else d for d in _dims(old)])
+            if old.name:
+                new.name = f"{old.name}__total"
+            self.memo[old] = new
+        self.pending.append(clone)
+        return self.memo[value]
+
+    def last_rows(self, value: ir.Value, axes: list[int]) -> ir.Value:
+        """The clone of ``value`` at L, sliced to its last T entries along ``axes``."""
+        full = self.full(value)
+        if not axes:
+            return full
+        starts = (
+            self.past_len
+            if len(axes) == 1
+            else self.add("Concat", [self.past_len] * len(axes), {"axis": 0})
+        )
+        ends = self.const(np.full(len(axes), INT64_MAX, np.int64))
+        out = self.add("Slice", [full, starts, ends, self.const(np.array(axes, np.int64))])
+        out.type = value.type
+        dims = [
+            self.a.seq if i in axes else (TOTAL_DIM if d == self.a.seq else d)
+            for i, d in enumerate(_dims(value))
+        ]
+        out.shape = ir.Shape(dims)
+        return out
+
+
+class InsertKVCachePass(ir.passes.InPlacePass):
+    """Give every causal self-attention layer past/present KV (see the module docstring).
+
+    ``modified`` is False only for a graph that already has ``past_key_values`` inputs.
+    Raises :class:`KVCacheError` when a layer cannot be cached; the graph is then unchanged.
+    """
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        if any((v.name or "").startswith("past_key_values.") for v in graph.inputs):
+            return ir.passes.PassResult(model, modified=False)
+        seq = sequence_symbol(graph)
+        common.ShapeInferencePass()(model)  # shapes of values the fusion passes created
+        analysis = _Analysis(graph, seq)
+        analysis.check()
+        pasts = []
+        for i, node in enumerate(analysis.layers):
+            k, v = node.inputs[1], node.inputs[2]
+            batch, heads, _, size = _dims(k)
+            for name, value in ((PAST_KEY.format(i), k), (PAST_VALUE.format(i), v)):
+                past = ir.Value(
+                    name=name, type=value.type, shape=ir.Shape([batch, heads, PAST_DIM, size])
+                )
+                graph.inputs.append(past)
+                pasts.append(past)
+        shape_node = ir.node("Shape", [pasts[0]], {"start": 2, "end": 3})
+        graph.insert_before(next(iter(graph)), shape_node)
+        rewriter = _Rewriter(analysis, shape_node.outputs[0])
+        # Junctions: token ops reading machinery in a data slot get its last T rows.
+        for node in list(graph):
+            if not any(o in analysis.token for o in node.outputs):
+                continue
+            for index, value in enumerate(node.inputs):
+                if value is None or value not in analysis.machinery:
+                    continue
+                if (node.op_type, index) in SHAPE_SLOTS and node.domain in ("", "ai.onnx"):
+                    continue
+                if value.shape is None:
+                    raise KVCacheError(
+                        f"{_module(node)}: the shape of '{value.name}' is unknown, so its "
+                        "sequence axes cannot be told apart"
+                    )
+                dims = _dims(value)
+                if _is_attention(node) and index == BIAS_SLOT:
+                    axes = [len(dims) - 2] if dims[-2] == seq else []  # keys stay at L
+                else:
+                    axes = [i for i, d in enumerate(dims) if d == seq]
+                rewriter.pending.clear()
+                new = rewriter.last_rows(value, axes)
+                graph.insert_before(node, rewriter.pending)
+                for added in rewriter.pending:
+                    for key, prop in node.metadata_props.items():
+                        added.metadata_props.setdefault(key, prop)
+                node.replace_input_with(index, new)
+        # K and V: the past, then the new tokens; the concatenation is the present.
+        for i, node in enumerate(analysis.layers):
+            for slot, past, present in (
+                (1, pasts[2 * i], PRESENT_KEY.format(i)),
+                (2, pasts[2 * i + 1], PRESENT_VALUE.format(i)),
+            ):
+                new = node.inputs[slot]
+                concat = ir.node("Concat", [past, new], {"axis": 2})
+                out = concat.outputs[0]
+                out.name, out.type = present, new.type
+                out.shape = ir.Shape([TOTAL_DIM if d == seq else d for d in _dims(new)])
+                concat.metadata_props.update(node.metadata_props)
+                graph.insert_before(node, concat)
+                node.replace_input_with(slot, out)
+                graph.outputs.append(out)
+        for mask in analysis.masks:
+            mask.shape = ir.Shape([TOTAL_DIM if d == seq else d for d in _dims(mask)])
+        logger.info("KV cache inserted for %d attention layers", len(analysis.layers))
+        return ir.passes.PassResult(model, modified=True)
