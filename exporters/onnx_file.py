@@ -19,15 +19,23 @@ def weight_bytes(model: ir.Model) -> int:
     return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value)
 
 
-def save_onnx(model: ir.Model, directory: Path, *, external_data: bool | None = None) -> list[str]:
-    """Save into ``directory``; ``external_data=None`` decides by size. Returns the file names."""
+def save_onnx(
+    model: ir.Model,
+    directory: Path,
+    *,
+    external_data: bool | None = None,
+    name: str = MODEL_FILE,
+) -> list[str]:
+    """Save as ``directory/name``; ``external_data=None`` decides by size (the data file is
+    ``name + ".data"``). Returns the file names."""
     if external_data is None:
         # Leave headroom for the graph itself within the 2 GB protobuf message.
         external_data = weight_bytes(model) > PROTOBUF_LIMIT - 64 * 1024**2
-    path = directory / MODEL_FILE
+    path = directory / name
     if external_data:
-        logger.info("saving %s with external data %s", path, DATA_FILE)
-        ir.save(model, path, external_data=DATA_FILE)
-        return [MODEL_FILE, DATA_FILE]
+        data = DATA_FILE if name == MODEL_FILE else f"{name}.data"
+        logger.info("saving %s with external data %s", path, data)
+        ir.save(model, path, external_data=data)
+        return [name, data]
     ir.save(model, path)
-    return [MODEL_FILE]
+    return [name]

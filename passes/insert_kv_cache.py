@@ -32,6 +32,7 @@ nothing is half-rewritten, because the checks run before any change.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -39,6 +40,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 
 from .rewrite_utils import DOMAIN
+from .split_encoder import CROSS_KEY, CROSS_KV_KEY, CROSS_VALUE
 
 logger = logging.getLogger(__name__)
 
@@ -341,7 +343,29 @@ class InsertKVCachePass(ir.passes.InPlacePass):
                 graph.insert_before(node, concat)
                 node.replace_input_with(slot, out)
                 graph.outputs.append(out)
+        _name_cross_kv(model, analysis)
         for mask in analysis.masks:
             mask.shape = ir.Shape([TOTAL_DIM if d == seq else d for d in _dims(mask)])
         logger.info("KV cache inserted for %d attention layers", len(analysis.layers))
         return ir.passes.PassResult(model, modified=True)
+
+
+def _name_cross_kv(model: ir.Model, analysis: _Analysis) -> None:
+    """Name the K and V of each cross-attention (computed from the encoder only) so that
+    :func:`.split_encoder.split_encoder` can cut the graph there."""
+    names: list[str] = []
+    for node in model.graph:
+        if not _is_attention(node) or node in analysis.layers:
+            continue
+        k, v = node.inputs[1], node.inputs[2]
+        if any(x in analysis.token or x in analysis.machinery for x in (k, v)):
+            continue
+        if any(
+            x.is_graph_input() or x.is_graph_output() or x.const_value is not None for x in (k, v)
+        ):
+            continue
+        i = len(names) // 2
+        k.name, v.name = CROSS_KEY.format(i), CROSS_VALUE.format(i)
+        names += [k.name, v.name]
+    if names:
+        model.metadata_props[CROSS_KV_KEY] = json.dumps(names)

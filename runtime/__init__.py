@@ -1,5 +1,15 @@
-"""Run tfgraph artifacts: ONNX Runtime sessions (CPU by default; CUDA/TensorRT when installed)."""
+"""Run tfgraph artifacts: ONNX Runtime sessions (CPU by default; CUDA/TensorRT when installed)
+and token generation with KV-cached artifacts."""
 
+from .generate import CachedDecoder, Generation, GenerationConfig, generate
 from .session import PROVIDERS, Session, model_path
 
-__all__ = ["PROVIDERS", "Session", "model_path"]
+__all__ = [
+    "PROVIDERS",
+    "CachedDecoder",
+    "Generation",
+    "GenerationConfig",
+    "Session",
+    "generate",
+    "model_path",
+]

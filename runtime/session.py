@@ -58,6 +58,7 @@ class Session:
         import onnxruntime as ort
 
         self.path = model_path(path)
+        self.providers, self.threads = tuple(providers), threads
         available = ort.get_available_providers()
         chosen = []
         for name in providers:
@@ -91,6 +92,11 @@ class Session:
         self.output_names = [o.name for o in self._session.get_outputs()]
         self._input_types = {i.name: i.type for i in self._session.get_inputs()}
         logger.info("opened %s with %s", self.path, chosen)
+
+    @property
+    def ort_session(self):
+        """The underlying ``onnxruntime.InferenceSession`` (IO binding, metadata)."""
+        return self._session
 
     def run(self, inputs: Mapping[str, object]) -> dict[str, np.ndarray]:
         """Run on numpy arrays or torch tensors; returns ``{output name: numpy array}``."""

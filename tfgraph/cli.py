@@ -1,4 +1,7 @@
-"""``python -m tfgraph``: export, run, inspect, models. ``main(argv) -> int``; the CLI prints."""
+"""``python -m tfgraph``: export, run, generate, inspect, models.
+
+``main(argv) -> int``; the CLI prints, the library logs.
+"""
 
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ def _cmd_export(args) -> int:
         trust_remote_code=args.trust_remote_code,
         attn_implementation=args.attn_implementation,
         dump_after=args.dump_after,
+        kv_cache=args.kv_cache,
         tolerance=Tolerance(args.atol, args.rtol),
         progress=_progress(len(EXPORT_STEPS)),
     )
@@ -78,6 +82,18 @@ def _cmd_export(args) -> int:
     shapes = ", ".join(f"{b}x{s}" for b, s in parity["shapes"])
     print(f"parity vs eager PyTorch (batch x seq: {shapes}):")
     print(_table(rows, ["output", "max abs err", "max rel err", "tolerance", "result"]))
+    if report.get("kv_cache"):
+        rows = [
+            [
+                phase,
+                str(parity[phase]["cases"]),
+                f"{parity[phase]['max_abs_err']:.3g}",
+                "pass" if parity[phase]["passed"] else "FAIL",
+            ]
+            for phase in ("prefill", "decode")
+        ]
+        print(f"KV cache: prefill (empty past) and {parity['decode_steps']} decode steps:")
+        print(_table(rows, ["phase", "cases", "max abs err", "result"]))
     if not result.passed:
         print(f"error: parity failed; see {result.out_dir / 'report.json'}", file=sys.stderr)
         return 1
@@ -153,6 +169,9 @@ def _cmd_run(args) -> int:
             feeds[name] = ids
         elif name == "attention_mask":
             feeds[name] = np.ones_like(ids)
+        elif name.startswith("past_key_values."):  # a cached artifact: start from no past
+            meta = next(i for i in session.ort_session.get_inputs() if i.name == name)
+            feeds[name] = np.zeros((1, meta.shape[1], 0, meta.shape[3]), np.float32)
         elif name == "decoder_input_ids":
             dec = args.decoder_input_ids or "0"
             feeds[name] = np.array([_parse_ids(dec, "--decoder-input-ids")], dtype=np.int64)
@@ -174,6 +193,70 @@ def _cmd_run(args) -> int:
         np.savez(args.save, **outputs)
         print(f"saved outputs to {args.save}")
     return 0
+
+
+def _cmd_generate(args) -> int:
+    from tfgraph.runtime import CachedDecoder, GenerationConfig, Session, generate
+
+    decoder = CachedDecoder(Session(args.path, providers=args.provider))
+    tokenizer = None
+    if args.text is not None:
+        tokenizer = _load_tokenizer(args.path)
+        prompts = [tokenizer(t)["input_ids"] for t in args.text]
+    elif args.input_ids:
+        prompts = [_parse_ids(t, "--input-ids") for t in args.input_ids]
+    else:
+        raise TfgraphError('give a prompt: --input-ids "1 2 3" (or --text with a tokenizer)')
+    extra = {}
+    if decoder.token_input == "decoder_input_ids":  # encoder-decoder: prompts feed the encoder
+        from tfgraph.runtime.generate import left_pad
+
+        ids, mask = left_pad(prompts, args.pad_token_id)
+        extra = {"input_ids": ids, "attention_mask": mask}
+        prompts = [[args.decoder_start_token_id]] * len(prompts)
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_token_id=args.eos_token_id,
+        pad_token_id=args.pad_token_id,
+    )
+    start = time.perf_counter()
+
+    def progress(done: int) -> None:
+        if done % 16 == 0 or done == args.max_new_tokens:
+            print(f"[{done}/{args.max_new_tokens}] tokens …", file=sys.stderr, flush=True)
+
+    result = generate(decoder, prompts, config, extra=extra, progress=progress)
+    seconds = time.perf_counter() - start
+    for row, tokens in enumerate(result.tokens):
+        text = " ".join(map(str, tokens))
+        if tokenizer is not None:
+            text = tokenizer.decode(tokens)
+        print(f"[{row}] {text}")
+    total = sum(len(t) for t in result.tokens)
+    print(f"{total} tokens in {seconds:.2f} s ({total / seconds:.1f} tokens/s)", file=sys.stderr)
+    return 0
+
+
+def _load_tokenizer(path: str):
+    directory = Path(path)
+    directory = directory if directory.is_dir() else directory.parent
+    if not (directory / "tokenizer").is_dir():
+        raise TfgraphError(
+            f"'{directory}' carries no tokenizer (export from a Hugging Face directory that has "
+            "one); use --input-ids"
+        )
+    try:
+        import transformers
+    except ImportError as exc:
+        raise TfgraphError("--text needs transformers: pip install 'tfgraph[hf]'") from exc
+    return transformers.AutoTokenizer.from_pretrained(
+        directory / "tokenizer", local_files_only=True
+    )
 
 
 def models_table(markdown: bool = False) -> str:
@@ -248,6 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="allow a model directory's own Python code to run",
     )
+    p.add_argument(
+        "--kv-cache",
+        action="store_true",
+        help="decoders: add past/present KV inputs and outputs (for `generate`); parity then "
+        "checks prefill and decode steps",
+    )
     verbose(p)
     p.set_defaults(func=_cmd_export)
 
@@ -264,6 +353,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save", metavar="FILE.npz", help="save all outputs")
     verbose(p)
     p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("generate", help="generate tokens with a KV-cached artifact")
+    p.add_argument("path", help="artifact directory exported with --kv-cache")
+    p.add_argument(
+        "--input-ids",
+        action="append",
+        help='prompt token ids, e.g. "1 2 3"; repeat for a batch (left-padded)',
+    )
+    p.add_argument("--text", action="append", help="prompt text (the artifact's tokenizer)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--do-sample", action="store_true", help="sample instead of greedy")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0: off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--eos-token-id", type=int, default=None)
+    p.add_argument("--pad-token-id", type=int, default=0)
+    p.add_argument(
+        "--decoder-start-token-id",
+        type=int,
+        default=0,
+        help="encoder-decoder models: the first decoder token",
+    )
+    p.add_argument("--provider", action="append", default=None, help="cpu (default) or cuda")
+    verbose(p)
+    p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("inspect", help="op histogram, fusions and signature of an artifact")
     p.add_argument("path", help="artifact directory or .onnx file")

@@ -17,12 +17,15 @@ from pathlib import Path
 from tfgraph.exporters import check_target, save_onnx, staged_directory, write_json
 from tfgraph.passes import PROFILE_OPSET
 from tfgraph.passes.lower_norms import PROFILES
+from tfgraph.passes.split_encoder import split_encoder
+from tfgraph.runtime.generate import ENCODER_FILE
 
+from .cache_parity import check_cache_parity
 from .errors import TfgraphError
 from .fusions import count_fusions
 from .manifest import build_manifest
 from .parity import FP32, PARITY_SHAPES, Tolerance, check_parity
-from .pipeline import run_pipeline
+from .pipeline import check_model, run_pipeline
 from .sources import ModelSource, load_source
 from .trace import trace
 
@@ -58,6 +61,7 @@ def export(
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
     dump_after: str | None = None,
+    kv_cache: bool = False,
     progress: Callable[[str], None] = _no_progress,
 ) -> ExportResult:
     """Export ``model`` (a MODEL string as the CLI takes it, or a :class:`ModelSource`)."""
@@ -114,12 +118,20 @@ def export(
             check_each_pass=check_each_pass,
             dump_after=dump_after,
             dump_dir=stage,
+            kv_cache=kv_cache,
         )
         fusions = count_fusions(graph, pipeline)
-        files = step("save", save_onnx, graph, stage, external_data=external_data)
+        files = []
+        if kv_cache:
+            encoder = split_encoder(graph)  # encoder-decoder: the encoder runs once per prompt
+            if encoder is not None:
+                check_model(encoder, "split_encoder")
+                check_model(graph, "split_encoder")
+                files += save_onnx(encoder, stage, external_data=external_data, name=ENCODER_FILE)
+        files = step("save", save_onnx, graph, stage, external_data=external_data) + files
         parity = step(
             "parity",
-            check_parity,
+            check_cache_parity if kv_cache else check_parity,
             source,
             stage / files[0],
             shapes=parity_shapes,
@@ -128,6 +140,7 @@ def export(
         passes = [r.as_dict() for r in records]
         manifest = build_manifest(
             graph,
+            kv_cache=kv_cache,
             origin=source.origin,
             pipeline=pipeline,
             profile=profile,
@@ -140,7 +153,7 @@ def export(
             "source": source.info,
             "parity": parity,
             "fusions": fusions,
-            "kv_cache": False,
+            "kv_cache": kv_cache,
             "profile": profile,
             "opset": graph.opset_imports.get("", opset),
             "pipeline": pipeline,

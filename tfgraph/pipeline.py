@@ -13,6 +13,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 
 from tfgraph.passes import PIPELINES, get_pipeline
+from tfgraph.passes.insert_kv_cache import KVCacheError
 
 from .errors import TfgraphError
 
@@ -94,16 +95,24 @@ def run_pipeline(
     check_each_pass: bool = False,
     dump_after: str | None = None,
     dump_dir: Path | None = None,
+    kv_cache: bool = False,
 ) -> list[PassRecord]:
     """Apply pipeline ``name`` in place and return one record per pass."""
     if name not in PIPELINES:
         raise TfgraphError(f"unknown pipeline '{name}': choose one of {', '.join(PIPELINES)}")
+    try:
+        passes = get_pipeline(name, profile, kv_cache=kv_cache)
+    except ValueError as exc:
+        raise TfgraphError(f"{exc}: use --pipeline default with --kv-cache") from exc
     records = []
-    for p in get_pipeline(name, profile):
+    for p in passes:
         pass_name = type(p).__name__
         logger.debug("running pass %s", pass_name)
         start = time.perf_counter()
-        result = p(model)
+        try:
+            result = p(model)
+        except KVCacheError as exc:
+            raise TfgraphError(f"cannot insert a KV cache: {exc}") from exc
         seconds = time.perf_counter() - start
         records.append(PassRecord(pass_name, seconds, bool(result.modified)))
         logger.info("pass %s: %.3f s, modified=%s", pass_name, seconds, result.modified)
