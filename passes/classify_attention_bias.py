@@ -189,6 +189,9 @@ class ClassifyAttentionBiasPass(ir.passes.InPlacePass):
         modified = False
         for k, node in enumerate(nodes):
             if any(run[k] is None for run in runs):
+                if _split_off_mask(model, node):
+                    modified = True
+                    continue
                 node.metadata_props[CLASSIFIED_KEY] = "not evaluable"
                 continue
             found = [classify(run[k]) for run in runs]
@@ -212,3 +215,28 @@ class ClassifyAttentionBiasPass(ir.passes.InPlacePass):
             logger.debug("attention %s: %s", node.name, attrs)
             modified = True
         return ir.passes.PassResult(model, modified=modified)
+
+
+def _split_off_mask(model: ir.Model, node: ir.Node) -> bool:
+    """A bias that cannot be evaluated (computed from activations, like Shaw's ``q·r``) but is
+    ``Add(term, mask)`` with an evaluable pure causal/window ``mask``: state the mask as
+    ``causal``/``window`` and keep only ``term`` as the (``additive``) bias."""
+    add = node.inputs[3].producer()
+    if add is None or add.op_type != "Add" or add.domain not in ("", "ai.onnx"):
+        return False
+    for mask, term in ((add.inputs[1], add.inputs[0]), (add.inputs[0], add.inputs[1])):
+        runs = [evaluate_biases(model, [mask], size, pad=False)[0] for size in SIZES]
+        if any(r is None or np.ndim(r) < 2 for r in runs):
+            continue
+        if not all(r.shape[-1] == r.shape[-2] for r in runs):
+            continue
+        found = [classify(r) for r in runs]
+        if all(f == found[0] for f in found) and found[0]["causal"] and not found[0]["keep"]:
+            node.attributes["causal"] = ir.AttrInt64("causal", 1)
+            node.attributes["window"] = ir.AttrInt64("window", found[0]["window"])
+            node.attributes["bias_kind"] = ir.AttrString("bias_kind", "additive")
+            node.replace_input_with(3, term)
+            node.metadata_props[CLASSIFIED_KEY] = "additive (causal mask split off)"
+            logger.debug("attention %s: causal mask split off an activation bias", node.name)
+            return True
+    return False

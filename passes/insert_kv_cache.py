@@ -25,9 +25,11 @@ Where machinery meets token data (``Add`` of position rows, ``Mul`` by cos/sin, 
 attention), the clone's query-side sequence axes are sliced to their last T entries: the new
 tokens' positions P … L − 1. An attention bias keeps its key axis at L, bottom-right aligned
 with the keys ``Concat(past, new)``. Shape arguments of token ops (``Reshape`` targets and the
-like) keep T. A layer that cannot be cached (not causal, a bias computed from the tokens such
-as Shaw's ``q·r``, unknown shapes) raises :class:`KVCacheError` naming the layer and the reason;
-nothing is half-rewritten, because the checks run before any change.
+like) keep T. A bias computed from the tokens (Shaw's ``q·r``, through ``Einsum``/``MatMul``
+and elementwise ops) is followed back from the attention's key axis: the machinery it reads
+keeps L along the axes that become keys. A layer that cannot be cached (not causal, an op the
+walk cannot follow, unknown shapes) raises :class:`KVCacheError` naming the layer and the
+reason (``export`` then writes nothing).
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ class _Analysis:
             elif any(v in self.machinery for v in inputs):
                 self.machinery.update(node.outputs)
         self.layers = [n for n in graph if _is_attention(n) and _has(n.inputs[1], seq)]
+        self.key_values: dict[ir.Value, list[int]] = {}  # token values with an L key axis
 
     def _shape_has_seq(self, node: ir.Node) -> bool:
         src = node.inputs[0]
@@ -171,17 +174,103 @@ class _Analysis:
                     )
             if not all(isinstance(d, int) for d in _dims(k)[1::2]):
                 raise KVCacheError(f"{_module(node)}: K's head count or head size is not static")
-            bias = node.inputs[BIAS_SLOT] if len(node.inputs) > BIAS_SLOT else None
-            if bias is not None and bias in self.token and _dims_or_none(bias, self.seq):
-                raise KVCacheError(
-                    f"{_module(node)}: the attention bias is computed from the tokens "
-                    f"({node.attributes.get_string('bias_kind', 'additive')}, e.g. Shaw's "
-                    "q·r): caching it is not supported"
-                )
 
 
 def _dims_or_none(value: ir.Value, seq: str) -> bool:
     return value.shape is None or seq in _dims(value)
+
+
+ELEMENTWISE = {
+    "Add",
+    "Sub",
+    "Mul",
+    "Div",
+    "Where",
+    "Pow",
+    "Max",
+    "Min",
+    "Neg",
+    "Cast",
+    "Relu",
+    "Tanh",
+    "Sigmoid",
+    "Identity",
+    "Abs",
+    "Exp",
+    "Log",
+    "Sqrt",
+    "Reciprocal",
+    "Softplus",
+    "Clip",
+}
+
+
+def _input_key_axes(
+    node: ir.Node, index: int, value: ir.Value, out_keys: list[int], out_rank: int
+) -> list[int]:
+    """Axes of input ``index`` that feed the output's key axes (the attention's S axis)."""
+    rank = len(value.shape)
+    op = node.op_type
+    if op in ELEMENTWISE:
+        shift = out_rank - rank
+        return [a - shift for a in out_keys if a - shift >= 0 and _dims(value)[a - shift] != 1]
+    if op == "Transpose":
+        perm = node.attributes.get_ints("perm", list(reversed(range(rank))))
+        return [perm[a] for a in out_keys]
+    if op == "MatMul":
+        batch = [a for a in out_keys if a < out_rank - 2]
+        shift = out_rank - rank
+        mapped = [a - shift for a in batch if a - shift >= 0]
+        if index == 0:
+            return mapped + ([rank - 2] if out_rank - 2 in out_keys else [])
+        return mapped + ([rank - 1] if out_rank - 1 in out_keys else [])
+    if op == "Einsum":
+        inputs, output = node.attributes.get_string("equation").replace(" ", "").split("->")
+        letters = inputs.split(",")[index]
+        keys = {output[a] for a in out_keys}
+        return [i for i, letter in enumerate(letters) if letter in keys]
+    raise KVCacheError(
+        f"{_module(node)}: the attention bias is computed from the tokens through {op}, "
+        "which the KV cache cannot follow"
+    )
+
+
+def _key_axes(analysis: _Analysis) -> dict[tuple[ir.Node, int], list[int]]:
+    """For a bias computed from the tokens (Shaw's ``q·r``): walk back from each attention's
+    bias and find, per machinery input on the way, the axes that become the key axis. Those
+    keep length L; the token values on the way get an L key axis too
+    (``analysis.key_values``)."""
+    keys: dict[ir.Value, list[int]] = {}
+    for node in analysis.layers:
+        bias = node.inputs[BIAS_SLOT] if len(node.inputs) > BIAS_SLOT else None
+        if bias is not None and bias in analysis.token and _has(bias, analysis.seq):
+            if _dims(bias)[-1] == analysis.seq:
+                keys[bias] = [len(bias.shape) - 1]
+    junctions: dict[tuple[ir.Node, int], list[int]] = {}
+    for node in reversed(list(analysis.graph)):
+        out = next((o for o in node.outputs if o in keys), None)
+        if out is None or _is_attention(node):
+            continue
+        for index, value in enumerate(node.inputs):
+            if value is None or (value not in analysis.token and value not in analysis.machinery):
+                continue
+            if value.shape is None:
+                raise KVCacheError(f"{_module(node)}: the shape of '{value.name}' is unknown")
+            axes = _input_key_axes(node, index, value, keys[out], len(out.shape))
+            axes = [a for a in axes if _dims(value)[a] == analysis.seq]
+            if not axes:
+                continue
+            if value in analysis.machinery:
+                junctions[(node, index)] = axes
+            elif value.producer() is None:
+                raise KVCacheError(
+                    f"{_module(node)}: the attention bias needs input '{value.name}' for past "
+                    "tokens, which the cache does not keep"
+                )
+            else:
+                keys[value] = sorted(set(keys.get(value, [])) | set(axes))
+    analysis.key_values = keys
+    return junctions
 
 
 class _Rewriter:
@@ -278,7 +367,10 @@ class InsertKVCachePass(ir.passes.InPlacePass):
     """Give every causal self-attention layer past/present KV (see the module docstring).
 
     ``modified`` is False only for a graph that already has ``past_key_values`` inputs.
-    Raises :class:`KVCacheError` when a layer cannot be cached; the graph is then unchanged.
+    Raises :class:`KVCacheError` when a layer cannot be cached. The layer checks run first;
+    a few cases (control flow in a mask computation, a value without a shape) only show while
+    rewriting, and leave the graph partly rewritten: callers abandon it (``export`` writes
+    nothing).
     """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -289,6 +381,7 @@ class InsertKVCachePass(ir.passes.InPlacePass):
         common.ShapeInferencePass()(model)  # shapes of values the fusion passes created
         analysis = _Analysis(graph, seq)
         analysis.check()
+        junction_keys = _key_axes(analysis)
         pasts = []
         for i, node in enumerate(analysis.layers):
             k, v = node.inputs[1], node.inputs[2]
@@ -302,6 +395,10 @@ class InsertKVCachePass(ir.passes.InPlacePass):
         shape_node = ir.node("Shape", [pasts[0]], {"start": 2, "end": 3})
         graph.insert_before(next(iter(graph)), shape_node)
         rewriter = _Rewriter(analysis, shape_node.outputs[0])
+        for value, axes in analysis.key_values.items():  # a token bias now spans L keys
+            value.shape = ir.Shape(
+                [TOTAL_DIM if i in axes else d for i, d in enumerate(_dims(value))]
+            )
         # Junctions: token ops reading machinery in a data slot get its last T rows.
         for node in list(graph):
             if not any(o in analysis.token for o in node.outputs):
@@ -317,10 +414,10 @@ class InsertKVCachePass(ir.passes.InPlacePass):
                         "sequence axes cannot be told apart"
                     )
                 dims = _dims(value)
+                key_axes = junction_keys.get((node, index), [])
                 if _is_attention(node) and index == BIAS_SLOT:
-                    axes = [len(dims) - 2] if dims[-2] == seq else []  # keys stay at L
-                else:
-                    axes = [i for i, d in enumerate(dims) if d == seq]
+                    key_axes = [len(dims) - 1]  # keys stay at L
+                axes = [i for i, d in enumerate(dims) if d == seq and i not in key_axes]
                 rewriter.pending.clear()
                 new = rewriter.last_rows(value, axes)
                 graph.insert_before(node, rewriter.pending)
