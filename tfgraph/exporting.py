@@ -9,6 +9,7 @@ parity fails is still written (its report says why), and :attr:`ExportResult.pas
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -129,6 +130,7 @@ def export(
                 check_model(graph, "split_encoder")
                 files += save_onnx(encoder, stage, external_data=external_data, name=ENCODER_FILE)
         files = step("save", save_onnx, graph, stage, external_data=external_data) + files
+        files += _copy_tokenizer(source, stage)
         parity = step(
             "parity",
             check_cache_parity if kv_cache else check_parity,
@@ -163,3 +165,31 @@ def export(
         write_json(stage / "manifest.json", manifest)
         write_json(stage / "report.json", report)
     return ExportResult(out_dir, manifest, report)
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "spiece.model",
+    "tokenizer.model",
+    "added_tokens.json",
+)
+
+
+def _copy_tokenizer(source: ModelSource, stage: Path) -> list[str]:
+    """A Hugging Face directory's tokenizer files go into ``tokenizer/`` (for ``generate
+    --text``); their contents are data, never code."""
+    if not source.origin.startswith("hf:"):
+        return []
+    origin = Path(source.origin[3:])
+    found = [origin / n for n in TOKENIZER_FILES if (origin / n).is_file()]
+    if not found:
+        return []
+    (stage / "tokenizer").mkdir()
+    for path in found:
+        shutil.copyfile(path, stage / "tokenizer" / path.name)
+    return [f"tokenizer/{p.name}" for p in found]
