@@ -18,7 +18,11 @@ layout rules below cancel it against the transposes that produced Kᵀ, and abso
 ``repeat_interleave`` that expands KV heads for GQA/MQA.
 
 Rejections (``check`` reasons): Softmax not over the last axis; scale factors not constant
-scalars; Q, Kᵀ or V not 4-D with static head count and head size; a NaN guard other than 0.
+scalars; Q, Kᵀ or V not 4-D with static head count and head size; Q's heads not a positive
+multiple of K's and V's (which must agree: MatMul would broadcast one Q head over many K heads);
+a NaN guard other than 0. Layout rules: SDPA's reshapes of K not exactly the merge of (B, H)
+and its split back; a ``repeat_kv`` whose final reshape does not merge exactly the repeat axis
+into the heads, keeping S and d.
 """
 
 from __future__ import annotations
@@ -80,6 +84,11 @@ class AttentionRule(pattern.RewriteRuleClassBase):
         for value, what in ((q, "Q"), (kt, "Kᵀ"), (v, "V")):
             if not _rank4_static_heads(value):
                 return result.fail(f"{what} is not 4-D (B, heads, seq, d) with static heads", value)
+        hq, hk, hv = q.shape[1], kt.shape[1], v.shape[1]
+        if hk != hv or hk <= 0 or hq <= 0 or hq % hk:
+            return result.fail(
+                f"Q's head count {hq} is not a positive multiple of K's and V's ({hk}, {hv})", q
+            )
         if self._nan_guard and scalar(kw["zero"]) != 0.0:
             return result.fail("the softmax NaN guard does not write 0", kw["zero"])
         self._scale = scale
@@ -190,18 +199,24 @@ class DoubleTransposeRule(pattern.RewriteRuleClassBase):
 
 class SdpaKeyLayoutRule(pattern.RewriteRuleClassBase):
     """SDPA's decomposition transposes K through a 3-D view: ``(B, H, S, d) → (B·H, S, d) →
-    (B·H, d, S) → (B, H, d, S)``; transposing that back is K itself."""
+    (B·H, d, S) → (B, H, d, S)``; transposing that back is K itself.
+
+    Only those exact views: Reshape is row-major, so a 3-D view of K ending in (S, d) can only
+    be the merge of axes 0 and 1 (its first dim is B·H by element count), and the view of
+    (B·H, d, S) as (B, H, d, S) only the split of axis 0 back. Any other pair of reshapes may
+    still end in Kᵀ's shape — (B, H·S, d) first, say — but scrambles the keys."""
 
     def pattern(self, op, k, s1, s2):
-        flat = op.Reshape(k, s1)
+        flat = op.Reshape(k, s1, _outputs=["flat"])
         kt = op.Reshape(op.Transpose(flat, perm=[0, 2, 1]), s2, _outputs=["kt"])
         return op.Transpose(kt, perm=[0, 1, 3, 2])
 
-    def check(self, context, k, kt, **_):
+    def check(self, context, k, flat, kt, **_):
         if k.shape is None or kt.shape is None or len(k.shape) != 4 or len(kt.shape) != 4:
             return pattern.MatchResult().fail("K's shape is unknown", k)
         b, h, s, d = k.shape
-        if list(kt.shape) != [b, h, d, s]:
+        merged = flat.shape is not None and len(flat.shape) == 3 and list(flat.shape[1:]) == [s, d]
+        if not merged or list(kt.shape) != [b, h, d, s]:
             return pattern.MatchResult().fail("the reshapes do not transpose K", kt)
         return pattern.MatchResult()
 
@@ -212,27 +227,39 @@ class SdpaKeyLayoutRule(pattern.RewriteRuleClassBase):
 class RepeatKVRule(pattern.RewriteRuleClassBase):
     """``Attention(Q, repeat_kv(k), repeat_kv(v))`` → ``Attention(Q, k, v)`` with
     ``kv_num_heads`` = k's heads, where ``repeat_kv(x)`` is ``repeat_interleave(x, g, dim=1)``
-    as exported: ``Reshape(Expand(Unsqueeze(x, [2]), (…, g, …)), (B, H·g, S, d))``."""
+    as exported: ``Reshape(Expand(Unsqueeze(x, [2]), (…, g, …)), (B, H·g, S, d))``.
+
+    The final reshape must be exactly (B, Hkv·g, S, d) of x's (B, Hkv, S, d): by element count
+    the expansion is then (B, Hkv, g, S, d) and the reshape merges its axes 1 and 2 only, so
+    query head i reads KV head i // g. Any other target (regrouping S and d, say) is not a
+    repeat of x's heads."""
 
     def __init__(self, with_bias: bool) -> None:
         super().__init__(f"RepeatKV{'Bias' if with_bias else ''}")
         self._with_bias = with_bias
 
     def pattern(self, op, q, k, v, ak, av, ek, ev, rk, rv, bias):
-        k_rep = op.Reshape(op.Expand(op.Unsqueeze(k, ak), ek, _outputs=["k_exp"]), rk)
-        v_rep = op.Reshape(op.Expand(op.Unsqueeze(v, av), ev, _outputs=["v_exp"]), rv)
+        k_exp = op.Expand(op.Unsqueeze(k, ak), ek, _outputs=["k_exp"])
+        v_exp = op.Expand(op.Unsqueeze(v, av), ev, _outputs=["v_exp"])
+        k_rep = op.Reshape(k_exp, rk, _outputs=["k_rep"])
+        v_rep = op.Reshape(v_exp, rv, _outputs=["v_rep"])
         inputs = [q, k_rep, v_rep] + ([bias] if self._with_bias else [])
         return op.Attention(*inputs, _domain=DOMAIN, _outputs=["y"])
 
-    def check(self, context, k, v, ak, av, k_exp, v_exp, y, **_):
+    def check(self, context, k, v, ak, av, k_exp, v_exp, k_rep, v_rep, y, **_):
         result = pattern.MatchResult()
         if int_list(ak) != [2] or int_list(av) != [2]:
             return result.fail("KV heads are not repeated along a new axis 2", ak)
-        for src, exp in ((k, k_exp), (v, v_exp)):
+        for src, exp, rep in ((k, k_exp, k_rep), (v, v_exp, v_rep)):
             if src.shape is None or exp.shape is None or len(exp.shape) != 5:
                 return result.fail("the KV expansion's shape is unknown", exp)
             if not isinstance(exp.shape[2], int) or not isinstance(src.shape[1], int):
                 return result.fail("the KV repeat count is not static", exp)
+            if len(src.shape) != 4 or rep.shape is None or len(rep.shape) != 4:
+                return result.fail("the KV reshape does not merge the repeat into the heads", rep)
+            b, hkv, s, d = src.shape
+            if list(rep.shape) != [b, hkv * exp.shape[2], s, d]:
+                return result.fail("the KV reshape does not merge the repeat into the heads", rep)
         node = y.producer()
         heads = node.attributes.get_int("num_heads")
         if k.shape[1] * k_exp.shape[2] != heads or v.shape[1] * v_exp.shape[2] != heads:
