@@ -114,7 +114,12 @@ class LowerAttentionPass(ir.passes.InPlacePass):
             # GroupQueryAttention's CPU kernel needs head_size % 8 == 0 (measured: it refuses
             # Llama-2-70B-tiny's head size 2); MultiHeadAttention with the mask does not.
             gqa_ok = isinstance(head_size, int) and head_size % 8 == 0
-            if gqa_ok and spec.self_attention and (spec.causal or spec.window or bias is not None):
+            cached = _cached_kv(q, k, v) if gqa_ok and spec.causal and spec.bottom_right else None
+            if cached is not None:  # the KV-cache pass's Concat(past, new): GQA does it
+                y, op = b.gqa_past(cached, bias, spec), "GroupQueryAttention (past)"
+            elif (
+                gqa_ok and spec.self_attention and (spec.causal or spec.window or bias is not None)
+            ):
                 y, op = b.gqa(v, bias, spec), "GroupQueryAttention"
             else:  # MultiHeadAttention's flash path when nothing is masked; else S ≠ T
                 mask = b.full_mask(bias, spec, causal=spec.causal, window=spec.window)
@@ -136,6 +141,25 @@ class LowerAttentionPass(ir.passes.InPlacePass):
         replace_value(node.outputs[0], y)
         graph.remove(node, safe=True)
         return op
+
+
+def _cached_kv(q: ir.Value, k: ir.Value, v: ir.Value) -> tuple | None:
+    """(past_k, new_k, past_v, new_v, present_k, present_v) when K and V are the KV-cache
+    pass's ``Concat(past input, new, axis=2)`` graph outputs and the new part is as long as Q."""
+    parts = []
+    for value in (k, v):
+        node = value.producer()
+        if node is None or node.op_type != "Concat" or node.attributes.get_int("axis") != 2:
+            return None
+        if len(node.inputs) != 2 or not node.inputs[0].is_graph_input():
+            return None
+        if not value.is_graph_output() or len(value.uses()) != 1:
+            return None
+        if not _same_dim(q, node.inputs[1], 2):
+            return None
+        parts.append((node.inputs[0], node.inputs[1], value))
+    (pk, nk, ck), (pv, nv, cv) = parts
+    return pk, nk, pv, nv, ck, cv
 
 
 def _read_spec(node: ir.Node, q: ir.Value, k: ir.Value) -> _Spec:
@@ -340,6 +364,53 @@ class _Builder:
         y, _, _ = tape.op_multi_out(
             "GroupQueryAttention", inputs, attrs, domain=MS_DOMAIN, num_outputs=3
         )
+        return self.from_bsh(y, spec.num_heads)
+
+    def gqa_past(self, cached: tuple, bias: ir.Value | None, spec: _Spec) -> ir.Value:
+        """GroupQueryAttention with ``past_key``/``past_value``: it appends the new keys and
+        values itself (its ``present_*`` become the graph's present outputs, replacing the
+        KV-cache pass's Concat) and stays on its flash path at prefill. ORT 1.32 refuses
+        batch > 1 with both a past and more than one new token (measured), which
+        ``tfgraph.runtime`` never does: prefill has no past, decode one token."""
+        tape = self.tape
+        past_k, new_k, past_v, new_v, present_k, present_v = cached
+        total = tape.op("Add", [self.dim(past_k, 2), self.dim(new_k, 2)])  # (1,) P + T
+        total0 = tape.op("Squeeze", [total])
+        seqlens = tape.op(
+            "Expand", [tape.op("Sub", [total0, self.ints("one", 1)]), self.dim(new_k, 0)]
+        )
+        attrs = {
+            "num_heads": spec.num_heads,
+            "kv_num_heads": spec.kv_num_heads,
+            "scale": spec.scale,
+            "causal": 1,
+        }
+        if spec.window:
+            attrs["local_window_size"] = spec.window
+        inputs = [
+            self.to_bsh(self.q, "q"),
+            self.to_bsh(new_k, "k"),
+            self.to_bsh(new_v, "v"),
+            past_k,
+            past_v,
+            tape.op("Cast", [seqlens], {"to": ir.DataType.INT32}),
+            tape.op("Cast", [total0], {"to": ir.DataType.INT32}),
+        ]
+        if bias is not None:
+            if not _has_full_query_axis(bias, self.q, present_k):
+                shape = tape.op(
+                    "Concat",
+                    [self.ints("ones2", [1, 1]), self.dim(self.q, 2), total],
+                    {"axis": 0},
+                )
+                bias = tape.op("Expand", [bias, shape])  # (B or 1, Hq or 1, T, P + T)
+            inputs += [None, None, None, bias]
+        y, key, value = tape.op_multi_out(
+            "GroupQueryAttention", inputs, attrs, domain=MS_DOMAIN, num_outputs=3
+        )
+        for new, old in ((key, present_k), (value, present_v)):
+            new.shape, new.type = old.shape, old.type
+            replace_value(old, new)
         return self.from_bsh(y, spec.num_heads)
 
     def mha(self, v: ir.Value, attention_bias: ir.Value | None, spec: _Spec) -> ir.Value:
