@@ -25,6 +25,7 @@ from .insert_kv_cache import InsertKVCachePass
 from .lower_attention import LowerAttentionPass
 from .lower_gelu import LowerGeluPass
 from .lower_norms import PROFILES, LowerNormsPass
+from .share_kv_buffer import ShareKVBufferPass
 
 # The default-domain opset each profile exports at: ORT's contrib ops need nothing newer than
 # 20; the standard ops the others lower to need 23 (RMSNormalization, Attention).
@@ -85,4 +86,7 @@ def get_pipeline(
         if not at:
             raise ValueError(f"the KV cache needs fused attention; pipeline '{name}' fuses none")
         passes.insert(at[0] + 1, InsertKVCachePass())
+        if profile == "ort":  # GQA appends in place into buffers past and present share
+            lower = [i for i, p in enumerate(passes) if isinstance(p, LowerAttentionPass)]
+            passes.insert(lower[0] + 1, ShareKVBufferPass())
     return passes

@@ -1,7 +1,7 @@
 """Run tfgraph artifacts: ONNX Runtime sessions (CPU by default; CUDA/TensorRT when installed)
 and token generation with KV-cached artifacts."""
 
-from .generate import CachedDecoder, Generation, GenerationConfig, generate
+from .generate import CachedDecoder, Generation, GenerationConfig, KVCache, generate
 from .session import PROVIDERS, Session, model_path
 
 __all__ = [
@@ -9,6 +9,7 @@ __all__ = [
     "CachedDecoder",
     "Generation",
     "GenerationConfig",
+    "KVCache",
     "Session",
     "generate",
     "model_path",

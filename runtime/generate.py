@@ -4,8 +4,10 @@ The cached graph takes the new tokens, ``past_key_values.{i}.key/.value`` (batch
 past, head_dim) and, when the model has one, an ``attention_mask`` over past + new tokens; it
 returns ``logits`` and ``present.{i}.key/.value``. A step binds the previous step's present
 ``OrtValue`` objects as the next step's past through ONNX Runtime's IO binding: the cache never
-travels through Python or numpy. (The graph's ``Concat`` still writes past + new into a fresh
-buffer once per layer and step; see docs/kv-cache.md.)
+travels through Python or numpy. Artifacts of the ``ort`` profile take preallocated buffers
+(``past_sequence_length`` input, :mod:`tfgraph.passes.share_kv_buffer`): past and present are
+bound to the same buffer and the kernel appends in place, so a step copies nothing; other
+artifacts get a fresh present (past + new) per step. See docs/kv-cache.md.
 
 Decoding: greedy, or sampling with temperature, top-k, top-p and a seed; stops at
 ``max_new_tokens`` or when every row has produced ``eos_token_id``. Prompts of different lengths
@@ -30,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 PAST = re.compile(r"past_key_values\.(\d+)\.(key|value)$")
 TOKEN_INPUTS = ("decoder_input_ids", "input_ids")
+PAST_LENGTH = "past_sequence_length"  # shared-buffer artifacts
 ENCODER_FILE = "encoder.onnx"  # encoder-decoder artifacts: cross-attention K/V, run once
 
 
@@ -65,6 +68,16 @@ class Generation:
     prompt_lengths: list[int] = field(default_factory=list)
 
 
+@dataclass
+class KVCache:
+    """Per-layer past keys/values as ``OrtValue`` objects, holding ``length`` positions; for a
+    shared-buffer artifact each buffer has room for ``capacity`` positions."""
+
+    values: dict[str, object]
+    length: int = 0
+    capacity: int | None = None
+
+
 class CachedDecoder:
     """One KV-cached artifact, stepped with IO binding. ``extra`` inputs (an encoder's
     ``attention_mask``, ``input_ids`` of an encoder-decoder graph) are fed unchanged."""
@@ -93,7 +106,8 @@ class CachedDecoder:
             ),
             None,
         )
-        known = {self.token_input, self.mask_input} | {
+        self.shared = PAST_LENGTH in inputs
+        known = {self.token_input, self.mask_input, PAST_LENGTH} | {
             m.name for layer in self.layers for m in layer.values()
         }
         self.extra_inputs = [n for n in inputs if n not in known]
@@ -122,26 +136,37 @@ class CachedDecoder:
         self.encoder.ort_session.run_with_iobinding(binding)
         return dict(zip(self.encoder.output_names, binding.get_outputs(), strict=True))
 
-    def empty_cache(self, batch: int) -> dict[str, object]:
+    def empty_cache(self, batch: int, capacity: int) -> KVCache:
+        """An empty cache for ``batch`` rows; a shared-buffer artifact preallocates room for
+        ``capacity`` positions (prompt + new tokens), once."""
         import onnxruntime as ort
 
-        cache = {}
+        values = {}
+        room = capacity if self.shared else 0
         for layer in self.layers:
             for meta in layer.values():
                 heads, size = meta.shape[1], meta.shape[3]
-                empty = np.zeros((batch, heads, 0, size), self._past_dtype[meta.name])
-                cache[meta.name] = ort.OrtValue.ortvalue_from_numpy(empty)
-        return cache
+                empty = np.zeros((batch, heads, room, size), self._past_dtype[meta.name])
+                values[meta.name] = ort.OrtValue.ortvalue_from_numpy(empty)
+        return KVCache(values, 0, capacity if self.shared else None)
 
     def step(
         self,
         tokens: np.ndarray,
-        cache: dict[str, object],
+        cache: KVCache,
         mask: np.ndarray | None = None,
         extra: dict[str, np.ndarray] | None = None,
-    ) -> tuple[np.ndarray, dict[str, object]]:
+    ) -> tuple[np.ndarray, KVCache]:
         """Run the new ``tokens`` (batch, T) on ``cache``; returns (logits, next cache)."""
+        new = tokens.shape[1]
+        if cache.capacity is not None and cache.length + new > cache.capacity:
+            raise TfgraphError(
+                f"the KV cache holds {cache.capacity} positions but {cache.length + new} are "
+                "needed; allocate it with a larger capacity"
+            )
         binding = self.session.ort_session.io_binding()
+        if self.shared:
+            binding.bind_cpu_input(PAST_LENGTH, np.array([cache.length], np.int64))
         binding.bind_cpu_input(self.token_input, np.ascontiguousarray(tokens, np.int64))
         if self.mask_input is not None:
             if mask is None:
@@ -154,20 +179,26 @@ class CachedDecoder:
                 binding.bind_cpu_input(name, np.ascontiguousarray(extra[name]))
             else:  # an OrtValue (cross-attention K/V from encode()): bound without a copy
                 binding.bind_ortvalue_input(name, extra[name])
-        for name, value in cache.items():
+        for name, value in cache.values.items():
             binding.bind_ortvalue_input(name, value)
         outputs = self.session.output_names
         for name in outputs:
-            binding.bind_output(name, "cpu")
+            past = name.replace("present.", "past_key_values.", 1)
+            if self.shared and name.startswith("present.") and past in cache.values:
+                binding.bind_ortvalue_output(name, cache.values[past])  # appended in place
+            else:
+                binding.bind_output(name, "cpu")
         self.session.ort_session.run_with_iobinding(binding)
         values = dict(zip(outputs, binding.get_outputs(), strict=True))
         logits = values.pop(self.logits_output).numpy()
-        next_cache = {
+        if self.shared:
+            return logits, KVCache(cache.values, cache.length + new, cache.capacity)
+        next_values = {
             name.replace("present.", "past_key_values.", 1): value
             for name, value in values.items()
             if name.startswith("present.")
         }
-        return logits, next_cache
+        return logits, KVCache(next_values, cache.length + new)
 
 
 def _numpy_dtype(ort_type: str):
@@ -232,7 +263,7 @@ def generate(
     batch = ids.shape[0]
     if decoder.encoder is not None:  # once per prompt, not per step
         extra = {**(extra or {}), **decoder.encode(extra or {})}
-    cache = decoder.empty_cache(batch)
+    cache = decoder.empty_cache(batch, capacity=ids.shape[1] + config.max_new_tokens)
     done = np.zeros(batch, bool)
     result = Generation([[] for _ in range(batch)], prompt_lengths=[len(p) for p in prompts])
     tokens = ids

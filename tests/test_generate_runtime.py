@@ -165,3 +165,36 @@ def test_generate_text_with_the_artifact_tokenizer(tmp_path, capsys):
     want = generate(decoder, [ids], GenerationConfig(max_new_tokens=4)).tokens[0]
     assert line == f"[0] {fast.decode(want)}"
     assert all(w in words for w in fast.decode(want).split())
+
+
+def test_ort_cache_is_shared_buffers_appended_in_place(cached_gpt):
+    """ort profile: past and present are one preallocated buffer per layer; a step writes the
+    new position in place (same memory, nothing copied) and the graph has no cache Concat."""
+    import onnx
+
+    model = onnx.load(cached_gpt / "model.onnx")
+    inputs = {i.name for i in model.graph.input}
+    assert "past_sequence_length" in inputs
+    past_names = {n for n in inputs if n.startswith("past_key_values.")}
+    assert not any(n.op_type == "Concat" and set(n.input) & past_names for n in model.graph.node)
+    decoder = CachedDecoder(Session(cached_gpt))
+    assert decoder.shared
+    cache = decoder.empty_cache(1, capacity=6)
+    name = next(iter(cache.values))
+    before = cache.values[name].data_ptr()
+    _, cache = decoder.step(np.array([[1, 2, 3]]), cache)
+    _, cache = decoder.step(np.array([[4]]), cache)
+    assert cache.length == 4 and cache.values[name].data_ptr() == before
+    keys = cache.values[name].numpy()
+    assert np.abs(keys[:, :, :4]).sum() > 0 and np.abs(keys[:, :, 4:]).sum() == 0
+    with pytest.raises(tfgraph.TfgraphError, match="holds 6 positions but 7"):
+        decoder.step(np.array([[1, 2, 3]]), cache)
+
+
+def test_head_size_not_multiple_of_8_keeps_a_copying_cache(tmp_path):
+    """GQA's CPU kernel refuses head size 2 (llama2-70b-tiny): MultiHeadAttention with a Concat
+    cache, no shared buffers, and parity still holds."""
+    result = tfgraph.export("llama2-70b-tiny", tmp_path / "a", kv_cache=True)
+    assert result.passed
+    decoder = CachedDecoder(Session(tmp_path / "a"))
+    assert not decoder.shared

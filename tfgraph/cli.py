@@ -169,6 +169,8 @@ def _cmd_run(args) -> int:
             feeds[name] = ids
         elif name == "attention_mask":
             feeds[name] = np.ones_like(ids)
+        elif name == "past_sequence_length":  # a shared-buffer cached artifact
+            feeds[name] = np.zeros(1, np.int64)
         elif name.startswith("past_key_values."):  # a cached artifact: start from no past
             meta = next(i for i in session.ort_session.get_inputs() if i.name == name)
             feeds[name] = np.zeros((1, meta.shape[1], 0, meta.shape[3]), np.float32)
