@@ -51,6 +51,10 @@ def _eager_greedy(source, decoder: CachedDecoder, prompts, extra) -> tuple[list,
     for _ in range(NEW_TOKENS):
         inputs = {n: torch.from_numpy(v) for n, v in extra.items() if n in source.input_names}
         inputs[decoder.token_input] = torch.from_numpy(tokens)
+        if decoder.mask_input is not None:  # the decoder's own padding mask, grown per token
+            _, mask = left_pad(prompts, PAD)
+            grown = np.ones((len(prompts), tokens.shape[1] - mask.shape[1]), np.int64)
+            inputs[decoder.mask_input] = torch.from_numpy(np.concatenate([mask, grown], 1))
         last = source.eager(inputs)[source.output_names[0]][:, -1].float().numpy()
         logits.append(last)
         chosen.append(last.argmax(-1))
@@ -89,17 +93,53 @@ def _check(source, tmp_path) -> None:
     assert got.tokens == want_tokens
 
 
-@pytest.mark.parametrize("preset", PRESET_CASES)
-def test_cached_generation_preset(preset, tmp_path):
-    _check(load_source(preset), tmp_path)
+class MaskedLM(torch.nn.Module):
+    """HF GPT-2 taking ``attention_mask``: left padding is masked (in the cache too)."""
+
+    input_names = ("input_ids", "attention_mask")
+    output_names = ("logits",)
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    def example_inputs(self, batch, seq, generator):
+        ids = torch.randint(1, 200, (batch, seq), generator=generator)
+        mask = torch.ones(batch, seq, dtype=torch.int64)
+        mask[1:, : seq // 3] = 0  # rows after the first are left-padded
+        return {"input_ids": ids, "attention_mask": mask}
+
+    def dynamic_axes(self):
+        return {n: {0: "batch", 1: "sequence"} for n in self.input_names}
 
 
-@pytest.mark.parametrize("name", HF_CASES)
-def test_cached_generation_hf(name, hf_dirs, tmp_path):
+def _source(case: str, hf_dirs):
+    kind, name = case.split(":")
+    if kind == "preset":
+        return load_source(name)
+    if kind == "masked":
+        model = transformers_model(hf_dirs[name])
+        return tfgraph.from_module(MaskedLM(model), origin=f"masked:{name}")
     # the library's default attention (sdpa), except T5 whose sdpa does not trace with dynamic
     # shapes in transformers 5 (a string MODEL falls back to eager by itself)
-    attn = "eager" if name == "t5" else None
-    _check(load_source(str(hf_dirs[name]), attn_implementation=attn), tmp_path)
+    return load_source(str(hf_dirs[name]), attn_implementation="eager" if name == "t5" else None)
+
+
+def transformers_model(path):
+    import transformers
+
+    return transformers.GPT2LMHeadModel.from_pretrained(path).eval()
+
+
+CASES = [f"preset:{n}" for n in PRESET_CASES] + [f"hf:{n}" for n in HF_CASES] + ["masked:gpt2"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_cached_generation(case, hf_dirs, tmp_path):
+    _check(_source(case, hf_dirs), tmp_path)
 
 
 def test_bidirectional_model_is_refused_with_the_layer_and_reason(tmp_path):

@@ -37,6 +37,13 @@ def _split(source: ModelSource, decoder: CachedDecoder, inputs: dict) -> tuple:
     return tokens, extra
 
 
+def _mask(decoder: CachedDecoder, inputs: dict, length: int) -> np.ndarray | None:
+    """The source's own padding mask over the first ``length`` positions (past + new)."""
+    if decoder.mask_input is None:
+        return None
+    return inputs[decoder.mask_input][:, :length].numpy()
+
+
 def _eager_logits(source: ModelSource, inputs: dict, name: str) -> np.ndarray:
     return source.eager(inputs)[name].float().numpy()
 
@@ -56,7 +63,7 @@ def check_cache_parity(
     for i, (batch, seq) in enumerate(shapes):
         inputs = source.inputs(batch, seq, seed=seed + i)
         tokens, extra = _split(source, decoder, inputs)
-        mask = np.ones(tokens.shape, np.int64)
+        mask = _mask(decoder, inputs, tokens.shape[1])
         got, _ = decoder.step(tokens, decoder.empty_cache(batch, tokens.shape[1]), mask, extra)
         row = compare(name, got, _eager_logits(source, inputs, name), tolerance)
         cases.append({"phase": "prefill", "batch": batch, "sequence": tokens.shape[1], **row})
@@ -66,10 +73,12 @@ def check_cache_parity(
     cache = decoder.empty_cache(DECODE_BATCH, prompt + DECODE_STEPS)
     for step in range(DECODE_STEPS + 1):
         start, end = (0, prompt) if step == 0 else (prompt + step - 1, prompt + step)
-        mask = np.ones((DECODE_BATCH, end), np.int64)
+        mask = _mask(decoder, inputs, end)
         got, cache = decoder.step(tokens[:, start:end], cache, mask, extra)
         prefix = {k: v for k, v in inputs.items()}
         prefix[token_input] = inputs[token_input][:, :end]
+        if decoder.mask_input is not None:
+            prefix[decoder.mask_input] = inputs[decoder.mask_input][:, :end]
         want = _eager_logits(source, prefix, name)[:, start:end]
         row = compare(name, got, want, tolerance)
         phase = "prefill" if step == 0 else "decode"
