@@ -1,0 +1,104 @@
+"""Run one ONNX Runtime configuration in a fresh process that never imports torch.
+
+KERNELS.md: with torch's and ORT's thread pools in one process on 2 cores, ORT latency was
+inflated about 3×; and a fresh process per configuration gives each its own peak RSS.
+:func:`probe` starts ``python -m tfgraph.bench.ort_probe`` and returns what it measured:
+
+- ``seconds``: median of ``repeats`` runs after one warm-up (a single run when ``repeats`` is 1);
+- ``peak_rss_mib``: the process's peak RSS (VmHWM) over session load and runs;
+- ``run_extra_rss_mib``: the runs' peak RSS minus the RSS before them (VmHWM is reset through
+  ``/proc/self/clear_refs`` once the session and inputs exist): what the graph itself needs.
+
+Inputs are described as ``{name: {"shape": [...], "dtype": "int64", "high": N}}`` (random
+integers in [1, high) for integer inputs, ones for names containing ``mask``, standard normal
+for floats).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def probe(
+    model: str | Path,
+    inputs: dict[str, dict],
+    *,
+    repeats: int = 5,
+    threads: int = 2,
+    optimize: bool = True,
+    timeout: float = 1800,
+) -> dict:
+    spec = json.dumps(
+        {"inputs": inputs, "repeats": repeats, "threads": threads, "optimize": optimize}
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "tfgraph.bench.ort_probe", str(model), spec],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _status(key: str) -> float:
+    """A /proc/self/status entry in MiB."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(key + ":"))
+    return int(line.split()[1]) / 1024
+
+
+def _main(model: str, spec: dict) -> dict:
+    import statistics
+    import time
+
+    import numpy as np
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = spec["threads"]
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    if not spec["optimize"]:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(
+        model,
+        options,
+        providers=["CPUExecutionProvider"],
+        disabled_optimizers=["SkipLayerNormFusion"],
+    )
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for name, desc in spec["inputs"].items():
+        dtype = np.dtype(desc.get("dtype", "int64"))
+        shape = desc["shape"]
+        if "mask" in name:
+            feeds[name] = np.ones(shape, dtype)
+        elif dtype.kind in "iu":
+            feeds[name] = rng.integers(1, desc.get("high", 256), shape).astype(dtype)
+        else:
+            feeds[name] = rng.standard_normal(shape).astype(dtype)
+    load_peak = _status("VmHWM")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status("VmRSS")
+    repeats = spec["repeats"]
+    times = []
+    for _ in range(repeats + (1 if repeats > 1 else 0)):
+        start = time.perf_counter()
+        session.run(None, feeds)
+        times.append(time.perf_counter() - start)
+    run_peak = _status("VmHWM")
+    return {
+        "seconds": statistics.median(times[1:] if repeats > 1 else times),
+        "peak_rss_mib": max(run_peak, load_peak),
+        "run_extra_rss_mib": run_peak - before,
+        "rss_before_run_mib": before,
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(_main(sys.argv[1], json.loads(sys.argv[2]))))
