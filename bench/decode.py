@@ -10,11 +10,12 @@ never stops it). The ONNX Runtime side runs in a fresh process that never import
 ``torch.set_num_threads(THREADS)``. Tokens/s = new tokens / wall time of the whole call,
 prefill included. Median of ``repeats`` runs after one warm-up.
 
-Also measured: the per-token decode time of the cached engine at past 128 and past 1016
-(GPT-2's 1024 positions bound the latter), and the memory-bandwidth bound of a step: weight
+Also measured: the per-token decode time of the cached engine against the past length (128 …
+1016; GPT-2's 1024 positions bound it), and the memory-bandwidth bound of a step: weight
 bytes ÷ the machine's copy bandwidth (numpy copy of a 256 MiB buffer, bytes copied per second).
 
     python bench/decode.py [--quick] [--out docs/bench/decode.json]
+    (or as the ``decode`` section of ``python -m tfgraph bench``)
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import json, statistics, sys, time
 import numpy as np, onnxruntime as ort
 from tfgraph.runtime import CachedDecoder, GenerationConfig, Session, generate
 path, prompt, new, repeats, threads = sys.argv[1], *map(int, sys.argv[2:6])
+pasts = [int(p) for p in sys.argv[6].split(",")]
 decoder = CachedDecoder(Session(path, threads=threads))
 ids = np.random.default_rng(0).integers(1, 200, prompt).tolist()
 config = GenerationConfig(max_new_tokens=new)
@@ -50,7 +52,7 @@ for _ in range(repeats + 1):
     times.append(time.perf_counter() - t)
 assert len(out.tokens[0]) == new
 result = {"seconds": statistics.median(times[1:]), "tokens": out.tokens[0]}
-for past in (128, 1016):  # one decode step on a cache holding `past` positions
+for past in pasts:  # one decode step on a cache holding `past` positions
     cache = decoder.empty_cache(1, capacity=past + 1)
     if not decoder.shared:  # a copying cache: past tensors of exactly that length
         rng = np.random.default_rng(1)
@@ -82,7 +84,10 @@ def copy_bandwidth() -> float:
     return src.nbytes / statistics.median(times[1:])
 
 
-def measure(size: str, root: Path, repeats: int) -> dict:
+PASTS = (128, 256, 512, 1016)
+
+
+def measure(size: str, root: Path, repeats: int, pasts=PASTS) -> dict:
     import torch
     import transformers
 
@@ -107,6 +112,7 @@ def measure(size: str, root: Path, repeats: int) -> dict:
             str(NEW),
             str(repeats),
             str(THREADS),
+            ",".join(map(str, sorted({128, 1016, *pasts}))),
         ],
         check=True,
         capture_output=True,
@@ -167,6 +173,8 @@ def measure(size: str, root: Path, repeats: int) -> dict:
             "tfgraph_over_eager_no_cache": timings["eager_no_cache"] / engine["seconds"],
         },
         "step_seconds": {"past_128": step_short, "past_1016": step_long},
+        "step_seconds_by_past": {str(p): engine[f"step_seconds_past_{p}"] for p in pasts},
+        "shared_buffer": engine["shared_buffer"],
         "step_past_1016_over_128": step_long / step_short,
         "copy_bandwidth_gb_s": bandwidth / 1e9,
         "bandwidth_bound_step_seconds": bound,
@@ -174,18 +182,30 @@ def measure(size: str, root: Path, repeats: int) -> dict:
     }
 
 
+def run(quick: bool, workdir: Path, progress=lambda step: None) -> dict:
+    """The ``decode`` section: tiny only with one repeat when ``quick``."""
+    sizes = ["tiny"] if quick else list(SIZES)
+    repeats = 1 if quick else 3
+    results: dict = {
+        "threads": THREADS,
+        "prompt": PROMPT,
+        "new_tokens": NEW,
+        "batch": 1,
+        "repeats": repeats,
+    }
+    for size in sizes:
+        progress(f"decode {size}")
+        results[size] = measure(size, workdir, repeats, (128, 1016) if quick else PASTS)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("docs/bench/decode.json"))
     parser.add_argument("--quick", action="store_true", help="tiny only, 1 repeat")
     args = parser.parse_args()
-    sizes = ["tiny"] if args.quick else list(SIZES)
-    repeats = 1 if args.quick else 3
-    results: dict = {"threads": THREADS, "prompt": PROMPT, "new_tokens": NEW, "batch": 1}
     with tempfile.TemporaryDirectory() as tmp:
-        for size in sizes:
-            results[size] = measure(size, Path(tmp), repeats)
-            print(json.dumps({size: results[size]}, indent=2), flush=True)
+        results = run(args.quick, Path(tmp))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
 

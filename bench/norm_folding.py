@@ -84,36 +84,33 @@ def _ratios(rows: dict) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=Path("docs/bench/norm_folding.json"))
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        arts, stack = {}, {}
-        for pipeline in ("cleanup", "default"):
-            result = tfgraph.export("gpt2-small", Path(tmp) / pipeline, pipeline=pipeline)
-            assert result.passed, result.report["parity"]
-            norm = result.report["fusions"]["norm"]
-            arts[pipeline] = (Path(tmp) / pipeline / "model.onnx", norm)
-            source = tfgraph.from_module(NormStack().eval(), origin="bench:norm-stack")
-            out = Path(tmp) / f"stack-{pipeline}"
-            assert tfgraph.export(source, out, pipeline=pipeline).passed
-            stack[pipeline] = out / "model.onnx"
-        rows, stack_rows = {}, {}
-        for round_ in (1, 2):  # alternate, twice: the spread between rounds is the noise
-            for opt in ("none", "all"):
-                for pipeline, (path, _) in arts.items():
-                    rows[f"{pipeline}/ort-opt-{opt}/round-{round_}"] = _time(
-                        path, opt, args.threads
-                    )
-                    stack_rows[f"{pipeline}/ort-opt-{opt}/round-{round_}"] = _time(
-                        stack[pipeline], opt, args.threads
-                    )
-    data = {
+def run(quick: bool, workdir: Path, threads: int = 2, progress=lambda step: None) -> dict:
+    """The ``norm_folding`` section (full runs only: GPT-2-small twice per pipeline)."""
+    if quick:
+        return {"skipped": "full runs only (python -m tfgraph bench)"}
+    arts, stack = {}, {}
+    for pipeline in ("cleanup", "default"):
+        progress(f"norm folding: export {pipeline}")
+        result = tfgraph.export("gpt2-small", workdir / f"norm-{pipeline}", pipeline=pipeline)
+        assert result.passed, result.report["parity"]
+        norm = result.report["fusions"]["norm"]
+        arts[pipeline] = (workdir / f"norm-{pipeline}" / "model.onnx", norm)
+        source = tfgraph.from_module(NormStack().eval(), origin="bench:norm-stack")
+        out = workdir / f"norm-stack-{pipeline}"
+        assert tfgraph.export(source, out, pipeline=pipeline).passed
+        stack[pipeline] = out / "model.onnx"
+    rows, stack_rows = {}, {}
+    for round_ in (1, 2):  # alternate, twice: the spread between rounds is the noise
+        for opt in ("none", "all"):
+            progress(f"norm folding: round {round_}, ORT optimizations {opt}")
+            for pipeline, (path, _) in arts.items():
+                key = f"{pipeline}/ort-opt-{opt}/round-{round_}"
+                rows[key] = _time(path, opt, threads)
+                stack_rows[key] = _time(stack[pipeline], opt, threads)
+    return {
         "model": "gpt2-small (12 layers, d=768, 124M parameters, random init)",
         "batch": 1,
-        "threads": args.threads,
+        "threads": threads,
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "norms": {p: {"fused": n["fused"], "total": n["total"]} for p, (_, n) in arts.items()},
         "median_seconds": rows,
@@ -121,9 +118,17 @@ def main() -> None:
         "speedup_folded_vs_unfolded": _ratios(rows),
         "norm_stack_speedup_folded_vs_unfolded": _ratios(stack_rows),
     }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path("docs/bench/norm_folding.json"))
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        data = run(False, Path(tmp), args.threads)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=2) + "\n")
-    print(json.dumps(data, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""``python -m tfgraph``: export, run, generate, inspect, models.
+"""``python -m tfgraph``: export, run, generate, bench, inspect, models.
 
 ``main(argv) -> int``; the CLI prints, the library logs.
 """
@@ -261,6 +261,36 @@ def _load_tokenizer(path: str):
     )
 
 
+def _cmd_bench(args) -> int:
+    try:
+        from tfgraph.bench.suite import SECTIONS, run_suite
+    except ImportError as exc:
+        raise TfgraphError(
+            f"bench needs its extras ({exc.name} is missing): pip install 'tfgraph[bench]'"
+        ) from exc
+    unknown = [s for s in args.only or [] if s not in SECTIONS]
+    if unknown:
+        raise TfgraphError(f"unknown section {unknown}: choose from {', '.join(SECTIONS)}")
+    start = time.perf_counter()
+
+    def progress(step: str) -> None:
+        print(f"[bench {time.perf_counter() - start:6.1f} s] {step}", file=sys.stderr, flush=True)
+
+    suite = run_suite(args.quick, args.out, only=args.only, progress=progress)
+    rows = [
+        [name, f"{info['seconds']:.0f} s", info.get("error") or info.get("skipped") or "ok"]
+        for name, info in suite["sections"].items()
+    ]
+    print(_table(rows, ["section", "time", "status"]))
+    plots = len(suite["plots"])
+    print(f"wrote {args.out / 'BENCHMARKS.md'} and {args.out / 'bench'}/ (JSON, {plots} plots)")
+    failed = [n for n, info in suite["sections"].items() if "error" in info]
+    if failed:
+        print(f"error: sections failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def models_table(markdown: bool = False) -> str:
     """The preset list: one row per preset with its family and features."""
     from tfgraph.models import PRESETS, describe
@@ -381,6 +411,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--provider", action="append", default=None, help="cpu (default) or cuda")
     verbose(p)
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("bench", help="benchmarks: prefill, decode, compile cost, peers")
+    p.add_argument("--quick", action="store_true", help="tiny models, few sizes (minutes)")
+    p.add_argument("--out", type=Path, default=Path("bench-out"), help="results directory")
+    p.add_argument("--only", action="append", help="run only this section (repeatable)")
+    verbose(p)
+    p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("inspect", help="op histogram, fusions and signature of an artifact")
     p.add_argument("path", help="artifact directory or .onnx file")

@@ -1,0 +1,116 @@
+"""``python -m tfgraph bench [--quick] [--out DIR]``: every benchmark section in one run.
+
+Sections (each a module of :mod:`tfgraph.bench` with ``run(quick, workdir, ...)``):
+``prefill`` (latency and memory against sequence length: eager, unfused, each profile),
+``attention_memory`` (fused vs unfused attention at 8192), ``decode`` (tokens/s and time per
+token against past length, vs eager and Hugging Face ``generate``), ``compile_cost`` (export time
+against layers), ``peers`` (ONNX Runtime's transformers optimizer, onnxscript's
+``optimize_for_ort``) and, in full runs, ``norm_folding``. Writes ``DIR/bench/<section>.json``,
+``DIR/bench/*.png``, ``DIR/bench/suite.json`` (machine, command, per-section status) and
+``DIR/BENCHMARKS.md``. A section that fails is recorded with its error, the others still run,
+and :func:`run_suite` reports it (the CLI then exits 1).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from . import plots, report
+
+logger = logging.getLogger(__name__)
+
+THREADS = 2
+SECTIONS = {  # name → module; the order they run in
+    "prefill": "prefill",
+    "attention_memory": "attention_prefill",
+    "decode": "decode",
+    "compile_cost": "compile_cost",
+    "peers": "peers",
+    "norm_folding": "norm_folding",
+}
+
+
+def describe_machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
+    except (ValueError, OSError):
+        memory = 0.0
+    versions = {}
+    for name in ("tfgraph", "torch", "onnxruntime", "onnx", "onnxscript", "transformers"):
+        try:
+            versions[name] = importlib.import_module(name).__version__
+        except Exception:  # noqa: BLE001 - a missing package is just not listed
+            continue
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": memory,
+        "threads": THREADS,
+        "python": platform.python_version(),
+        "versions": versions,
+    }
+
+
+def run_suite(
+    quick: bool,
+    out: Path,
+    *,
+    only: list[str] | None = None,
+    progress: Callable[[str], None] = lambda step: None,
+) -> dict:
+    """Run the sections (all, or ``only``), write the results under ``out``; returns the
+    suite summary (``sections[name]`` has ``seconds`` and ``error`` when it failed)."""
+    bench = out / "bench"
+    bench.mkdir(parents=True, exist_ok=True)
+    command = "python -m tfgraph bench" + (" --quick" if quick else "") + f" --out {out}"
+    suite = {
+        "command": command,
+        "quick": quick,
+        "date": datetime.date.today().isoformat(),
+        "machine": describe_machine(),
+        "sections": {},
+    }
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="tfgraph-bench-") as tmp:
+        for name, module_name in SECTIONS.items():
+            if only and name not in only:
+                continue
+            module = importlib.import_module(f"{__package__}.{module_name}")
+            workdir = Path(tmp) / name
+            workdir.mkdir()
+            progress(name)
+            start = time.perf_counter()
+            info: dict = {}
+            try:
+                data = module.run(quick, workdir, progress=progress)
+            except Exception as exc:  # noqa: BLE001 - recorded, the other sections still run
+                logger.exception("benchmark section %s failed", name)
+                first = (str(exc).splitlines() or [""])[0]
+                data = {"error": f"{type(exc).__name__}: {first}"}
+                info["error"] = data["error"]
+            info["seconds"] = round(time.perf_counter() - start, 1)
+            if "skipped" in data:
+                info["skipped"] = data["skipped"]
+            elif "error" not in data:
+                results[name] = data
+            (bench / report.FILES[name]).write_text(json.dumps(data, indent=2) + "\n")
+            suite["sections"][name] = info
+    suite["plots"] = plots.draw(results, bench)
+    (bench / "suite.json").write_text(json.dumps(suite, indent=2) + "\n")
+    report.render(out)
+    return suite
