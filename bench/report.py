@@ -227,6 +227,10 @@ def compile_section(d: dict) -> list[str]:
     return lines
 
 
+def _err(value) -> str:
+    return "–" if value is None else f"{value:.2g}"
+
+
 def peers_section(d: dict) -> list[str]:
     seqs = list(map(str, d["seqs"]))
     lines = [
@@ -234,7 +238,10 @@ def peers_section(d: dict) -> list[str]:
         "",
         f"`{d['model']}` exported once unfused (`--pipeline none`), then optimized by each "
         f"peer where installed; {d['threads']} threads; latency: median in a fresh process "
-        "without torch. `fused attention` / `fused norms` count the fused ops in the result.",
+        "without torch (ONNX Runtime's own session optimizations on, for every engine alike). "
+        "`fused attention` / `fused norms` count fused ops in the result; the peers' norms "
+        "are `SimplifiedLayerNormalization` after a `ReduceMean` + `Sub` they leave in place, "
+        "tfgraph's one `LayerNormalization`.",
         "",
         "| engine | fused attention | fused norms | max abs err vs eager | "
         + " | ".join(f"latency {s}" for s in seqs)
@@ -250,7 +257,7 @@ def peers_section(d: dict) -> list[str]:
         ratios = d.get("ratios", {}).get(name, {})
         lines.append(
             f"| {name} | {peer['fused_attention']} | {peer['fused_norms']} "
-            f"| {peer.get('max_abs_err_vs_eager', float('nan')):.2g} | "
+            f"| {_err(peer.get('max_abs_err_vs_eager'))} | "
             + " | ".join(_ms(peer["seconds"][s]) if s in peer["seconds"] else "–" for s in seqs)
             + " | "
             + " | ".join(
