@@ -110,6 +110,19 @@ def run_suite(
                 results[name] = data
             (bench / report.FILES[name]).write_text(json.dumps(data, indent=2) + "\n")
             suite["sections"][name] = info
+    previous = bench / "suite.json"
+    if only and previous.is_file():  # a partial re-run keeps the other sections' results
+        old = json.loads(previous.read_text())
+        suite["sections"] = {**old.get("sections", {}), **suite["sections"]}
+        suite["command"] = f"{old.get('command', command)}; then {command} --only " + (
+            " --only ".join(only)
+        )
+        for name, file in report.FILES.items():
+            path = bench / file
+            if name not in results and path.is_file():
+                data = json.loads(path.read_text())
+                if "error" not in data and "skipped" not in data:
+                    results[name] = data
     suite["plots"] = plots.draw(results, bench)
     (bench / "suite.json").write_text(json.dumps(suite, indent=2) + "\n")
     report.render(out)
