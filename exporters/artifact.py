@@ -4,6 +4,7 @@ the target and renamed into place only when complete, so a failure leaves nothin
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -39,22 +40,52 @@ def check_target(out_dir: Path) -> None:
 
 @contextlib.contextmanager
 def staged_directory(out_dir: Path) -> Iterator[Path]:
-    """Yield a staging directory; on success it replaces ``out_dir``, on error it is removed."""
+    """Yield a staging directory; on success it replaces ``out_dir``, on error it is removed.
+
+    An ``OSError`` on the way (a full disk, a directory that cannot be written) becomes a
+    :class:`TfgraphError` naming ``out_dir``; nothing is left behind either way.
+    """
     out_dir = Path(out_dir)
     check_target(out_dir)
     parent = out_dir.resolve().parent
     created = [p for p in (parent, *parent.parents) if not p.exists()]  # like mkdir -p
-    parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tfgraph-", dir=parent))
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tfgraph-", dir=parent))
+    except OSError as exc:
+        _remove_created(created)
+        raise write_error(out_dir, exc) from exc
     try:
         yield stage
         _commit(stage, out_dir)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(stage, ignore_errors=True)
-        for p in created:  # innermost first: leave the tree as it was
-            with contextlib.suppress(OSError):
-                p.rmdir()
+        _remove_created(created)
+        if isinstance(exc, OSError):
+            raise write_error(out_dir, exc) from exc
         raise
+
+
+def _remove_created(created: list[Path]) -> None:
+    for p in created:  # innermost first: leave the tree as it was
+        with contextlib.suppress(OSError):
+            p.rmdir()
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def write_error(out_dir: Path, exc: OSError) -> TfgraphError:
+    """One line for a failed write: what the system said and what to do."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    if exc.errno in _FULL:
+        hint = "free some disk space or choose another -o"
+    elif exc.errno in _DENIED:
+        hint = "choose an output directory you can write (-o)"
+    else:
+        hint = "check the output directory or choose another -o"
+    return TfgraphError(f"cannot write the artifact '{out_dir}': {reason}; {hint}")
 
 
 def _commit(stage: Path, out_dir: Path) -> None:

@@ -120,6 +120,15 @@ class CachedDecoder:
         self._past_dtype = {
             m.name: _numpy_dtype(m.type) for layer in self.layers for m in layer.values()
         }
+        self.max_positions = session.max_positions  # None: the artifact states no limit
+
+    def check_positions(self, needed: int, what: str) -> None:
+        """Refuse, before ONNX Runtime runs, more positions than the model supports."""
+        if self.max_positions is not None and needed > self.max_positions:
+            raise TfgraphError(
+                f"{what} needs {needed} positions but the model supports {self.max_positions} "
+                "(max_positions in manifest.json); shorten the prompt or generate fewer tokens"
+            )
 
     def encode(self, inputs: dict[str, np.ndarray]) -> dict[str, object]:
         """Encoder-decoder artifacts: the cross-attention keys and values, as ``OrtValue``
@@ -130,7 +139,8 @@ class CachedDecoder:
         for name in self.encoder_inputs:
             if name not in inputs:
                 raise TfgraphError(f"the encoder needs input '{name}'")
-            binding.bind_cpu_input(name, np.ascontiguousarray(inputs[name]))
+            value = self.encoder.check_input(name, inputs[name])
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
         for name in self.encoder.output_names:
             binding.bind_output(name, "cpu")
         self.encoder.ort_session.run_with_iobinding(binding)
@@ -159,6 +169,7 @@ class CachedDecoder:
     ) -> tuple[np.ndarray, KVCache]:
         """Run the new ``tokens`` (batch, T) on ``cache``; returns (logits, next cache)."""
         new = tokens.shape[1]
+        self.check_positions(cache.length + new, f"past {cache.length} + {new} new tokens")
         if cache.capacity is not None and cache.length + new > cache.capacity:
             raise TfgraphError(
                 f"the KV cache holds {cache.capacity} positions but {cache.length + new} are "
@@ -259,6 +270,11 @@ def generate(
             "the shorter ones see %d pad token(s)",
             ids.shape[1] - min(len(p) for p in prompts),
         )
+    # the last new token is returned, never fed back: prompt + max_new_tokens - 1 positions
+    decoder.check_positions(
+        ids.shape[1] + config.max_new_tokens - 1,
+        f"a {ids.shape[1]}-token prompt with {config.max_new_tokens} new tokens",
+    )
     rng = np.random.default_rng(config.seed)
     batch = ids.shape[0]
     if decoder.encoder is not None:  # once per prompt, not per step

@@ -8,12 +8,19 @@ parity fails is still written (its report says why), and :attr:`ExportResult.pas
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
+import os
 import shutil
+import sysconfig
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from tfgraph.exporters import check_target, save_onnx, staged_directory, write_json
 from tfgraph.passes import PROFILE_OPSET
@@ -93,7 +100,7 @@ def export(
             attn_implementation=attn_implementation,
         )
     try:
-        graph = step("trace", trace, source, opset=opset)
+        graph = step("trace", _trace, source, opset)
     except TfgraphError:
         # Some Hugging Face attention back-ends do not trace with dynamic shapes (T5 with sdpa
         # in transformers 5); the eager implementation computes the same function. Retry with
@@ -108,7 +115,7 @@ def export(
             model, trust_remote_code=trust_remote_code, attn_implementation="eager"
         )
         source.info["attn_fallback"] = "eager"
-        graph = step("trace", trace, source, opset=opset)
+        graph = step("trace", _trace, source, opset)
     with staged_directory(out_dir) as stage:
         records = step(
             "passes",
@@ -149,6 +156,7 @@ def export(
             passes=passes,
             fusions=fusions,
             files=files,
+            max_positions=source.info.get("max_positions"),
         )
         report = {
             "model": source.origin,
@@ -165,6 +173,69 @@ def export(
         write_json(stage / "manifest.json", manifest)
         write_json(stage / "report.json", report)
     return ExportResult(out_dir, manifest, report)
+
+
+def _trace(source: ModelSource, opset: int):
+    """:func:`trace`, quiet on failure (torch.export prints partial graphs on stderr: they go to
+    the debug log); data-dependent control flow is named with the line that branches."""
+    try:
+        with _torch_output_to_log():
+            return trace(source, opset=opset)
+    except TfgraphError as exc:
+        site = _data_dependent_site(exc)
+        if site is None:
+            raise
+        guard = _root(exc)
+        what = f"{type(guard).__name__}: {str(guard).split(' (unhinted')[0].splitlines()[0]}"
+        raise TfgraphError(
+            f"tracing {source.origin} failed: the model branches on tensor values at {site}, "
+            f"which torch.export cannot trace ({what}); make the branch depend on shapes only, "
+            "or write it with torch.cond"
+        ) from exc
+
+
+@contextlib.contextmanager
+def _torch_output_to_log():
+    torch_logger = logging.getLogger("torch")
+    level = torch_logger.level
+    torch_logger.setLevel(logging.ERROR)
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            yield
+    finally:
+        torch_logger.setLevel(level)
+        if captured.getvalue().strip():
+            logger.debug("torch wrote while tracing:\n%s", captured.getvalue())
+
+
+def _root(exc: BaseException) -> BaseException:
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return exc
+
+
+def _data_dependent_site(exc: BaseException) -> str | None:
+    """``file:line: code`` of the innermost frame outside torch and the standard library, when
+    the root cause is a guard on a data-dependent expression."""
+    exc = _root(exc)
+    if "data-dependent" not in str(exc):
+        return None
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.line]
+    user = [f for f in frames if not _library_file(f.filename)]
+    if not user:
+        return None
+    frame = user[-1]
+    return f"{Path(frame.filename).name}:{frame.lineno} (`{frame.line.strip()}`)"
+
+
+def _library_file(filename: str) -> bool:
+    """torch itself, or the standard library (not packages installed beside it)."""
+    if filename.startswith(os.path.dirname(torch.__file__)):
+        return True
+    installed = ("site-packages", "dist-packages")
+    stdlib = sysconfig.get_paths()["stdlib"]
+    return filename.startswith(stdlib) and not any(d in filename for d in installed)
 
 
 TOKENIZER_FILES = (

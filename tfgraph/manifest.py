@@ -1,13 +1,24 @@
-"""``manifest.json``: what an artifact is (signature, opsets, passes, fusions, versions)."""
+"""``manifest.json``: what an artifact is (signature, opsets, passes, fusions, versions).
+
+Readers check ``format`` first: an artifact written by a newer tfgraph (a higher format than
+:data:`tfgraph.ARTIFACT_FORMAT`) is refused rather than misread.
+"""
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import platform
-
-import onnx_ir as ir
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import ARTIFACT_FORMAT, __version__
+from .errors import TfgraphError
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
+
+MANIFEST_FILE = "manifest.json"
 
 _DEPENDENCIES = ("torch", "onnx", "onnx-ir", "onnxscript", "onnxruntime", "numpy", "transformers")
 
@@ -41,7 +52,10 @@ def build_manifest(
     fusions: dict,
     files: list[str],
     kv_cache: bool = False,
+    max_positions: int | None = None,
 ) -> dict:
+    """``max_positions``: the most positions (past + new) the model supports, when the source
+    says (learned position tables, a Hugging Face config's limit); ``None`` when unknown."""
     return {
         "format": ARTIFACT_FORMAT,
         "model": origin,
@@ -54,5 +68,36 @@ def build_manifest(
         "passes": passes,
         "fusions": {k: {"fused": v["fused"], "total": v["total"]} for k, v in fusions.items()},
         "kv_cache": kv_cache,
+        "max_positions": max_positions,
         "versions": versions(),
     }
+
+
+def read_manifest(directory: str | Path) -> dict | None:
+    """The manifest of the artifact in ``directory`` (``None`` when it has none, as beside a
+    bare ``.onnx`` file); refused when unreadable or written by a newer tfgraph."""
+    path = Path(directory) / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TfgraphError(f"cannot read '{path}' ({exc}); re-export the artifact") from exc
+    if not isinstance(manifest, dict):
+        raise TfgraphError(f"'{path}' is not a tfgraph manifest; re-export the artifact")
+    check_format(manifest.get("format", ARTIFACT_FORMAT), Path(directory))
+    return manifest
+
+
+def check_format(found: object, where: Path) -> None:
+    """Refuse an artifact format this tfgraph does not understand."""
+    if not isinstance(found, int) or isinstance(found, bool) or found < 1:
+        raise TfgraphError(
+            f"'{where / MANIFEST_FILE}' has format {found!r}, not a format number; "
+            "re-export the artifact"
+        )
+    if found > ARTIFACT_FORMAT:
+        raise TfgraphError(
+            f"'{where}' was written by a newer tfgraph (format {found} > {ARTIFACT_FORMAT}): "
+            "upgrade tfgraph"
+        )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -123,7 +124,8 @@ def from_module(module: nn.Module, example_inputs=None, *, origin: str = "module
     1. A module that implements the tfgraph input protocol describes itself.
     2. With example inputs (a tensor, a tuple, or a dict keyed by forward argument names):
        every input of rank ≥ 2 gets dynamic axes 0 = ``batch`` and 1 = ``sequence``; random
-       inputs at other shapes keep the example's dtype and value range.
+       inputs at other shapes keep the example's dtype and value range. A module that does
+       not run with another size of dim 1 (an image's channels) keeps only ``batch`` dynamic.
     3. With nothing: a single ``input_ids`` input of (batch, sequence) token ids drawn from
        the vocabulary of the module's first ``nn.Embedding``.
     """
@@ -142,7 +144,30 @@ def from_module(module: nn.Module, example_inputs=None, *, origin: str = "module
         with torch.no_grad():
             flat, _ = _pytree.tree_flatten(module(*(probe[n] for n in names)))
         outputs = ("logits",) if len(flat) == 1 else tuple(f"output_{i}" for i in range(len(flat)))
-    return ModelSource(module, tuple(names), tuple(outputs), axes, make, origin)
+    source = ModelSource(module, tuple(names), tuple(outputs), axes, make, origin)
+    limit = max_positions(getattr(module, "config", None))
+    if limit is not None:
+        source.info["max_positions"] = limit
+    return source
+
+
+# Hugging Face config attributes that state the most positions a model takes.
+_HF_POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_sequence_length")
+
+
+def max_positions(config) -> int | None:
+    """The most positions (past + new tokens) a model supports, when its config says: a zoo
+    model's learned position table (``max_seq_len``; its other position schemes have no limit),
+    a Hugging Face config's ``max_position_embeddings`` / ``n_positions``. ``None`` otherwise."""
+    from tfgraph.models import ModelConfig
+
+    if isinstance(config, ModelConfig):
+        return config.max_seq_len if config.positions == "learned" else None
+    for attr in _HF_POSITION_LIMITS:
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def _infer_inputs(module: nn.Module, example, origin: str):
@@ -177,12 +202,48 @@ def _infer_inputs(module: nn.Module, example, origin: str):
     ):
         raise TfgraphError(f"{origin}: example inputs must be tensors, a tuple or a dict of them")
     names = tuple(example)
-    axes = {n: ({0: "batch", 1: "sequence"} if t.dim() >= 2 else {}) for n, t in example.items()}
+    make, axes = _like(example, sequence=True)
+    try:
+        _run(module, names, make)
+    except Exception as exc:  # dim 1 is not a sequence (image channels, a fixed length …)
+        make, axes = _like(example, sequence=False)
+        try:
+            _run(module, names, make)
+        except Exception as again:
+            raise TfgraphError(
+                f"{origin} fails on inputs shaped like its examples ({_first_line(again)}); "
+                "check the example inputs, or give the module the tfgraph input protocol"
+            ) from again
+        logger.warning(
+            "%s does not run with another size of dim 1 (%s): only the batch dim stays dynamic",
+            origin,
+            _first_line(exc),
+        )
+    return names, make, axes
+
+
+def _run(module: nn.Module, names: tuple[str, ...], make: InputMaker) -> None:
+    inputs = make(2, 5, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        module(*(inputs[n] for n in names))
+
+
+def _like(example: dict[str, torch.Tensor], *, sequence: bool):
+    """(make, axes) for inputs like ``example``: dim 0 is ``batch``; dim 1 of inputs of rank
+    ≥ 2 is ``sequence`` when ``sequence``, else it keeps the example's size."""
+    axes = {}
+    for n, t in example.items():
+        axes[n] = (
+            ({0: "batch", 1: "sequence"} if sequence else {0: "batch"}) if t.dim() >= 2 else {}
+        )
 
     def make_like(batch, seq, generator):
         out = {}
         for n, t in example.items():
-            shape = (batch, seq, *t.shape[2:]) if t.dim() >= 2 else tuple(t.shape)
+            if t.dim() >= 2:
+                shape = (batch, seq if sequence else t.shape[1], *t.shape[2:])
+            else:
+                shape = tuple(t.shape)
             if t.dtype == torch.bool:
                 out[n] = torch.ones(shape, dtype=torch.bool)
             elif t.dtype.is_floating_point:
@@ -192,7 +253,7 @@ def _infer_inputs(module: nn.Module, example, origin: str):
                 out[n] = torch.randint(lo, hi + 1, shape, generator=generator, dtype=t.dtype)
         return out
 
-    return names, make_like, axes
+    return make_like, axes
 
 
 # --- Hugging Face directories ---------------------------------------------------------------
@@ -254,6 +315,7 @@ def _from_hf_dir(
             f"directory '{path}' has config.json but no weights (*.safetensors or "
             "pytorch_model.bin)"
         )
+    _refuse_remote_code(path, trust_remote_code)  # before transformers reads anything
     try:
         import transformers
     except ImportError as exc:
@@ -261,24 +323,17 @@ def _from_hf_dir(
             "loading a Hugging Face directory needs transformers: pip install 'tfgraph[hf]'"
         ) from exc
     transformers.utils.logging.disable_progress_bar()
-    config = transformers.AutoConfig.from_pretrained(
-        path, local_files_only=True, trust_remote_code=trust_remote_code
-    )
-    if getattr(config, "auto_map", None) and not trust_remote_code:
-        raise TfgraphError(
-            f"'{path}' needs its own Python code (auto_map in config.json); read it, then pass "
-            "--trust-remote-code to run it"
+    try:
+        config = transformers.AutoConfig.from_pretrained(
+            path, local_files_only=True, trust_remote_code=trust_remote_code
         )
+    except Exception as exc:  # a config transformers cannot read is the user's input
+        raise TfgraphError(f"cannot read '{path / 'config.json'}': {_first_line(exc)}") from exc
     arch = (config.architectures or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
     if cls is None:
         cls = transformers.AutoModel
-    logger.info("loading %s from %s", cls.__name__, path)
-    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    model = cls.from_pretrained(
-        path, local_files_only=True, trust_remote_code=trust_remote_code, **extra
-    )
-    model.eval()
+    model = _load_hf_weights(cls, path, trust_remote_code, attn_implementation)
     vocab = config.vocab_size
     is_lm = (arch or "").endswith(("LMHeadModel", "ForCausalLM"))
     if config.is_encoder_decoder:
@@ -313,4 +368,57 @@ def _from_hf_dir(
             "attn_implementation": getattr(model.config, "_attn_implementation", None),
         }
     )
+    limit = max_positions(config)
+    if limit is not None:
+        source.info["max_positions"] = limit
     return source
+
+
+def _refuse_remote_code(path: Path, trust_remote_code: bool) -> None:
+    """Read config.json as plain JSON: a directory that ships its own code (``auto_map``) is
+    refused unless the user trusts it, before any library could import that code."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TfgraphError(f"cannot read '{path / 'config.json'}': {exc}") from exc
+    if not isinstance(config, dict):
+        raise TfgraphError(f"'{path / 'config.json'}' is not a model config (not a JSON object)")
+    if config.get("auto_map") and not trust_remote_code:
+        raise TfgraphError(
+            f"'{path}' needs its own Python code (auto_map in config.json); read it, then pass "
+            "--trust-remote-code to run it"
+        )
+
+
+def _load_hf_weights(cls, path: Path, trust_remote_code: bool, attn_implementation: str | None):
+    """``cls.from_pretrained`` from local files only. safetensors are preferred; a
+    ``pytorch_model.bin`` loads through transformers' ``torch.load(weights_only=True)``, so a
+    pickle that would run code is refused, not executed."""
+    logger.info("loading %s from %s", cls.__name__, path)
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    safetensors = any(path.glob("*.safetensors"))
+    if not safetensors:
+        logger.info("no safetensors in %s: loading pytorch_model.bin with weights_only", path)
+    if "weights_only" in inspect.signature(cls.from_pretrained).parameters:
+        extra["weights_only"] = True  # the default of transformers 5; said, not assumed
+    try:
+        model = cls.from_pretrained(
+            path,
+            local_files_only=True,
+            trust_remote_code=trust_remote_code,
+            use_safetensors=safetensors,  # never the pickle when safetensors are there
+            **extra,
+        )
+    except Exception as exc:  # unreadable or unsafe weights are the user's input
+        raise TfgraphError(
+            f"cannot load the model in '{path}': {_first_line(exc)}; it must be "
+            "save_pretrained() output (safetensors, or a plain-tensor pytorch_model.bin)"
+        ) from exc
+    return model.eval()
+
+
+def _first_line(exc: BaseException) -> str:
+    for line in str(exc).strip().splitlines():
+        if line.strip():
+            return f"{type(exc).__name__}: {line.strip()}"
+    return type(exc).__name__
