@@ -10,9 +10,9 @@ import torch
 from test_hf_pipelines import CONFIGS, SMALL
 
 import tfgraph
+from tfgraph.generation_parity import compare_greedy
 from tfgraph.models.presets import PRESETS
-from tfgraph.parity import FP32, compare
-from tfgraph.runtime import CachedDecoder, GenerationConfig, Session, generate
+from tfgraph.runtime import CachedDecoder, Session
 from tfgraph.runtime.generate import left_pad
 from tfgraph.sources import load_source
 
@@ -41,27 +41,6 @@ def _prompts(seed: int) -> list[list[int]]:
     return [rng.integers(1, 200, 6).tolist(), rng.integers(1, 200, 3).tolist()]
 
 
-def _eager_greedy(source, decoder: CachedDecoder, prompts, extra) -> tuple[list, list]:
-    """Greedy decoding by full recompute: every step reruns the whole padded prefix."""
-    if decoder.token_input == "decoder_input_ids":
-        tokens = np.zeros((len(prompts), 1), np.int64)  # decoder start token 0
-    else:
-        tokens, _ = left_pad(prompts, PAD)
-    chosen, logits = [], []
-    for _ in range(NEW_TOKENS):
-        inputs = {n: torch.from_numpy(v) for n, v in extra.items() if n in source.input_names}
-        inputs[decoder.token_input] = torch.from_numpy(tokens)
-        if decoder.mask_input is not None:  # the decoder's own padding mask, grown per token
-            _, mask = left_pad(prompts, PAD)
-            grown = np.ones((len(prompts), tokens.shape[1] - mask.shape[1]), np.int64)
-            inputs[decoder.mask_input] = torch.from_numpy(np.concatenate([mask, grown], 1))
-        last = source.eager(inputs)[source.output_names[0]][:, -1].float().numpy()
-        logits.append(last)
-        chosen.append(last.argmax(-1))
-        tokens = np.concatenate([tokens, chosen[-1][:, None]], axis=1)
-    return np.stack(chosen, 1).tolist(), logits
-
-
 def _check(source, tmp_path) -> None:
     result = tfgraph.export(source, tmp_path / "artifact", kv_cache=True)
     report = result.report
@@ -79,18 +58,10 @@ def _check(source, tmp_path) -> None:
         gen_prompts = [[0], [0]]
     else:
         gen_prompts = prompts
-    got = generate(
-        decoder,
-        gen_prompts,
-        GenerationConfig(max_new_tokens=NEW_TOKENS),
-        extra=extra,
-        keep_logits=True,
-    )
-    want_tokens, want_logits = _eager_greedy(source, decoder, gen_prompts, extra)
-    for step, (g, w) in enumerate(zip(got.step_logits, want_logits, strict=True)):
-        row = compare("logits", g, w, FP32)
+    comparison = compare_greedy(source, decoder, gen_prompts, NEW_TOKENS, extra=extra, pad=PAD)
+    for step, row in enumerate(comparison.steps):
         assert row["passed"], (step, row)
-    assert got.tokens == want_tokens
+    assert comparison.tokens == comparison.want_tokens
 
 
 class MaskedLM(torch.nn.Module):

@@ -103,6 +103,8 @@ def _cmd_export(args) -> int:
 def _print_fusions(fusions: dict, *, verbose: bool) -> None:
     rows = [[k, f"{v['fused']}/{v['total']}", str(len(v["missed"]))] for k, v in fusions.items()]
     print(_table(rows, ["fusion", "fused/total", "missed"]))
+    if not any(v["total"] or v["missed"] for v in fusions.values()):
+        print("  no attention, norm or GELU candidates found: nothing to fuse (not a transformer?)")
     for kind, v in fusions.items():
         shown = v["missed"] if verbose else v["missed"][:3]
         for miss in shown:
@@ -115,22 +117,18 @@ def _print_fusions(fusions: dict, *, verbose: bool) -> None:
 def _cmd_inspect(args) -> int:
     import onnx_ir as ir
 
-    from tfgraph.runtime import model_path
+    from tfgraph.runtime.session import checked_model
 
     from .fusions import count_fusions, op_histogram
     from .manifest import describe_value
 
-    path = model_path(args.path)
+    path, _ = checked_model(args.path)  # format and external-data locations checked first
     try:
         model = ir.load(path)
     except Exception as exc:
-        raise TfgraphError(f"cannot read '{path}' as ONNX: {str(exc).splitlines()[0]}") from exc
-    report_file = path.parent / "report.json"
-    fusions = (
-        json.loads(report_file.read_text())["fusions"]
-        if report_file.is_file()
-        else count_fusions(model, "unknown")
-    )
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise TfgraphError(f"cannot read '{path}' as ONNX ({first}); re-export it") from exc
+    fusions = _report_fusions(path.parent / "report.json") or count_fusions(model, "unknown")
     print(f"{path}  opsets {dict(sorted(model.opset_imports.items()))}")
     for title, values in (("inputs", model.graph.inputs), ("outputs", model.graph.outputs)):
         rows = [[d["name"], d["dtype"], str(d["shape"])] for d in map(describe_value, values)]
@@ -144,6 +142,14 @@ def _cmd_inspect(args) -> int:
         for layer in v.get("fused_layers", []):
             print(f"  fused {kind} in {layer['module'] or '<top level>'}: {layer['op']}")
     return 0
+
+
+def _report_fusions(report_file: Path) -> dict | None:
+    """The fusions of an artifact's report.json; None when missing or unreadable (recount)."""
+    try:
+        return json.loads(report_file.read_text())["fusions"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _parse_ids(text: str, flag: str) -> list[int]:
@@ -192,7 +198,10 @@ def _cmd_run(args) -> int:
         rows.append(row)
     print(_table(rows, ["output", "dtype", "shape", "values"]))
     if args.save:
-        np.savez(args.save, **outputs)
+        try:
+            np.savez(args.save, **outputs)
+        except OSError as exc:
+            raise TfgraphError(f"cannot save outputs to '{args.save}': {exc.strerror}") from exc
         print(f"saved outputs to {args.save}")
     return 0
 
@@ -256,9 +265,15 @@ def _load_tokenizer(path: str):
         import transformers
     except ImportError as exc:
         raise TfgraphError("--text needs transformers: pip install 'tfgraph[hf]'") from exc
-    return transformers.AutoTokenizer.from_pretrained(
-        directory / "tokenizer", local_files_only=True
-    )
+    try:  # tokenizer files are data: code they name (auto_map) is never run
+        return transformers.AutoTokenizer.from_pretrained(
+            directory / "tokenizer", local_files_only=True, trust_remote_code=False
+        )
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise TfgraphError(
+            f"cannot load the tokenizer in '{directory / 'tokenizer'}' ({first}); use --input-ids"
+        ) from exc
 
 
 def _cmd_bench(args) -> int:
@@ -289,6 +304,93 @@ def _cmd_bench(args) -> int:
         print(f"error: sections failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _cmd_fuzz(args) -> int:
+    try:
+        from .fuzz import FuzzCase, check_case, run_fuzz
+    except ImportError as exc:
+        raise TfgraphError(
+            f"fuzz needs its test extras ({exc.name} is missing): pip install 'tfgraph[dev]'"
+        ) from exc
+    from tfgraph.passes.lower_norms import PROFILES
+
+    profiles = tuple(p.strip() for p in args.profiles.split(",") if p.strip())
+    unknown = [p for p in profiles if p not in PROFILES]
+    if unknown or not profiles:
+        raise TfgraphError(f"--profiles {args.profiles!r}: choose from {', '.join(PROFILES)}")
+    if args.replay is not None:
+        return _fuzz_replay(args.replay, profiles, not args.no_cache, FuzzCase, check_case)
+    if args.examples < 1:
+        raise TfgraphError(f"--examples must be at least 1, got {args.examples}")
+    report = run_fuzz(
+        args.examples,
+        args.seed,
+        profiles=profiles,
+        cache=not args.no_cache,
+        keep_going=args.keep_going,
+        progress=_fuzz_progress,
+    )
+    _print_fuzz_summary(report)
+    if report.passed:
+        return 0
+    for failure in report.failures:
+        print(f"\n{failure}")
+        for note in getattr(failure, "__notes__", []):
+            print(note)
+    print(
+        f"error: {len(report.failures)} failure(s); rerun with --seed {report.seed} "
+        f"--examples {report.requested}, or replay a case with --replay (above)",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def _fuzz_replay(text: str, profiles, cache: bool, case_cls, check) -> int:
+    """``fuzz --replay JSON``: check one case, as a failure message prints it."""
+    try:
+        case = case_cls.from_dict(json.loads(text))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise TfgraphError(f"--replay needs a case as JSON, as a failure prints: {exc}") from exc
+    print(f"replay: {case.summary()}", file=sys.stderr, flush=True)
+    try:
+        timings = check(case, profiles=profiles, cache=cache)
+    except AssertionError as exc:
+        print(exc)
+        return 1
+    print(_table([[k, f"{v:.2f} s"] for k, v in timings.items()], ["stage", "time"]))
+    print("passed")
+    return 0
+
+
+def _fuzz_progress(event) -> None:
+    if event.outcome is None:
+        print(f"[{event.label}] {event.case.summary()}", file=sys.stderr, flush=True)
+        return
+    where = f" in {event.stage}" if event.stage else ""
+    print(
+        f"[{event.label}] {event.outcome}{where} ({event.seconds:.1f} s)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _print_fuzz_summary(report) -> None:
+    examples = len(report.example_seconds)
+    per = sum(report.example_seconds) / max(examples, 1)
+    row = [
+        f"{examples}/{report.requested}",
+        str(report.count("parity")),
+        str(report.count("fusion")),
+        str(report.count("crash")),
+        str(report.shrink_runs),
+        f"{report.seconds:.0f} s ({per:.1f} s/example)",
+    ]
+    header = ["examples", "parity failures", "incomplete fusions", "crashes", "shrink runs"]
+    print(_table([row], [*header, "time"]))
+    if report.near_duplicates:
+        print(f"{report.near_duplicates} near-duplicate cases skipped (Hypothesis mutations)")
+    print(f"seed {report.seed}: {'passed' if report.passed else 'FAILED'}")
 
 
 def models_table(markdown: bool = False) -> str:
@@ -423,6 +525,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="artifact directory or .onnx file")
     verbose(p)
     p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("fuzz", help="differential fuzzing: random zoo models through every profile")
+    p.add_argument("--examples", type=int, default=20, help="examples to draw (default 20)")
+    p.add_argument("--seed", type=int, default=0, help="campaign seed (same seed, same cases)")
+    p.add_argument(
+        "--profiles",
+        default=",".join(PROFILES),
+        help="comma-separated profiles to export each example for (default: all)",
+    )
+    p.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="skip the KV-cached export and greedy generation checks",
+    )
+    p.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="run every example and list all failures (no shrinking); default: stop at the "
+        "first failure and shrink it to a minimal config",
+    )
+    p.add_argument("--replay", metavar="JSON", help="check one case printed by a failure")
+    verbose(p)
+    p.set_defaults(func=_cmd_fuzz)
 
     p = sub.add_parser("models", help="list the model presets")
     p.add_argument("--markdown", action="store_true", help="as a Markdown table (README)")

@@ -1,0 +1,174 @@
+"""The differential fuzzer (``tfgraph.fuzz``, ``python -m tfgraph fuzz``).
+
+- a bounded campaign over the whole model space passes through the same code path as the CLI
+  (every profile, KV cache and greedy generation included);
+- a deliberately broken lowering is caught, and the failure prints the config and the seed;
+- Hypothesis shrinks a failure to a minimal config, and leaves no ``.hypothesis`` directory;
+- the strategy reaches every family, position scheme, norm, FFN, attention implementation.
+"""
+
+import dataclasses
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import seed as hypothesis_seed
+
+from tfgraph.cli import main
+from tfgraph.fuzz import (
+    PADDINGS,
+    FuzzCase,
+    ParityFailure,
+    check_case,
+    expected_candidates,
+    fuzz_cases,
+    run_fuzz,
+)
+from tfgraph.models.config import ATTN_IMPLS, FAMILIES, FFNS, NORMS, POSITIONS, ModelConfig
+from tfgraph.models.presets import PRESETS
+from tfgraph.passes import lower_attention
+
+# every profile, KV cache and generation: a decoder, an encoder-decoder, two encoders (≈ 70 s)
+CAMPAIGN_EXAMPLES, CAMPAIGN_SEED = 4, 1
+TINY = FuzzCase(
+    config=ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, max_seq_len=64),
+    parity_shapes=((2, 9),),
+)
+
+
+@pytest.fixture
+def broken_scale(monkeypatch):
+    """Every lowered attention computes softmax(1.25·scale·QKᵀ): wrong numbers, valid graph."""
+    read_spec = lower_attention._read_spec
+
+    def wrong(node, q, k):
+        spec = read_spec(node, q, k)
+        return dataclasses.replace(spec, scale=spec.scale * 1.25)
+
+    monkeypatch.setattr(lower_attention, "_read_spec", wrong)
+
+
+def test_campaign_passes(tmp_path):
+    events = []
+    report = run_fuzz(
+        CAMPAIGN_EXAMPLES,
+        seed=CAMPAIGN_SEED,
+        keep_going=True,  # bounded time: no shrinking in CI (the CLI shrinks by default)
+        workdir=tmp_path,
+        progress=events.append,
+    )
+    assert report.passed, "\n\n".join(map(str, report.failures))
+    families = {e.case.config.family for e in events if e.outcome == "ok"}
+    assert families == {"decoder", "encoder", "encoder-decoder"}
+    assert report.examples == CAMPAIGN_EXAMPLES and report.count("ok") == CAMPAIGN_EXAMPLES
+    assert [e.label for e in events if e.outcome == "ok"] == [
+        f"{i}/{CAMPAIGN_EXAMPLES}" for i in range(1, CAMPAIGN_EXAMPLES + 1)
+    ]
+
+
+def test_broken_lowering_fails_with_config_and_seed(broken_scale, tmp_path):
+    with pytest.raises(ParityFailure) as info:
+        check_case(TINY, tmp_path, profiles=("onnx",), cache=False, reproduce="--seed 7")
+    message = str(info.value)
+    assert "[parity] export profile=onnx" in message
+    assert f"config: {dataclasses.asdict(TINY.config)}" in message
+    assert "'weight_seed': 0" in message and "--seed 7" in message
+    replay = json.loads(message.split("--replay '")[1].split("'")[0])
+    assert FuzzCase.from_dict(replay) == TINY
+
+
+def test_cli_reports_a_broken_lowering(broken_scale, capsys):
+    argv = ["fuzz", "--examples", "3", "--seed", "2", "--profiles", "ort", "--no-cache"]
+    assert main([*argv, "--keep-going"]) == 1
+    out, err = capsys.readouterr()
+    assert "parity failures" in out and "FAILED" in out
+    assert "[parity] export profile=ort" in out and "config: {'family': " in out
+    assert "python -m tfgraph fuzz --examples 3 --seed 2 --profiles ort --no-cache" in out
+    assert "--seed 2" in err and "[1/3]" in err
+
+
+def test_shrinking_finds_a_minimal_config(tmp_path, monkeypatch):
+    """A fake check that fails on every RoPE model: Hypothesis shrinks the rest away."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYPOTHESIS_STORAGE_DIRECTORY", raising=False)
+
+    def check(case, workdir, **kwargs):
+        if case.config.positions == "rope":
+            raise ParityFailure(case, "fake", "RoPE is broken", kwargs["reproduce"])
+
+    report = run_fuzz(60, seed=3, check=check)
+    assert len(report.failures) == 1 and report.shrink_runs > 0
+    failure = report.failures[0]
+    cfg = failure.case.config
+    assert (cfg.positions, cfg.family, cfg.n_layers, cfg.n_heads) == ("rope", "decoder", 1, 1)
+    assert cfg.sliding_window is None and cfg.rope_fraction == 1.0 and cfg.norm == "layernorm"
+    assert "python -m tfgraph fuzz --examples 60 --seed 3" in str(failure)
+    notes = "\n".join(failure.__notes__)
+    assert "case=FuzzCase(config=ModelConfig(" in notes and "@reproduce_failure(" in notes
+    assert report.count("parity") == 1  # shrink runs are not counted as examples
+    assert not (tmp_path / ".hypothesis").exists()
+
+
+def test_cli_fuzz_one_example(capsys):
+    assert main(["fuzz", "--examples", "1", "--seed", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert "examples" in out and "incomplete fusions" in out and "seed 0: passed" in out
+    assert "[1/1] " in err and "[1/1] ok" in err
+
+
+def test_cli_replays_a_case(capsys):
+    argv = ["fuzz", "--replay", json.dumps(TINY.as_dict()), "--profiles", "ort", "--no-cache"]
+    assert main(argv) == 0
+    assert "passed" in capsys.readouterr().out
+
+
+def test_cli_refuses_unknown_profiles(capsys):
+    assert main(["fuzz", "--profiles", "ort,tpu"]) == 2
+    assert "--profiles" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "t5-tiny", "palm-tiny", "seed-layernorm-tiny"])
+def test_expected_candidates_match_the_presets(name):
+    """The counts the fuzzer expects, on presets whose counts the zoo tests pin down."""
+    cfg = PRESETS[name]
+    want = {
+        "gpt-tiny": {"attention": 2, "norm": 5, "gelu": 2},
+        "t5-tiny": {"attention": 6, "norm": 12, "gelu": 0},
+        "palm-tiny": {"attention": 2, "norm": 3, "gelu": 0},
+        "seed-layernorm-tiny": {"attention": 2, "norm": 5, "gelu": 2},
+    }[name]
+    assert expected_candidates(cfg) == want
+
+
+def test_strategy_covers_the_model_space():
+    seen: dict[str, set] = {k: set() for k in ("family", "positions", "norm", "ffn", "impl")}
+    seen.update({k: set() for k in ("placement", "heads", "head_dim", "window", "padding")})
+
+    @settings(max_examples=400, database=None, suppress_health_check=list(HealthCheck))
+    @hypothesis_seed(0)
+    @given(fuzz_cases())
+    def draw(case):
+        cfg = case.config
+        assert cfg.d_model <= 64 and cfg.vocab_size <= 128 and 1 <= cfg.n_layers <= 2
+        seen["family"].add(cfg.family)
+        seen["positions"].add(cfg.positions)
+        seen["norm"].add(cfg.norm)
+        seen["ffn"].add(cfg.ffn)
+        seen["impl"].add(cfg.attn_impl)
+        seen["placement"].add("parallel" if cfg.parallel_block else cfg.norm_placement)
+        kind = "MHA" if cfg.kv_heads == cfg.n_heads else "MQA" if cfg.kv_heads == 1 else "GQA"
+        seen["heads"].add(kind)
+        seen["head_dim"].add(cfg.head_dim % 8 == 0)
+        seen["window"].add(cfg.sliding_window is not None)
+        seen["padding"].add(case.padding)
+        if cfg.positions == "rope":
+            seen["positions"].add("rope-partial" if cfg.rotary_dim < cfg.head_dim else "rope")
+            seen["positions"].add("rope-ntk" if cfg.rope_ntk_factor != 1.0 else "rope")
+
+    draw()
+    assert seen["family"] == set(FAMILIES) and seen["norm"] == set(NORMS)
+    assert seen["positions"] == {*POSITIONS, "rope-partial", "rope-ntk"}
+    assert seen["ffn"] == set(FFNS) and seen["impl"] == set(ATTN_IMPLS)
+    assert seen["placement"] == {"pre", "post", "parallel"}
+    assert seen["heads"] == {"MHA", "GQA", "MQA"} and seen["head_dim"] == {True, False}
+    assert seen["window"] == {True, False} and seen["padding"] == set(PADDINGS)

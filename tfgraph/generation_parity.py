@@ -1,0 +1,112 @@
+"""Greedy KV-cached generation against eager PyTorch full recompute, token for token.
+
+The cached engine (:func:`tfgraph.runtime.generate` on a :class:`CachedDecoder`) decodes
+``new_tokens`` tokens after each left-padded prompt; the reference reruns the eager module on
+the whole padded prefix at every step. Each step's logits (the ones that chose a token) are
+compared within a tolerance, and the chosen tokens must be equal.
+
+Used by ``tests/test_generation_parity.py`` and the differential fuzzer (:mod:`tfgraph.fuzz`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tfgraph.runtime import CachedDecoder, GenerationConfig, generate
+from tfgraph.runtime.generate import left_pad
+
+from .parity import FP32, Tolerance, compare
+from .sources import ModelSource
+
+
+@dataclass
+class GreedyComparison:
+    """``tokens``: the cached engine's new tokens per row; ``want_tokens``: eager's;
+    ``steps[t]``: :func:`tfgraph.parity.compare` of the logits that chose token t."""
+
+    tokens: list[list[int]]
+    want_tokens: list[list[int]]
+    steps: list[dict]
+
+    @property
+    def passed(self) -> bool:
+        return self.tokens == self.want_tokens and all(r["passed"] for r in self.steps)
+
+    def divergence(self) -> int | None:
+        """The first step at which a row chose a different token (None: all equal)."""
+        for step in range(min(len(t) for t in [*self.tokens, *self.want_tokens])):
+            if any(g[step] != w[step] for g, w in zip(self.tokens, self.want_tokens, strict=True)):
+                return step
+        return None if self.tokens == self.want_tokens else 0
+
+    def agrees_up_to_a_tie(self) -> bool:
+        """Every step's logits within tolerance up to the first differing token, included.
+
+        Logits within tolerance whose argmax differs are a near tie of the top two tokens:
+        after it the two sides decode different prefixes, so later steps say nothing.
+        """
+        t = self.divergence()
+        checked = self.steps if t is None else self.steps[: t + 1]
+        return all(r["passed"] for r in checked)
+
+
+def encoder_inputs(prompts: list[list[int]], pad: int = 0) -> dict[str, np.ndarray]:
+    """Encoder-decoder generation: the prompts, left-padded, feed the encoder."""
+    ids, mask = left_pad(prompts, pad)
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def eager_greedy(
+    source: ModelSource,
+    decoder: CachedDecoder,
+    prompts: list[list[int]],
+    extra: dict[str, np.ndarray],
+    new_tokens: int,
+    pad: int = 0,
+) -> tuple[list[list[int]], list[np.ndarray]]:
+    """Greedy decoding by full recompute: every step reruns the whole padded prefix.
+
+    Returns the chosen tokens per row and each step's (batch, vocab) last-position logits.
+    """
+    if decoder.token_input == "decoder_input_ids":
+        tokens = np.zeros((len(prompts), 1), np.int64)  # decoder start token 0
+    else:
+        tokens, _ = left_pad(prompts, pad)
+    chosen, logits = [], []
+    for _ in range(new_tokens):
+        inputs = {n: torch.from_numpy(v) for n, v in extra.items() if n in source.input_names}
+        inputs[decoder.token_input] = torch.from_numpy(tokens)
+        if decoder.mask_input is not None:  # the decoder's own padding mask, grown per token
+            _, mask = left_pad(prompts, pad)
+            grown = np.ones((len(prompts), tokens.shape[1] - mask.shape[1]), np.int64)
+            inputs[decoder.mask_input] = torch.from_numpy(np.concatenate([mask, grown], 1))
+        last = source.eager(inputs)[source.output_names[0]][:, -1].float().numpy()
+        logits.append(last)
+        chosen.append(last.argmax(-1))
+        tokens = np.concatenate([tokens, chosen[-1][:, None]], axis=1)
+    return np.stack(chosen, 1).tolist(), logits
+
+
+def compare_greedy(
+    source: ModelSource,
+    decoder: CachedDecoder,
+    prompts: list[list[int]],
+    new_tokens: int,
+    *,
+    extra: dict[str, np.ndarray] | None = None,
+    tolerance: Tolerance = FP32,
+    pad: int = 0,
+) -> GreedyComparison:
+    """Generate ``new_tokens`` greedily with the cached ``decoder`` and by eager recompute."""
+    extra = extra or {}
+    config = GenerationConfig(max_new_tokens=new_tokens, pad_token_id=pad)
+    got = generate(decoder, prompts, config, extra=extra, keep_logits=True)
+    want_tokens, want_logits = eager_greedy(source, decoder, prompts, extra, new_tokens, pad)
+    steps = [
+        compare("logits", g, w, tolerance)
+        for g, w in zip(got.step_logits, want_logits, strict=True)
+    ]
+    return GreedyComparison(got.tokens, want_tokens, steps)
