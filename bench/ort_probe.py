@@ -52,9 +52,6 @@ def _status(key: str) -> float:
 
 
 def _main(model: str, spec: dict) -> dict:
-    import statistics
-    import time
-
     import numpy as np
     import onnxruntime as ort
 
@@ -81,15 +78,23 @@ def _main(model: str, spec: dict) -> dict:
             feeds[name] = rng.integers(1, desc.get("high", 256), shape).astype(dtype)
         else:
             feeds[name] = rng.standard_normal(shape).astype(dtype)
+    return measure(lambda: session.run(None, feeds), spec["repeats"])
+
+
+def measure(run, repeats: int) -> dict:
+    """Time ``run()`` (median of ``repeats`` after one warm-up, or one run) and the peak RSS:
+    VmHWM is reset once everything is loaded, so ``run_extra_rss_mib`` is the runs' own."""
+    import statistics
+    import time
+
     load_peak = _status("VmHWM")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = _status("VmRSS")
-    repeats = spec["repeats"]
     times = []
     for _ in range(repeats + (1 if repeats > 1 else 0)):
         start = time.perf_counter()
-        session.run(None, feeds)
+        run()
         times.append(time.perf_counter() - start)
     run_peak = _status("VmHWM")
     return {

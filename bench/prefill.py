@@ -34,7 +34,6 @@ import json
 import logging
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,7 +41,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tfgraph.bench.ort_probe import probe
+from tfgraph.bench.ort_probe import measure, probe
 
 logger = logging.getLogger(__name__)
 
@@ -325,12 +324,6 @@ def run(
 # --- the eager child process ------------------------------------------------------------------
 
 
-def _status_mib(key: str) -> float:
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith(key + ":"))
-    return int(line.split()[1]) / 1024
-
-
 def _eager_feeds(inputs: dict):
     """The same arrays as ort_probe makes from the same description, as torch tensors."""
     import numpy as np
@@ -356,24 +349,8 @@ def _eager_main(job_json: str) -> None:
     module = _build(job["preset"], job["overrides"])
     feeds = _eager_feeds(job["inputs"])
     args = [feeds[n] for n in module.input_names]
-    load_peak = _status_mib("VmHWM")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status_mib("VmRSS")
-    repeats = job["repeats"]
-    times = []
     with torch.no_grad():
-        for _ in range(repeats + (1 if repeats > 1 else 0)):
-            start = time.perf_counter()
-            module(*args)
-            times.append(time.perf_counter() - start)
-    run_peak = _status_mib("VmHWM")
-    result = {
-        "seconds": statistics.median(times[1:] if repeats > 1 else times),
-        "peak_rss_mib": max(run_peak, load_peak),
-        "run_extra_rss_mib": run_peak - before,
-        "rss_before_run_mib": before,
-    }
+        result = measure(lambda: module(*args), job["repeats"])
     sys.stdout.write(json.dumps(result) + "\n")
 
 
