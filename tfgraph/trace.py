@@ -20,6 +20,7 @@ from onnxscript import rewriter
 from onnxscript.optimizer import _constant_folding as folding
 
 from .errors import TfgraphError
+from .exact_no_op import exact
 from .sources import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,8 @@ def trace(source: ModelSource, *, opset: int = DEFAULT_OPSET) -> ir.Model:
 # by scanning the whole graph for every candidate, which made tracing quadratic in depth
 # (measured, 48-layer gpt-tiny: 45 of the optimizer's 48 s were that matcher; optimize_ir took
 # 1.8 / 5.2 / 18.8 s at 16 / 32 / 64 layers). Two Slices stay two Slices (RoPE's rotate_half).
-_REWRITE_RULES = [r for r in rewriter._DEFAULT_REWRITE_RULES if r.name != "SlicesSplit"]
+# onnxscript's no-op rules are tolerant (x + 1e-12 → x): swapped for exact ones.
+_REWRITE_RULES = exact([r for r in rewriter._DEFAULT_REWRITE_RULES if r.name != "SlicesSplit"])
 
 
 def _optimize(model: ir.Model) -> None:

@@ -1,0 +1,80 @@
+"""Tracing removes ``x + 0``, ``x · 1`` … only when the constant is exactly the identity.
+
+onnxscript's own no-op rules are tolerant (``abs_tol`` 1e-8, ``rel_tol`` 1e-5); the fuzzer found
+the seed's ``σ + 1e-12`` removed by them. These tests pin the exact replacements and the bug.
+"""
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+from tfgraph import from_module
+from tfgraph.models.norms import SeedLayerNorm
+from tfgraph.passes.fuse_norms import FuseNormsPass
+from tfgraph.fusions import count_fusions
+from tfgraph.passes.norm_rules import SeedLayerNormRule
+from tfgraph.pipeline import run_pipeline
+from tfgraph.trace import trace
+
+
+class Op(nn.Module):
+    def __init__(self, kind: str, constant: float) -> None:
+        super().__init__()
+        self.kind, self.constant = kind, constant
+
+    def forward(self, x):
+        c = self.constant
+        return {"add": x + c, "radd": c + x, "sub": x - c, "mul": x * c, "div": x / c}[self.kind]
+
+
+def _ops(module) -> list[str]:
+    model = trace(from_module(module, (torch.randn(2, 3, 4),)))
+    return [n.op_type for n in model.graph]
+
+
+@pytest.mark.parametrize(
+    ("kind", "identity", "near"),
+    [
+        ("add", 0.0, 1e-12),
+        ("radd", 0.0, -1e-9),
+        ("sub", 0.0, 1e-12),
+        ("mul", 1.0, 1.000001),
+        ("div", 1.0, 1 - 1e-6),
+    ],
+)
+def test_only_exact_identities_are_removed(kind, identity, near):
+    op_type = {"add": "Add", "radd": "Add", "sub": "Sub", "mul": "Mul", "div": "Div"}[kind]
+    assert op_type not in _ops(Op(kind, identity))
+    assert op_type in _ops(Op(kind, near))  # onnxscript's tolerant rule would drop it
+
+
+def _run(model: ir.Model, x: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(
+        ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    return session.run(None, {session.get_inputs()[0].name: x})[0]
+
+
+def test_seed_norm_with_tiny_eps_keeps_eps_constant_row_stays_finite():
+    """``(x − μ)/(σ + 1e-12)`` of a constant row is 0 in eager; without ε it is 0/0 = NaN."""
+    norm = SeedLayerNorm(8, eps=1e-12).eval()
+    x = torch.randn(1, 3, 8)
+    x[0, 1] = 2.5  # a constant row: σ = 0
+    model = trace(from_module(norm, (x,)))
+    got = _run(model, x.numpy())
+    want = norm(x).detach().numpy()
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_seed_norm_with_tiny_eps_is_reported_excluded():
+    model = trace(from_module(SeedLayerNorm(8, eps=1e-12), (torch.randn(2, 5, 8),)))
+    run_pipeline(model, "cleanup")
+    FuseNormsPass()(model)
+    norm = count_fusions(model)["norm"]
+    assert (norm["fused"], norm["total"]) == (0, 0)
+    assert [m["reason"] for m in norm["missed"]] == [SeedLayerNormRule.REASON]
+    assert norm["missed"][0]["excluded"] is True
