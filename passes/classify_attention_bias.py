@@ -16,8 +16,13 @@ fragile. Instead, for each ``tfgraph.Attention`` with a bias input:
      the unpadded pattern is causal);
    - it changes with the token ids (Shaw's ``q·r``, computed from activations): kept,
      ``bias_kind="additive"``; a bias computed from a fused op's output is not evaluated.
-3. A classification that differs between the two sizes keeps the bias as ``additive``.
-4. A node that is causal already (ONNX ``Attention``'s ``is_causal``) stays causal.
+3. Results at the two sizes must agree, where a window ``w`` shows only at sizes > ``w`` (a
+   window of 9 looks plainly causal at 7): a disagreement keeps the bias as ``additive``.
+4. A mask about to be dropped (causal, nothing else in it) is evaluated once more at a long
+   size (:data:`LONG_SIZE`, batch 1) to find a window the short sizes cannot see; a window of
+   ``LONG_SIZE`` or more is beyond what is checked (the node's metadata records the size).
+   If that evaluation fails, the bias is kept.
+5. A node that is causal already (ONNX ``Attention``'s ``is_causal``) stays causal.
 
 The result is a measured fact, so the report can say exactly what each layer's mask is.
 """
@@ -37,9 +42,12 @@ logger = logging.getLogger(__name__)
 MASKED = -1e8
 CLASSIFIED_KEY = "tfgraph.bias_classified"
 SIZES = (7, 11)  # sequence lengths tried; batch is 2
+LONG_SIZE = 4100  # the long check of a mask to drop: finds windows up to 4099 (Mistral: 4096)
+LONG_BUDGET = LONG_SIZE * LONG_SIZE  # elements of one evaluated bias in the long check
+CHECKED_KEY = "tfgraph.window_checked_to"  # sequence length the dropped mask was checked at
 
 
-def _feeds(graph: onnx.GraphProto, size: int, pad: bool, token: int = 0) -> dict:
+def _feeds(graph: onnx.GraphProto, size: int, pad: bool, token: int = 0, batch: int = 2) -> dict:
     dims: dict[str, int] = {}
     feeds = {}
     for inp in graph.input:
@@ -47,7 +55,7 @@ def _feeds(graph: onnx.GraphProto, size: int, pad: bool, token: int = 0) -> dict
         for d in inp.type.tensor_type.shape.dim:
             if d.dim_param:
                 if d.dim_param not in dims:
-                    dims[d.dim_param] = 2 if d.dim_param == "batch" else size + 2 * len(dims)
+                    dims[d.dim_param] = batch if d.dim_param == "batch" else size + 2 * len(dims)
                 shape.append(dims[d.dim_param])
             else:
                 shape.append(d.dim_value)
@@ -90,12 +98,20 @@ def _subgraph(proto: onnx.ModelProto, names: list[str]) -> onnx.ModelProto | Non
     )
 
 
-def evaluate_biases(model: ir.Model, values: list[ir.Value], size: int, pad: bool, token: int = 0):
-    """The bias tensors at one size (batch 2), computed by ONNX Runtime; None for a bias that
-    depends on something other than shapes and inputs (e.g. on a fused op's output)."""
+def evaluate_biases(
+    model: ir.Model,
+    values: list[ir.Value],
+    size: int,
+    pad: bool,
+    token: int = 0,
+    batch: int = 2,
+    proto: onnx.ModelProto | None = None,
+):
+    """The bias tensors at one size, computed by ONNX Runtime; None for a bias that depends on
+    something other than shapes and inputs (e.g. on a fused op's output)."""
     import onnxruntime as ort
 
-    proto = ir.to_proto(model)
+    proto = ir.to_proto(model) if proto is None else proto
     results = []
     for value in values:
         sub = _subgraph(proto, [value.name])
@@ -106,7 +122,8 @@ def evaluate_biases(model: ir.Model, values: list[ir.Value], size: int, pad: boo
         options.log_severity_level = 3
         session = ort.InferenceSession(sub.SerializeToString(), options)
         wanted = {i.name for i in session.get_inputs()}
-        feeds = {k: v for k, v in _feeds(sub.graph, size, pad, token).items() if k in wanted}
+        feeds = _feeds(sub.graph, size, pad, token, batch)
+        feeds = {k: v for k, v in feeds.items() if k in wanted}
         results.append(session.run(None, feeds)[0])
     return results
 
@@ -183,28 +200,26 @@ class ClassifyAttentionBiasPass(ir.passes.InPlacePass):
         if not nodes:
             return ir.passes.PassResult(model, modified=False)
         values = [n.inputs[3] for n in nodes]
-        runs = [evaluate_biases(model, values, size, pad=False) for size in SIZES]
-        padded = evaluate_biases(model, values, SIZES[0], pad=True)
-        other_tokens = evaluate_biases(model, values, SIZES[0], pad=False, token=1)
-        modified = False
+        proto = ir.to_proto(model)
+        runs = [evaluate_biases(model, values, size, False, proto=proto) for size in SIZES]
+        padded = evaluate_biases(model, values, SIZES[0], pad=True, proto=proto)
+        other_tokens = evaluate_biases(model, values, SIZES[0], False, token=1, proto=proto)
+        modified, checked = False, {}  # checked: the long check's result per bias value
         for k, node in enumerate(nodes):
             if any(run[k] is None for run in runs):
-                if _split_off_mask(model, node):
+                if _split_off_mask(model, node, proto, checked):
                     modified = True
                     continue
                 node.metadata_props[CLASSIFIED_KEY] = "not evaluable"
                 continue
-            found = [classify(run[k]) for run in runs]
-            attrs = (
-                found[0]
-                if all(f == found[0] for f in found)
-                else {"causal": 0, "window": 0, "keep": True, "bias_kind": "additive"}
-            )
+            attrs = agree([run[k] for run in runs])
             if not np.array_equal(np.asarray(other_tokens[k]), np.asarray(runs[0][k])):
                 # depends on the activations (Shaw's q·r): only its mask structure is a fact
                 attrs = {**attrs, "keep": True, "bias_kind": "additive"}
             elif not np.array_equal(np.asarray(padded[k]), np.asarray(runs[0][k])):
                 attrs = {**attrs, "keep": True, "bias_kind": "padding"}
+            elif attrs["causal"] and not attrs["keep"]:
+                attrs = _check_long(model, proto, node, values[k], attrs, runs[0][k], checked)
             causal = max(attrs["causal"], node.attributes.get_int("causal", 0))  # is_causal stays
             node.attributes["causal"] = ir.AttrInt64("causal", causal)
             node.attributes["window"] = ir.AttrInt64("window", attrs["window"])
@@ -217,7 +232,7 @@ class ClassifyAttentionBiasPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=modified)
 
 
-def _split_off_mask(model: ir.Model, node: ir.Node) -> bool:
+def _split_off_mask(model: ir.Model, node: ir.Node, proto: onnx.ModelProto, checked: dict) -> bool:
     """A bias that cannot be evaluated (computed from activations, like Shaw's ``q·r``) but is
     ``Add(term, mask)`` with an evaluable pure causal/window ``mask``: state the mask as
     ``causal``/``window`` and keep only ``term`` as the (``additive``) bias."""
@@ -225,18 +240,95 @@ def _split_off_mask(model: ir.Model, node: ir.Node) -> bool:
     if add is None or add.op_type != "Add" or add.domain not in ("", "ai.onnx"):
         return False
     for mask, term in ((add.inputs[1], add.inputs[0]), (add.inputs[0], add.inputs[1])):
-        runs = [evaluate_biases(model, [mask], size, pad=False)[0] for size in SIZES]
+        runs = [evaluate_biases(model, [mask], size, False, proto=proto)[0] for size in SIZES]
         if any(r is None or np.ndim(r) < 2 for r in runs):
             continue
         if not all(r.shape[-1] == r.shape[-2] for r in runs):
             continue
-        found = [classify(r) for r in runs]
-        if all(f == found[0] for f in found) and found[0]["causal"] and not found[0]["keep"]:
-            node.attributes["causal"] = ir.AttrInt64("causal", 1)
-            node.attributes["window"] = ir.AttrInt64("window", found[0]["window"])
-            node.attributes["bias_kind"] = ir.AttrString("bias_kind", "additive")
-            node.replace_input_with(3, term)
-            node.metadata_props[CLASSIFIED_KEY] = "additive (causal mask split off)"
-            logger.debug("attention %s: causal mask split off an activation bias", node.name)
-            return True
+        attrs = agree(runs)
+        if not (attrs["causal"] and not attrs["keep"]):
+            continue
+        attrs = _check_long(model, proto, node, mask, attrs, runs[0], checked)
+        if attrs["keep"]:  # the long check did not confirm a pure causal mask
+            continue
+        node.attributes["causal"] = ir.AttrInt64("causal", 1)
+        node.attributes["window"] = ir.AttrInt64("window", attrs["window"])
+        node.attributes["bias_kind"] = ir.AttrString("bias_kind", "additive")
+        node.replace_input_with(3, term)
+        node.metadata_props[CLASSIFIED_KEY] = "additive (causal mask split off)"
+        logger.debug("attention %s: causal mask split off an activation bias", node.name)
+        return True
     return False
+
+
+ADDITIVE = {"causal": 0, "window": 0, "keep": True, "bias_kind": "additive"}
+
+
+def agree(evaluated: list[np.ndarray]) -> dict:
+    """One classification from the bias evaluated at several lengths: they must agree, except
+    that a window ``w`` is visible only at lengths > ``w`` (below, it looks plainly causal)."""
+    found = [classify(e) for e in evaluated]
+    same = [{k: v for k, v in f.items() if k != "window"} for f in found]
+    if any(f != same[0] for f in same):
+        return dict(ADDITIVE)
+    windows = {f["window"] for f in found if f["window"]}
+    if len(windows) > 1:
+        return dict(ADDITIVE)
+    window = windows.pop() if windows else 0
+    lengths = [np.shape(e)[-2] for e in evaluated]
+    if window and any(f["window"] == 0 and t > window for f, t in zip(found, lengths, strict=True)):
+        return dict(ADDITIVE)
+    return {**found[0], "window": window}
+
+
+def _check_long(model, proto, node, value, attrs: dict, short: np.ndarray, cache: dict) -> dict:
+    """A causal mask about to be dropped, evaluated once more at a long length (batch 1) to see
+    a window longer than the short lengths; the bias is kept if that does not confirm it."""
+    if value.name not in cache:  # layers share one mask: evaluate it once
+        cache[value.name] = _long_window(model, proto, node, value, short)
+    window, length = cache[value.name]
+    if window is None or (attrs["window"] and window != attrs["window"]):
+        logger.info("attention %s: mask not confirmed at length %d; bias kept", node.name, length)
+        return dict(ADDITIVE)
+    node.metadata_props[CHECKED_KEY] = str(length)
+    return {**attrs, "window": window}
+
+
+def _long_window(model, proto, node, value, short: np.ndarray) -> tuple[int | None, int]:
+    """(window at the long length or None, that length)."""
+    per_row = int(np.prod(np.shape(short)[-3:])) if np.ndim(short) >= 3 else np.size(short)
+    t = np.shape(short)[-2]
+    heads = max(per_row // (t * t), 1)
+    size = min(LONG_SIZE, int(np.sqrt(LONG_BUDGET / heads)))
+    try:
+        (long,) = evaluate_biases(model, [value], size - 2, False, batch=1, proto=proto)
+        window = None if long is None else mask_window(long)
+    except Exception as exc:  # noqa: BLE001 - any failure here means: not confirmed, keep it
+        logger.info("attention %s: long mask check failed (%s)", node.name, exc)
+        return None, size
+    return window, int(np.shape(long)[-2])
+
+
+def mask_window(bias: np.ndarray) -> int | None:
+    """The window of a pure causal mask (0 when none shows at this length); None when the
+    tensor is not exactly causal + window with zeros elsewhere. Works on booleans: cheap at
+    thousands of positions."""
+    m = np.asarray(bias)
+    m = m[0] if m.ndim == 4 else m
+    m = m.reshape(-1, *m.shape[-2:])
+    t, s = m.shape[-2:]
+    if t != s:
+        return None
+    visible = m > MASKED
+    if np.any(np.where(visible, m, 0) != 0):
+        return None
+    counts = visible.sum(-1)  # (H, T): visible keys per query row
+    rows = np.arange(t)
+    last = t - 1 - np.argmax(visible[..., ::-1], axis=-1)
+    first = np.argmax(visible, axis=-1)
+    if not counts.all() or not (last == rows).all() or not (last - first + 1 == counts).all():
+        return None  # an empty row, a visible key after the query, or a gap
+    width = int(counts.max())
+    if not (counts == np.minimum(rows + 1, width)).all():
+        return None
+    return 0 if width == t else width

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from tfgraph import from_module
+from tfgraph.fusions import count_fusions
 from tfgraph.models.norms import SeedLayerNorm
 from tfgraph.passes.fuse_norms import FuseNormsPass
-from tfgraph.fusions import count_fusions
 from tfgraph.passes.norm_rules import SeedLayerNormRule
 from tfgraph.pipeline import run_pipeline
 from tfgraph.trace import trace
