@@ -3,7 +3,8 @@
 Exports ``llama-tiny`` (GQA 8:2, head size 8, RoPE) with the ``cleanup`` pipeline (attention
 as traced: MatMul, Softmax over the n × n scores) and with ``default`` for the ``ort`` profile
 (``com.microsoft.GroupQueryAttention``), then in a fresh process per configuration, without
-torch: latency at 512 and 4096 (median of 5 after warm-up) and peak RSS of one prefill at 8192.
+torch (``ort_probe``): latency at 512 and 4096 (median of 5 after warm-up) and peak RSS of one
+prefill at 8192.
 Memory is reported as the process's peak RSS and as the run's extra RSS: the peak RSS of the
 runs (VmHWM, reset through /proc/self/clear_refs once the session and inputs exist) minus the
 RSS at that moment. The second is what the graph itself needs; the first includes the process
@@ -16,51 +17,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import tfgraph
+from tfgraph.bench.ort_probe import probe
 
 PRESET = "llama-tiny"
-PROBE = r"""
-import json, statistics, sys, time
-import numpy as np, onnxruntime as ort
-path, seq, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-so = ort.SessionOptions(); so.intra_op_num_threads = 2; so.inter_op_num_threads = 1
-s = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"],
-                         disabled_optimizers=["SkipLayerNormFusion"])
-ids = np.random.default_rng(0).integers(0, 256, (1, seq), dtype=np.int64)
-def status(key):  # kB → MiB, from /proc/self/status
-    line = next(l for l in open("/proc/self/status") if l.startswith(key + ":"))
-    return int(line.split()[1]) / 1024
-load_peak = status("VmHWM")  # not ru_maxrss: Linux keeps the parent's across fork + exec
-open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM: the peak from here on is the run's
-before = status("VmRSS")
-times = []
-for i in range(repeats + (1 if repeats > 1 else 0)):
-    t = time.perf_counter(); s.run(None, {"input_ids": ids}); times.append(time.perf_counter() - t)
-peak = status("VmHWM")
-print(json.dumps({"seconds": statistics.median(times[1:] if repeats > 1 else times),
-                  "peak_rss_mib": max(peak, load_peak), "run_peak_rss_mib": peak,
-                  "rss_before_run_mib": before, "session_load_peak_rss_mib": load_peak}))
-"""
 
 
 def _probe(model: Path, seq: int, repeats: int) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE, str(model), str(seq), str(repeats)],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    """Latency and peak RSS in a fresh torch-free process (``ort_probe.probe``)."""
+    inputs = {"input_ids": {"shape": [1, seq], "dtype": "int64", "high": 256}}
+    return probe(model, inputs, repeats=repeats, threads=2)
 
 
-def _extra(probe: dict) -> float:
+def _extra(result: dict) -> float:
     """What the run itself added to the process's peak RSS (MiB); at least 1, to divide by."""
-    return max(probe["run_peak_rss_mib"] - probe["rss_before_run_mib"], 1.0)
+    return max(result["run_extra_rss_mib"], 1.0)
 
 
 def run(quick: bool, workdir: Path, progress=lambda step: None) -> dict:

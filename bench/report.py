@@ -61,7 +61,9 @@ def norm_section(d: dict) -> list[str]:
 
 
 def _extra(probe: dict) -> float:
-    return probe["run_peak_rss_mib"] - probe["rss_before_run_mib"]
+    if "run_extra_rss_mib" in probe:  # ort_probe's key
+        return probe["run_extra_rss_mib"]
+    return probe["run_peak_rss_mib"] - probe["rss_before_run_mib"]  # runs before ort_probe
 
 
 def attention_section(d: dict) -> list[str]:

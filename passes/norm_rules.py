@@ -41,7 +41,8 @@ def _plus_epsilon(op, v, epsilon):
 
 def _check_common(result: pattern.MatchResult, x, epsilon, reductions, exponents):
     """ε constant; every ReduceMean over the last axis only; every Pow exponent 2."""
-    # No ``Add(·, ε)`` at all: the exporter's optimizer drops a tiny ε (BERT's 1e-12) as if 0.
+    # No ``Add(·, ε)`` at all: ε = 0 (our tracing removes only an exact ``+ 0``; other
+    # optimizers, onnxscript's own no-op rules among them, drop an ε below 1e-8 as if 0).
     eps = 0.0 if epsilon is None else scalar(epsilon)
     if eps is None:
         return result.fail("epsilon is not a constant scalar", epsilon), None
