@@ -20,7 +20,8 @@ def sinusoidal(positions: torch.Tensor, d_model: int) -> torch.Tensor:
     """``PE(pos, 2i) = sin(pos/10000^(2i/d))``, ``PE(pos, 2i+1) = cos(pos/10000^(2i/d))``."""
     two_i = torch.arange(0, d_model, 2, device=positions.device, dtype=torch.float32)
     angle = positions.float()[:, None] / 10000 ** (two_i / d_model)  # (T, d/2)
-    return torch.stack([angle.sin(), angle.cos()], dim=-1).flatten(-2)  # (T, d): sin, cos, ...
+    pe = torch.stack([angle.sin(), angle.cos()], dim=-1).flatten(-2)  # (T, 2⌈d/2⌉): sin, cos, …
+    return pe[:, :d_model] if d_model % 2 else pe  # odd d: the last column is sin (2i = d − 1)
 
 
 # --- rotary positions (RoPE), applied to q and k ----------------------------------------------

@@ -103,14 +103,16 @@ def test_masks_are_built_from_shapes():
 # --- positions ------------------------------------------------------------------------------
 
 
-def test_sinusoidal_matches_the_formula():
-    n, d = 50, 16
+@pytest.mark.parametrize("d", [16, 5])  # odd d (found by the fuzzer): the last column is a sin
+def test_sinusoidal_matches_the_formula(d):
+    n = 50
     pe = sinusoidal(torch.arange(n), d)
     expected = torch.empty(n, d, dtype=torch.float64)
     for pos in range(n):
-        for i in range(d // 2):
-            expected[pos, 2 * i] = math.sin(pos / 10000 ** (2 * i / d))
-            expected[pos, 2 * i + 1] = math.cos(pos / 10000 ** (2 * i / d))
+        for k in range(d):
+            two_i = k - k % 2
+            angle = pos / 10000 ** (two_i / d)
+            expected[pos, k] = math.sin(angle) if k % 2 == 0 else math.cos(angle)
     torch.testing.assert_close(pe.double(), expected, atol=1e-5, rtol=0)
 
 
