@@ -112,11 +112,14 @@ def evaluate_biases(
     import onnxruntime as ort
 
     proto = ir.to_proto(model) if proto is None else proto
-    results = []
+    results, done = [], {}  # layers share one mask value: evaluate it once
     for value in values:
+        if value.name in done:
+            results.append(done[value.name])
+            continue
         sub = _subgraph(proto, [value.name])
         if sub is None:
-            results.append(None)
+            results.append(done.setdefault(value.name, None))
             continue
         options = ort.SessionOptions()
         options.log_severity_level = 3
@@ -124,7 +127,7 @@ def evaluate_biases(
         wanted = {i.name for i in session.get_inputs()}
         feeds = _feeds(sub.graph, size, pad, token, batch)
         feeds = {k: v for k, v in feeds.items() if k in wanted}
-        results.append(session.run(None, feeds)[0])
+        results.append(done.setdefault(value.name, session.run(None, feeds)[0]))
     return results
 
 
