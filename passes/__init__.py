@@ -1,5 +1,6 @@
-"""Graph passes on ``onnx_ir``: recognition into the ``tfgraph`` domain, then lowering."""
+"""Graph passes on ``onnx_ir``: recognition into the ``tfgraph`` domain, then lowering for a
+target (:mod:`tfgraph.targets`). Nothing here imports torch."""
 
-from .pipelines import PIPELINES, PROFILE_OPSET, get_pipeline
+from .pipelines import PIPELINES, PipelineOptions, build_pipeline, pass_names
 
-__all__ = ["PIPELINES", "PROFILE_OPSET", "get_pipeline"]
+__all__ = ["PIPELINES", "PipelineOptions", "build_pipeline", "pass_names"]

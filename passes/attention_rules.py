@@ -30,7 +30,8 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from .rewrite_utils import DOMAIN, int_list, scalar
+from .canonical import DOMAIN, AttentionOp
+from .rewrite_utils import int_list, scalar
 
 
 def _rank4_static_heads(value: ir.Value) -> bool:
@@ -104,17 +105,13 @@ class AttentionRule(pattern.RewriteRuleClassBase):
             scaled = op.Mul(extra, scale)
             bias = scaled if bias is None else op.Add(scaled, bias)
         inputs = [q, k, v] + ([bias] if bias is not None else [])
-        return op.Attention(
-            *inputs,
+        spec = AttentionOp(
             num_heads=q.shape[1],
             kv_num_heads=kt.shape[1],
             scale=float(self._scale),
-            causal=0,
-            causal_alignment="bottom_right",
-            window=0,
             bias_kind="additive" if bias is not None else "none",
-            _domain=DOMAIN,
         )
+        return spec.make(op, *inputs)
 
 
 class BatchedHeadsAttentionRule(pattern.RewriteRuleClassBase):
@@ -164,20 +161,13 @@ class BatchedHeadsAttentionRule(pattern.RewriteRuleClassBase):
         k.type = kt3.type
         v = heads(v3, v3.shape[1:])
         bias = op.Add(heads(alibi3, alibi3.shape[1:]), mask)
-        return op.Attention(
-            q,
-            k,
-            v,
-            bias,
+        spec = AttentionOp(
             num_heads=self._heads,
             kv_num_heads=self._heads,
             scale=float(self._scale),
-            causal=0,
-            causal_alignment="bottom_right",
-            window=0,
             bias_kind="additive",
-            _domain=DOMAIN,
         )
+        return spec.make(op, q, k, v, bias)
 
 
 class DoubleTransposeRule(pattern.RewriteRuleClassBase):
@@ -267,10 +257,9 @@ class RepeatKVRule(pattern.RewriteRuleClassBase):
         return result
 
     def rewrite(self, op, q, k, v, y, bias=None, **_):
-        attrs = {a.name: a.value for a in y.producer().attributes.values()}
-        attrs["kv_num_heads"] = k.shape[1]
+        spec = AttentionOp.read(y.producer()).replace(kv_num_heads=k.shape[1])
         inputs = [q, k, v] + ([bias] if self._with_bias else [])
-        return op.Attention(*inputs, _domain=DOMAIN, **attrs)
+        return spec.make(op, *inputs)
 
 
 CORE_RULES = [

@@ -35,7 +35,9 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from .rewrite_utils import DOMAIN
+from tfgraph.contract import ATTENTION_MASK, ENCODER_ATTENTION_MASK, names_with_role
+
+from .canonical import DOMAIN, AttentionOp
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +49,7 @@ LONG_BUDGET = LONG_SIZE * LONG_SIZE  # elements of one evaluated bias in the lon
 CHECKED_KEY = "tfgraph.window_checked_to"  # sequence length the dropped mask was checked at
 
 
-def _feeds(graph: onnx.GraphProto, size: int, pad: bool, token: int = 0, batch: int = 2) -> dict:
+def _feeds(graph: onnx.GraphProto, size: int, pad: bool, masks, token=0, batch=2) -> dict:
     dims: dict[str, int] = {}
     feeds = {}
     for inp in graph.input:
@@ -60,7 +62,7 @@ def _feeds(graph: onnx.GraphProto, size: int, pad: bool, token: int = 0, batch: 
             else:
                 shape.append(d.dim_value)
         dtype = onnx.helper.tensor_dtype_to_np_dtype(inp.type.tensor_type.elem_type)
-        if "mask" in inp.name:
+        if inp.name in masks:
             value = np.ones(shape, dtype=dtype)
             if pad and value.ndim >= 2:  # (B, S), or a 4-D mask fed as is (ONNX attn_mask)
                 value[(-1,) * value.ndim] = 0
@@ -70,32 +72,33 @@ def _feeds(graph: onnx.GraphProto, size: int, pad: bool, token: int = 0, batch: 
     return feeds
 
 
-def _subgraph(proto: onnx.ModelProto, names: list[str]) -> onnx.ModelProto | None:
-    """The nodes computing ``names``; None when one of them is not a standard op."""
-    producer = {out: node for node in proto.graph.node for out in node.output}
-    keep, stack, seen = set(), list(names), set()
-    while stack:
-        name = stack.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        if name not in producer:  # a graph input or an initializer
-            continue
-        node = producer[name]
-        if node.domain not in ("", "ai.onnx"):
-            return None
-        keep.add(id(node))
-        stack.extend(i for i in node.input if i)
-    graph = onnx.helper.make_graph(
-        [n for n in proto.graph.node if id(n) in keep],
-        "bias",
-        list(proto.graph.input),
-        [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in names],
-        [t for t in proto.graph.initializer if t.name in seen],
-    )
-    return onnx.helper.make_model(
-        graph, opset_imports=list(proto.opset_import), ir_version=proto.ir_version
-    )
+class Subgraphs:
+    """The model computing each bias, extracted once per value (``onnx_ir``'s ``extract``);
+    ``None`` for a bias computed through an op that is not a standard one."""
+
+    def __init__(self, model: ir.Model) -> None:
+        self.model = model
+        self.masks = frozenset(names_with_role(model, ATTENTION_MASK, ENCODER_ATTENTION_MASK))
+        self._done: dict[str, onnx.ModelProto | None] = {}
+
+    def get(self, value: ir.Value) -> onnx.ModelProto | None:
+        if value.name not in self._done:
+            self._done[value.name] = self._extract(value)
+        return self._done[value.name]
+
+    def _extract(self, value: ir.Value) -> onnx.ModelProto | None:
+        seen, stack = set(), [value]
+        while stack:  # only standard ops: ONNX Runtime evaluates the subgraph
+            node = stack.pop().producer()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            if node.domain not in ("", "ai.onnx"):
+                return None
+            stack.extend(i for i in node.inputs if i is not None)
+        # every graph input stays an input, so that dims are numbered as in the whole graph
+        graph = ir.convenience.extract(self.model.graph, list(self.model.graph.inputs), [value])
+        return ir.to_proto(ir.Model(graph, ir_version=self.model.ir_version))
 
 
 def evaluate_biases(
@@ -105,19 +108,19 @@ def evaluate_biases(
     pad: bool,
     token: int = 0,
     batch: int = 2,
-    proto: onnx.ModelProto | None = None,
+    subgraphs: Subgraphs | None = None,
 ):
     """The bias tensors at one size, computed by ONNX Runtime; None for a bias that depends on
     something other than shapes and inputs (e.g. on a fused op's output)."""
     import onnxruntime as ort
 
-    proto = ir.to_proto(model) if proto is None else proto
+    subgraphs = Subgraphs(model) if subgraphs is None else subgraphs
     results, done = [], {}  # layers share one mask value: evaluate it once
     for value in values:
         if value.name in done:
             results.append(done[value.name])
             continue
-        sub = _subgraph(proto, [value.name])
+        sub = subgraphs.get(value)
         if sub is None:
             results.append(done.setdefault(value.name, None))
             continue
@@ -125,7 +128,7 @@ def evaluate_biases(
         options.log_severity_level = 3
         session = ort.InferenceSession(sub.SerializeToString(), options)
         wanted = {i.name for i in session.get_inputs()}
-        feeds = _feeds(sub.graph, size, pad, token, batch)
+        feeds = _feeds(sub.graph, size, pad, subgraphs.masks, token, batch)
         feeds = {k: v for k, v in feeds.items() if k in wanted}
         results.append(done.setdefault(value.name, session.run(None, feeds)[0]))
     return results
@@ -203,14 +206,14 @@ class ClassifyAttentionBiasPass(ir.passes.InPlacePass):
         if not nodes:
             return ir.passes.PassResult(model, modified=False)
         values = [n.inputs[3] for n in nodes]
-        proto = ir.to_proto(model)
-        runs = [evaluate_biases(model, values, size, False, proto=proto) for size in SIZES]
-        padded = evaluate_biases(model, values, SIZES[0], pad=True, proto=proto)
-        other_tokens = evaluate_biases(model, values, SIZES[0], False, token=1, proto=proto)
+        subgraphs = Subgraphs(model)
+        runs = [evaluate_biases(model, values, size, False, subgraphs=subgraphs) for size in SIZES]
+        padded = evaluate_biases(model, values, SIZES[0], pad=True, subgraphs=subgraphs)
+        other_tokens = evaluate_biases(model, values, SIZES[0], False, token=1, subgraphs=subgraphs)
         modified, checked = False, {}  # checked: the long check's result per bias value
         for k, node in enumerate(nodes):
             if any(run[k] is None for run in runs):
-                if _split_off_mask(model, node, proto, checked):
+                if _split_off_mask(model, node, subgraphs, checked):
                     modified = True
                     continue
                 node.metadata_props[CLASSIFIED_KEY] = "not evaluable"
@@ -222,11 +225,13 @@ class ClassifyAttentionBiasPass(ir.passes.InPlacePass):
             elif not np.array_equal(np.asarray(padded[k]), np.asarray(runs[0][k])):
                 attrs = {**attrs, "keep": True, "bias_kind": "padding"}
             elif attrs["causal"] and not attrs["keep"]:
-                attrs = _check_long(model, proto, node, values[k], attrs, runs[0][k], checked)
-            causal = max(attrs["causal"], node.attributes.get_int("causal", 0))  # is_causal stays
-            node.attributes["causal"] = ir.AttrInt64("causal", causal)
-            node.attributes["window"] = ir.AttrInt64("window", attrs["window"])
-            node.attributes["bias_kind"] = ir.AttrString("bias_kind", attrs["bias_kind"])
+                attrs = _check_long(model, subgraphs, node, values[k], attrs, runs[0][k], checked)
+            spec = AttentionOp.read(node)
+            spec.replace(
+                causal=spec.causal or bool(attrs["causal"]),  # is_causal stays
+                window=attrs["window"],
+                bias_kind=attrs["bias_kind"],
+            ).write(node)
             if not attrs["keep"]:
                 node.resize_inputs(3)
             node.metadata_props[CLASSIFIED_KEY] = attrs["bias_kind"]
@@ -235,7 +240,7 @@ class ClassifyAttentionBiasPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=modified)
 
 
-def _split_off_mask(model: ir.Model, node: ir.Node, proto: onnx.ModelProto, checked: dict) -> bool:
+def _split_off_mask(model: ir.Model, node: ir.Node, subgraphs: Subgraphs, checked: dict) -> bool:
     """A bias that cannot be evaluated (computed from activations, like Shaw's ``q·r``) but is
     ``Add(term, mask)`` with an evaluable pure causal/window ``mask``: state the mask as
     ``causal``/``window`` and keep only ``term`` as the (``additive``) bias."""
@@ -243,7 +248,9 @@ def _split_off_mask(model: ir.Model, node: ir.Node, proto: onnx.ModelProto, chec
     if add is None or add.op_type != "Add" or add.domain not in ("", "ai.onnx"):
         return False
     for mask, term in ((add.inputs[1], add.inputs[0]), (add.inputs[0], add.inputs[1])):
-        runs = [evaluate_biases(model, [mask], size, False, proto=proto)[0] for size in SIZES]
+        runs = [
+            evaluate_biases(model, [mask], size, False, subgraphs=subgraphs)[0] for size in SIZES
+        ]
         if any(r is None or np.ndim(r) < 2 for r in runs):
             continue
         if not all(r.shape[-1] == r.shape[-2] for r in runs):
@@ -251,12 +258,11 @@ def _split_off_mask(model: ir.Model, node: ir.Node, proto: onnx.ModelProto, chec
         attrs = agree(runs)
         if not (attrs["causal"] and not attrs["keep"]):
             continue
-        attrs = _check_long(model, proto, node, mask, attrs, runs[0], checked)
+        attrs = _check_long(model, subgraphs, node, mask, attrs, runs[0], checked)
         if attrs["keep"]:  # the long check did not confirm a pure causal mask
             continue
-        node.attributes["causal"] = ir.AttrInt64("causal", 1)
-        node.attributes["window"] = ir.AttrInt64("window", attrs["window"])
-        node.attributes["bias_kind"] = ir.AttrString("bias_kind", "additive")
+        spec = AttentionOp.read(node)
+        spec.replace(causal=True, window=attrs["window"], bias_kind="additive").write(node)
         node.replace_input_with(3, term)
         node.metadata_props[CLASSIFIED_KEY] = "additive (causal mask split off)"
         logger.debug("attention %s: causal mask split off an activation bias", node.name)
@@ -284,11 +290,11 @@ def agree(evaluated: list[np.ndarray]) -> dict:
     return {**found[0], "window": window}
 
 
-def _check_long(model, proto, node, value, attrs: dict, short: np.ndarray, cache: dict) -> dict:
+def _check_long(model, subgraphs, node, value, attrs: dict, short: np.ndarray, cache: dict) -> dict:
     """A causal mask about to be dropped, evaluated once more at a long length (batch 1) to see
     a window longer than the short lengths; the bias is kept if that does not confirm it."""
     if value.name not in cache:  # layers share one mask: evaluate it once
-        cache[value.name] = _long_window(model, proto, node, value, short)
+        cache[value.name] = _long_window(model, subgraphs, node, value, short)
     window, length = cache[value.name]
     if window is None or (attrs["window"] and window != attrs["window"]):
         logger.info("attention %s: mask not confirmed at length %d; bias kept", node.name, length)
@@ -297,14 +303,14 @@ def _check_long(model, proto, node, value, attrs: dict, short: np.ndarray, cache
     return {**attrs, "window": window}
 
 
-def _long_window(model, proto, node, value, short: np.ndarray) -> tuple[int | None, int]:
+def _long_window(model, subgraphs, node, value, short: np.ndarray) -> tuple[int | None, int]:
     """(window at the long length or None, that length)."""
     per_row = int(np.prod(np.shape(short)[-3:])) if np.ndim(short) >= 3 else np.size(short)
     t = np.shape(short)[-2]
     heads = max(per_row // (t * t), 1)
     size = min(LONG_SIZE, int(np.sqrt(LONG_BUDGET / heads)))
     try:
-        (long,) = evaluate_biases(model, [value], size - 2, False, batch=1, proto=proto)
+        (long,) = evaluate_biases(model, [value], size - 2, False, batch=1, subgraphs=subgraphs)
         window = None if long is None else mask_window(long)
     except Exception as exc:  # noqa: BLE001 - any failure here means: not confirmed, keep it
         logger.info("attention %s: long mask check failed (%s)", node.name, exc)

@@ -8,15 +8,33 @@ import onnx_ir as ir
 from onnxscript.rewriter import RewriteRuleSet
 
 from . import norm_rules
-from .rewrite_utils import apply_rules, diagnose, mark_missed
+from .rewrite_utils import apply_rules, diagnose, mark_missed, scalar
 
 logger = logging.getLogger(__name__)
 
 
+def _is_square(value: ir.Value | None) -> bool:
+    node = value.producer() if value is not None else None
+    if node is None:
+        return False
+    if node.op_type == "Mul" and len(node.inputs) == 2:
+        return node.inputs[0] is node.inputs[1]
+    if node.op_type == "Pow" and len(node.inputs) == 2:
+        return scalar(node.inputs[1]) == 2.0
+    return False
+
+
+def is_norm_candidate(node: ir.Node) -> bool:
+    """A decomposed norm: a ``ReduceMean`` of a square (variance or mean square)."""
+    return (
+        node.domain in ("", "ai.onnx")
+        and node.op_type == "ReduceMean"
+        and _is_square(node.inputs[0])
+    )
+
+
 def unfused_norm_candidates(model: ir.Model) -> list[ir.Node]:
     """One node per decomposed norm left in the graph: its ``ReduceMean`` of a square."""
-    from tfgraph.fusions import is_norm_candidate
-
     return [n for n in model.graph if is_norm_candidate(n)]
 
 

@@ -39,7 +39,8 @@ from onnxscript.rewriter.pattern import (
     RewriteRuleSet,
 )
 
-from .rewrite_utils import DOMAIN, scalar
+from .canonical import GeluOp
+from .rewrite_utils import scalar
 
 HALF = 0.5
 SQRT_2 = math.sqrt(2.0)
@@ -129,7 +130,7 @@ class _GeluFusion(RewriteRuleClassBase):
         )
 
     def rewrite(self, op, x, **_):
-        return op.Gelu(x, approximate=self.approximate, _domain=DOMAIN)
+        return GeluOp(self.approximate).make(op, x)
 
 
 def _expect(result: MatchResult, value: ir.Value, what: str, expected: float) -> MatchResult:

@@ -4,12 +4,16 @@ Runs on canonical ``tfgraph.Attention`` ops (after recognition and bias classifi
 lowering). The graph keeps its inputs and outputs and gains, per causal self-attention layer i
 (in graph order):
 
-- inputs ``past_key_values.{i}.key`` / ``.value``: (batch, kv_heads, past_sequence, head_dim);
-- outputs ``present.{i}.key`` / ``.value``: (batch, kv_heads, total_sequence, head_dim), the
-  past followed by the new tokens' keys and values (what the next step feeds back as past).
+- inputs ``past_key_values.{i}.key`` / ``.value`` (roles ``past_key`` / ``past_value`` of
+  layer i, :mod:`tfgraph.contract`): (batch, kv_heads, past_sequence, head_dim);
+- outputs ``present.{i}.key`` / ``.value`` (``present_key`` / ``present_value``): (batch,
+  kv_heads, total_sequence, head_dim), the past followed by the new tokens' keys and values
+  (what the next step feeds back as past); the canonical op gets ``cached=1``.
 
-Past length 0 is valid, so one graph serves prefill and decode. ``attention_mask`` (any input
-whose name contains ``mask`` and that carries the sequence axis) then spans past + new tokens.
+Past length 0 is valid, so one graph serves prefill and decode. The ``attention_mask`` input
+(by its role) then spans past + new tokens. The cache grows along the sequence axis of the
+``token_ids`` input. Cross-attention keys and values (read by a decoder layer's queries,
+computed from the encoder alone) are named for :mod:`.split_encoder` by decoder layer.
 
 How positions, masks and biases follow, without knowing how the model computes them:
 values are split into
@@ -41,16 +45,16 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common
 
-from .rewrite_utils import DOMAIN
-from .split_encoder import CROSS_KEY, CROSS_KV_KEY, CROSS_VALUE
+from tfgraph import contract
+
+from .canonical import AttentionOp
+from .provenance import layer_name
+from .rewrite_utils import DOMAIN, LOWERED_FROM_KEY
+from .split_encoder import CROSS_KV_KEY
 
 logger = logging.getLogger(__name__)
 
-PAST_KEY, PAST_VALUE = "past_key_values.{}.key", "past_key_values.{}.value"
-PRESENT_KEY, PRESENT_VALUE = "present.{}.key", "present.{}.value"
-PAST_DIM, TOTAL_DIM = "past_sequence", "total_sequence"
-# The sequence symbol of the tokens the cache grows along: the decoder's, when there is one.
-SEQUENCE_INPUTS = ("decoder_input_ids", "input_ids")
+PAST_DIM, TOTAL_DIM = contract.PAST_DIM, contract.TOTAL_DIM
 # Inputs of token ops that are shapes, not data: they keep the new tokens' length T.
 SHAPE_SLOTS = {
     ("Reshape", 1),
@@ -82,15 +86,13 @@ def _is_attention(node: ir.Node) -> bool:
 
 
 def _module(node: ir.Node) -> str:
-    from tfgraph.trace import module_name  # the report's naming of layers
-
-    return module_name(node) or node.name or node.op_type
+    return layer_name(node)
 
 
-def sequence_symbol(graph: ir.Graph) -> str:
-    """The symbol of the axis the cache grows along (axis 1 of the decoder's token ids)."""
-    by_name = {v.name: v for v in graph.inputs}
-    for name in SEQUENCE_INPUTS:
+def sequence_symbol(model: ir.Model) -> str:
+    """The symbol of the axis the cache grows along (axis 1 of the ``token_ids`` input)."""
+    by_name = {v.name: v for v in model.graph.inputs}
+    for name in contract.names_with_role(model, contract.TOKEN_IDS):
         value = by_name.get(name)
         if value is not None and value.shape is not None and len(value.shape) == 2:
             dim = value.shape[1]
@@ -113,9 +115,11 @@ def _dims(value: ir.Value) -> list:
 class _Analysis:
     """Token values, machinery values and the cacheable attention layers of a graph."""
 
-    def __init__(self, graph: ir.Graph, seq: str) -> None:
+    def __init__(self, model: ir.Model, seq: str) -> None:
+        graph = model.graph
         self.graph, self.seq = graph, seq
-        self.masks = [v for v in graph.inputs if "mask" in (v.name or "").lower() and _has(v, seq)]
+        masks = set(contract.names_with_role(model, contract.ATTENTION_MASK))
+        self.masks = [v for v in graph.inputs if v.name in masks and _has(v, seq)]
         roots = [v for v in graph.inputs if _has(v, seq) and v not in self.masks]
         self.token: set[ir.Value] = set(roots)
         self.machinery: set[ir.Value] = set(self.masks)
@@ -373,24 +377,35 @@ class InsertKVCachePass(ir.passes.InPlacePass):
     nothing).
     """
 
+    def requires(self, model: ir.Model) -> None:
+        lowered = [n for n in model.graph if n.metadata_props.get(LOWERED_FROM_KEY) == "Attention"]
+        if lowered:
+            raise ir.passes.PreconditionError(
+                f"the KV cache goes on canonical tfgraph.Attention, but attention is lowered "
+                f"already ({lowered[0].op_type}): run InsertKVCachePass before LowerAttentionPass"
+            )
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        if any((v.name or "").startswith("past_key_values.") for v in graph.inputs):
+        if contract.names_with_role(model, contract.PAST_KEY, contract.PAST_VALUE):
             return ir.passes.PassResult(model, modified=False)
-        seq = sequence_symbol(graph)
+        seq = sequence_symbol(model)
         common.ShapeInferencePass()(model)  # shapes of values the fusion passes created
-        analysis = _Analysis(graph, seq)
+        analysis = _Analysis(model, seq)
         analysis.check()
         junction_keys = _key_axes(analysis)
         pasts = []
         for i, node in enumerate(analysis.layers):
             k, v = node.inputs[1], node.inputs[2]
             batch, heads, _, size = _dims(k)
-            for name, value in ((PAST_KEY.format(i), k), (PAST_VALUE.format(i), v)):
+            for role, value in ((contract.PAST_KEY, k), (contract.PAST_VALUE, v)):
                 past = ir.Value(
-                    name=name, type=value.type, shape=ir.Shape([batch, heads, PAST_DIM, size])
+                    name=contract.tensor_name(role, i),
+                    type=value.type,
+                    shape=ir.Shape([batch, heads, PAST_DIM, size]),
                 )
                 graph.inputs.append(past)
+                contract.set_role(model, past.name, role, i)
                 pasts.append(past)
         shape_node = ir.node("Shape", [pasts[0]], {"start": 2, "end": 3})
         graph.insert_before(next(iter(graph)), shape_node)
@@ -427,10 +442,13 @@ class InsertKVCachePass(ir.passes.InPlacePass):
                 node.replace_input_with(index, new)
         # K and V: the past, then the new tokens; the concatenation is the present.
         for i, node in enumerate(analysis.layers):
-            for slot, past, present in (
-                (1, pasts[2 * i], PRESENT_KEY.format(i)),
-                (2, pasts[2 * i + 1], PRESENT_VALUE.format(i)),
+            AttentionOp.read(node).replace(cached=True).write(node)
+            for slot, past, role in (
+                (1, pasts[2 * i], contract.PRESENT_KEY),
+                (2, pasts[2 * i + 1], contract.PRESENT_VALUE),
             ):
+                present = contract.tensor_name(role, i)
+                contract.set_role(model, present, role, i)
                 new = node.inputs[slot]
                 concat = ir.node("Concat", [past, new], {"axis": 2})
                 out = concat.outputs[0]
@@ -448,21 +466,31 @@ class InsertKVCachePass(ir.passes.InPlacePass):
 
 
 def _name_cross_kv(model: ir.Model, analysis: _Analysis) -> None:
-    """Name the K and V of each cross-attention (computed from the encoder only) so that
-    :func:`.split_encoder.split_encoder` can cut the graph there."""
-    names: list[str] = []
+    """Name the K and V of each cross-attention (queries from the decoder's tokens, keys and
+    values from the encoder only) by decoder layer, so that :func:`.split_encoder.split_encoder`
+    can cut the graph there. Decoder layer i is the one whose self-attention (cached layer i)
+    precedes it; an encoder's own self-attention is not a cross-attention and stays inside."""
+    entries: list[list] = []
+    layer = -1
+    cached = set(map(id, analysis.layers))
     for node in model.graph:
-        if not _is_attention(node) or node in analysis.layers:
+        if not _is_attention(node):
             continue
-        k, v = node.inputs[1], node.inputs[2]
+        if id(node) in cached:
+            layer += 1
+            continue
+        q, k, v = node.inputs[0], node.inputs[1], node.inputs[2]
+        if q not in analysis.token:  # an encoder layer's self-attention
+            continue
         if any(x in analysis.token or x in analysis.machinery for x in (k, v)):
             continue
         if any(
             x.is_graph_input() or x.is_graph_output() or x.const_value is not None for x in (k, v)
         ):
             continue
-        i = len(names) // 2
-        k.name, v.name = CROSS_KEY.format(i), CROSS_VALUE.format(i)
-        names += [k.name, v.name]
-    if names:
-        model.metadata_props[CROSS_KV_KEY] = json.dumps(names)
+        i = layer if layer >= 0 and all(e[2] != layer for e in entries) else len(entries) // 2
+        for role, value in ((contract.CROSS_KEY, k), (contract.CROSS_VALUE, v)):
+            value.name = contract.tensor_name(role, i)
+            entries.append([value.name, role, i])
+    if entries:
+        model.metadata_props[CROSS_KV_KEY] = json.dumps(entries)

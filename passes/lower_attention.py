@@ -1,19 +1,11 @@
-"""Lower ``tfgraph.Attention`` to a target profile's kernels.
+"""``LowerAttentionPass``: every ``tfgraph.Attention`` becomes what its target chooses.
 
-The canonical op ``Y = tfgraph.Attention(Q, K, V[, bias])`` (Q: (B, Hq, T, d); K, V:
-(B, Hkv, S, d), not expanded for GQA/MQA) computes
-``softmax(scale·Q·Kᵀ + causal/window mask + bias) · repeat_interleave(V, Hq/Hkv)``, with
-the attributes ``num_heads``, ``kv_num_heads``, ``scale``, ``causal``, ``causal_alignment``
-(``bottom_right``: key j visible from query i iff j ≤ i + S − T; ``top_left``: iff j ≤ i),
-``window`` (0: none; else key j also masked when (i + S − T) − j ≥ window) and ``bias_kind``.
+The pass is the same for every target: it reads the canonical op
+(:class:`~.canonical.AttentionOp`), hands an :class:`AttentionCase` to the target's
+``lower_attention`` (``tfgraph/targets/*.py`` say which kernel each case becomes, and why), and
+splices in what the target built with :class:`AttentionBuilder`, whose lowerings are:
 
-"Self" below means S == T is proved by the shapes (equal ints or the same symbolic dim); then
-both alignments coincide. Choices are measured on ONNX Runtime 1.32 CPU
-(docs/attention-lowering.md).
-
-1. ``ort``, self, causal: ``com.microsoft.GroupQueryAttention`` (``causal=1``; KV heads
-   native; ``local_window_size = window``; the bias, if any, as ``attention_bias`` with its
-   query axis expanded to T)::
+- :meth:`~AttentionBuilder.gqa`: ``com.microsoft.GroupQueryAttention`` for S == T::
 
        Q ─ Transpose ─ Reshape ─┐ (B, T, Hq·d)
        K ─ Transpose ─ Reshape ─┤ (B, S, Hkv·d)
@@ -21,20 +13,13 @@ both alignments coincide. Choices are measured on ONNX Runtime 1.32 CPU
        Shape(K) ─► S−1, S ──────┤ seqlens_k, total ├
        bias ─ Expand(…, T, S) ──┴► GroupQueryAttention
 
-2. ``ort``, self, not causal, with a bias or a window: ``GroupQueryAttention`` with
-   ``causal=0``, the window folded into ``attention_bias``.
-3. ``ort``, not causal, no bias, no window (self or cross): ``com.microsoft.MultiHeadAttention``
-   (its flash path on the CPU), K/V heads expanded by repeat-interleave when Hkv < Hq.
-4. ``ort``, S ≠ T (or not provable) with causal, window or bias: ``MultiHeadAttention`` with
-   the masks folded into ``attention_bias`` (``GroupQueryAttention`` rejects S ≠ T without a
-   past; ``MultiHeadAttention(unidirectional=1)`` is wrong for 1 < T < S; ``Attention``-23
-   with a mask measured no better).
-5. ``onnx`` (opset ≥ 23): ``Attention``-23 on the 4-D inputs (Hkv < Hq native), ``scale``;
-   ``is_causal=1`` when causal, no window, and top-left or self (without a past, ONNX's
-   ``is_causal`` is top-left); otherwise the causal/window mask is built from shapes and added
-   to the bias as ``attn_mask``, whose query axis is always T (ORT rejects a broadcast one).
-6. ``tensorrt``, and ``onnx`` below opset 23 (reported as missed, with the reason): standard
-   ops that TensorRT fuses, scale folded into Q::
+- :meth:`~AttentionBuilder.gqa_past`: the same with ``past_key``/``past_value`` (a cached
+  layer: the kernel appends the new keys and values itself);
+- :meth:`~AttentionBuilder.mha`: ``com.microsoft.MultiHeadAttention`` on (B, S, H·d), K/V heads
+  repeat-interleaved, any causal/window mask folded into ``attention_bias``;
+- :meth:`~AttentionBuilder.attention23`: ONNX ``Attention``-23 on the 4-D inputs;
+- :meth:`~AttentionBuilder.decomposed`: standard ops, scale folded into Q (what TensorRT's own
+  MHA fusion takes)::
 
        Q ─ Mul(scale) ─► MatMul ─► Add(mask) ─► Softmax(−1) ─► MatMul ─► Y
        K ─ expand heads ─ Transpose ─┘                              │
@@ -42,7 +27,7 @@ both alignments coincide. Choices are measured on ONNX Runtime 1.32 CPU
 
 The causal/window mask is ``Where(masked, lowest, 0)`` over ``Range(T) × Range(S)`` (the
 dtype's lowest finite value, so a fully masked row gives no NaN). Every new node keeps the
-canonical node's metadata (the PyTorch module name).
+canonical node's metadata (the PyTorch module name) and records ``tfgraph.lowered_from``.
 """
 
 from __future__ import annotations
@@ -53,99 +38,116 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from .rewrite_utils import DOMAIN, FUSED_AS_KEY, insert_tape, mark_missed, replace_value
+from .canonical import AttentionOp, is_canonical
+from .rewrite_utils import (
+    FUSED_AS_KEY,
+    LOWERED_FROM_KEY,
+    import_used_domains,
+    insert_tape,
+    mark_missed,
+    replace_value,
+)
 
 logger = logging.getLogger(__name__)
 
-PROFILES = ("ort", "onnx", "tensorrt")
 MS_DOMAIN = "com.microsoft"
 
 
 @dataclass(frozen=True)
-class _Spec:
-    """The canonical node's attributes, read once."""
+class Lowered:
+    """What a target made of one canonical node: the value replacing its output, the op's
+    name for logs, and either why no fused kernel was used (``missed``: reported as a miss) or
+    which standard ops the target fuses itself (``fused_as``: reported as fused)."""
 
-    num_heads: int
-    kv_num_heads: int
-    scale: float
-    causal: bool
-    bottom_right: bool
-    window: int
-    self_attention: bool  # S == T is proved by the shapes
+    value: ir.Value
+    op: str
+    missed: str | None = None
+    fused_as: str | None = None
+
+
+@dataclass
+class AttentionCase:
+    """One canonical attention being lowered: its inputs, its attributes and the builder."""
+
+    node: ir.Node
+    q: ir.Value
+    k: ir.Value
+    v: ir.Value
+    bias: ir.Value | None
+    spec: AttentionOp
+    opset: int
+    build: AttentionBuilder
 
     @property
-    def group(self) -> int:
-        return self.num_heads // self.kv_num_heads
+    def head_size(self):
+        return _dim(self.q, 3)
+
+    @property
+    def self_attention(self) -> bool:
+        """S == T is proved by the shapes (equal ints or the same symbolic dim)."""
+        return _same_dim(self.q, self.k, 2)
+
+    def cached_kv(self) -> tuple | None:
+        """(past_k, new_k, past_v, new_v, present_k, present_v) of a ``cached`` layer whose K
+        and V are still the KV-cache pass's ``Concat(past input, new, axis=2)`` graph outputs
+        with the new part as long as Q; ``None`` otherwise."""
+        if not self.spec.cached:
+            return None
+        return _cached_kv(self.q, self.k, self.v)
 
 
 class LowerAttentionPass(ir.passes.InPlacePass):
-    """Replace every ``tfgraph.Attention`` by the profile's op (cases in the module docstring)."""
+    """Replace every ``tfgraph.Attention`` by its target's choice (see the module docstring).
 
-    def __init__(self, profile: str) -> None:
+    ``target``: a :class:`tfgraph.targets.Target` or a registered target's name.
+    """
+
+    def __init__(self, target) -> None:
         super().__init__()
-        if profile not in PROFILES:
-            raise ValueError(f"unknown profile {profile!r}")
-        self.profile = profile
+        from tfgraph.targets import get_target
+
+        self.target = get_target(target, error=ValueError)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         count = 0
         for node in list(model.graph):
-            if node.domain != DOMAIN or node.op_type != "Attention":
+            if not is_canonical(node, AttentionOp.OP):
                 continue
             lowered = self._lower(model, node, count)
             logger.debug("lowered %s to %s", node.name, lowered)
             count += 1
+        if count:
+            import_used_domains(model)
         return ir.passes.PassResult(model, modified=bool(count))
 
     def ensures(self, model: ir.Model) -> None:
-        left = [n.name for n in model.graph if n.domain == DOMAIN and n.op_type == "Attention"]
+        left = [n.name for n in model.graph if is_canonical(n, AttentionOp.OP)]
         if left:
             raise ir.passes.PostconditionError(f"tfgraph.Attention left unlowered: {left}")
 
     def _lower(self, model: ir.Model, node: ir.Node, index: int) -> str:
         graph = model.graph
         q, k, v, bias = (list(node.inputs) + [None])[:4]
-        spec = _read_spec(node, q, k)
-        opset = model.opset_imports.get("", 1)
-        b = _Builder(graph, node.name or f"attention{index}", q, k)
-        missed = None
-        if self.profile == "ort":
-            head_size = q.shape[3] if q.shape is not None and len(q.shape) == 4 else None
-            # GroupQueryAttention's CPU kernel needs head_size % 8 == 0 (measured: it refuses
-            # Llama-2-70B-tiny's head size 2); MultiHeadAttention with the mask does not.
-            gqa_ok = isinstance(head_size, int) and head_size % 8 == 0
-            cached = _cached_kv(q, k, v) if gqa_ok and spec.causal and spec.bottom_right else None
-            if cached is not None:  # the KV-cache pass's Concat(past, new): GQA does it
-                y, op = b.gqa_past(cached, bias, spec), "GroupQueryAttention (past)"
-            elif (
-                gqa_ok and spec.self_attention and (spec.causal or spec.window or bias is not None)
-            ):
-                y, op = b.gqa(v, bias, spec), "GroupQueryAttention"
-            else:  # MultiHeadAttention's flash path when nothing is masked; else S ≠ T
-                mask = b.full_mask(bias, spec, causal=spec.causal, window=spec.window)
-                y, op = b.mha(v, mask, spec), "MultiHeadAttention"
-            model.opset_imports.setdefault(MS_DOMAIN, 1)
-        elif self.profile == "onnx" and opset >= 23:
-            y, op = b.attention23(v, bias, spec), "Attention"
-        else:
-            y, op = b.decomposed(v, bias, spec), "decomposed"
-            if self.profile == "onnx":
-                missed = f"ONNX Attention needs opset 23; this graph is opset {opset}"
+        spec = AttentionOp.read(node, head_size=_dim(q, 3))
+        builder = AttentionBuilder(graph, node.name or f"attention{index}", q, k)
+        case = AttentionCase(node, q, k, v, bias, spec, model.opset_imports.get("", 1), builder)
+        result = self.target.lower_attention(case)
+        y = result.value
         y.shape, y.type = node.outputs[0].shape, node.outputs[0].type
-        insert_tape(graph, node, b.tape)
-        softmax = next((n for n in b.tape.nodes if n.op_type == "Softmax"), None)
-        if missed is not None:
-            mark_missed(softmax, missed)
-        elif softmax is not None:  # TensorRT's own MHA fusion takes this pattern
-            softmax.metadata_props[FUSED_AS_KEY] = "MatMul-Softmax-MatMul (TensorRT fuses it)"
+        insert_tape(graph, node, builder.tape)
+        for new in builder.tape.nodes:
+            new.metadata_props[LOWERED_FROM_KEY] = AttentionOp.OP
+        softmax = next((n for n in builder.tape.nodes if n.op_type == "Softmax"), None)
+        if softmax is not None and result.missed is not None:
+            mark_missed(softmax, result.missed)
+        elif softmax is not None and result.fused_as is not None:
+            softmax.metadata_props[FUSED_AS_KEY] = result.fused_as
         replace_value(node.outputs[0], y)
         graph.remove(node, safe=True)
-        return op
+        return result.op
 
 
 def _cached_kv(q: ir.Value, k: ir.Value, v: ir.Value) -> tuple | None:
-    """(past_k, new_k, past_v, new_v, present_k, present_v) when K and V are the KV-cache
-    pass's ``Concat(past input, new, axis=2)`` graph outputs and the new part is as long as Q."""
     parts = []
     for value in (k, v):
         node = value.producer()
@@ -160,29 +162,6 @@ def _cached_kv(q: ir.Value, k: ir.Value, v: ir.Value) -> tuple | None:
         parts.append((node.inputs[0], node.inputs[1], value))
     (pk, nk, ck), (pv, nv, cv) = parts
     return pk, nk, pv, nv, ck, cv
-
-
-def _read_spec(node: ir.Node, q: ir.Value, k: ir.Value) -> _Spec:
-    attrs = node.attributes
-    num_heads = attrs.get_int("num_heads")
-    kv_num_heads = attrs.get_int("kv_num_heads", num_heads)
-    if num_heads is None or kv_num_heads is None or num_heads % kv_num_heads:
-        raise ValueError(f"{node.name}: num_heads {num_heads} and kv_num_heads {kv_num_heads}")
-    scale = attrs.get_float("scale")
-    if scale is None:  # the canonical op states it; the kernels' default, if ever absent
-        head_size = _dim(q, 3)
-        if not isinstance(head_size, int):
-            raise ValueError(f"{node.name}: no scale and no static head size")
-        scale = head_size**-0.5
-    return _Spec(
-        num_heads=num_heads,
-        kv_num_heads=kv_num_heads,
-        scale=scale,
-        causal=bool(attrs.get_int("causal", 0)),
-        bottom_right=attrs.get_string("causal_alignment", "bottom_right") == "bottom_right",
-        window=attrs.get_int("window", 0),
-        self_attention=_same_dim(q, k, 2),
-    )
 
 
 def _dim(value: ir.Value, axis: int):
@@ -210,7 +189,7 @@ def _has_full_query_axis(bias: ir.Value, q: ir.Value, k: ir.Value) -> bool:
     return _dims_equal(bias.shape[2], _dim(q, 2)) and _dims_equal(bias.shape[3], _dim(k, 2))
 
 
-class _Builder:
+class AttentionBuilder:
     """Builds the replacement of one canonical node on a tape."""
 
     def __init__(self, graph: ir.Graph, prefix: str, q: ir.Value, k: ir.Value) -> None:
@@ -259,13 +238,13 @@ class _Builder:
         y = self.tape.op("Reshape", [y, self.ints("y_bthd", [0, 0, heads, -1])])
         return self.tape.op("Transpose", [y], {"perm": [0, 2, 1, 3]})
 
-    def repeat_heads5(self, x: ir.Value, spec: _Spec) -> ir.Value:
+    def repeat_heads5(self, x: ir.Value, spec: AttentionOp) -> ir.Value:
         """(B, Hkv, S, d) → (B, Hkv, g, S, d): flattening (Hkv, g) gives query head h the KV
         head h // g (repeat-interleave)."""
         x = self.tape.op("Unsqueeze", [x, self.ints("axis2", [2])])
         return self.tape.op("Expand", [x, self.ints("groups", [1, 1, spec.group, 1, 1])])
 
-    def expand_heads(self, x: ir.Value, spec: _Spec, name: str) -> ir.Value:
+    def expand_heads(self, x: ir.Value, spec: AttentionOp, name: str) -> ir.Value:
         """(B, Hkv, S, d) → (B, Hq, S, d) by repeat-interleave (identity when Hkv == Hq)."""
         if spec.group == 1:
             return x
@@ -280,7 +259,7 @@ class _Builder:
         )
         return self.tape.op("Reshape", [self.repeat_heads5(x, spec), shape])  # (B, Hq, S, d)
 
-    def expand_heads_bsh(self, x: ir.Value, spec: _Spec, name: str) -> ir.Value:
+    def expand_heads_bsh(self, x: ir.Value, spec: AttentionOp, name: str) -> ir.Value:
         """(B, Hkv, S, d) → (B, S, Hq·d), heads repeat-interleaved, with a single Transpose."""
         if spec.group == 1:
             return self.to_bsh(x, name)
@@ -289,7 +268,9 @@ class _Builder:
         return self.tape.op("Reshape", [t, self.ints(f"{name}_bsh", [0, 0, -1])])
 
     # -- masks ------------------------------------------------------------------------------
-    def causal_window_mask(self, spec: _Spec, *, causal: bool, window: int) -> ir.Value | None:
+    def causal_window_mask(
+        self, spec: AttentionOp, *, causal: bool, window: int
+    ) -> ir.Value | None:
         """The additive (T, S) mask: 0 where visible, the dtype's lowest value where masked."""
         if not causal and not window:
             return None
@@ -312,7 +293,7 @@ class _Builder:
         return tape.op("Where", [masked, self.scalar("lowest", lowest), self.scalar("zero_f", 0)])
 
     def full_mask(
-        self, bias: ir.Value | None, spec: _Spec, *, causal: bool, window: int
+        self, bias: ir.Value | None, spec: AttentionOp, *, causal: bool, window: int
     ) -> ir.Value | None:
         """bias + causal/window mask as a 4-D (…, T, S) tensor, since ORT's fused kernels
         reject a mask that broadcasts over the query axis; None when there is nothing."""
@@ -330,7 +311,7 @@ class _Builder:
         return self.tape.op("Expand", [bias, shape])  # (B or 1, Hq or 1, T, S)
 
     # -- lowerings --------------------------------------------------------------------------
-    def gqa(self, v: ir.Value, bias: ir.Value | None, spec: _Spec) -> ir.Value:
+    def gqa(self, v: ir.Value, bias: ir.Value | None, spec: AttentionOp) -> ir.Value:
         """com.microsoft.GroupQueryAttention; only for S == T (checked by the caller)."""
         tape = self.tape
         # local_window_size needs causal=1: a window without causality goes in the bias.
@@ -366,7 +347,7 @@ class _Builder:
         )
         return self.from_bsh(y, spec.num_heads)
 
-    def gqa_past(self, cached: tuple, bias: ir.Value | None, spec: _Spec) -> ir.Value:
+    def gqa_past(self, cached: tuple, bias: ir.Value | None, spec: AttentionOp) -> ir.Value:
         """GroupQueryAttention with ``past_key``/``past_value``: it appends the new keys and
         values itself (its ``present_*`` become the graph's present outputs, replacing the
         KV-cache pass's Concat) and stays on its flash path at prefill. ORT 1.32 refuses
@@ -413,7 +394,7 @@ class _Builder:
             replace_value(old, new)
         return self.from_bsh(y, spec.num_heads)
 
-    def mha(self, v: ir.Value, attention_bias: ir.Value | None, spec: _Spec) -> ir.Value:
+    def mha(self, v: ir.Value, attention_bias: ir.Value | None, spec: AttentionOp) -> ir.Value:
         """com.microsoft.MultiHeadAttention with 3-D (B, S, H·d) inputs: 4-D K/V measured
         slower (no flash path). ``attention_bias`` already carries any causal/window mask."""
         inputs = [
@@ -427,10 +408,11 @@ class _Builder:
         y = self.tape.op("MultiHeadAttention", inputs, attrs, domain=MS_DOMAIN)
         return self.from_bsh(y, spec.num_heads)
 
-    def attention23(self, v: ir.Value, bias: ir.Value | None, spec: _Spec) -> ir.Value:
+    def attention23(self, v: ir.Value, bias: ir.Value | None, spec: AttentionOp) -> ir.Value:
         """ONNX Attention-23; its ``is_causal`` (no past) is top-left, so a bottom-right mask
         with S ≠ T, or a window, is passed as ``attn_mask``."""
-        native = spec.causal and not spec.window and (not spec.bottom_right or spec.self_attention)
+        self_attention = _same_dim(self.q, self.k, 2)
+        native = spec.causal and not spec.window and (not spec.bottom_right or self_attention)
         if native:
             mask = self.full_mask(bias, spec, causal=False, window=0)
         else:
@@ -439,7 +421,7 @@ class _Builder:
         attrs = {"scale": spec.scale, "is_causal": int(native)}
         return self.tape.op("Attention", inputs, attrs)
 
-    def decomposed(self, v: ir.Value, bias: ir.Value | None, spec: _Spec) -> ir.Value:
+    def decomposed(self, v: ir.Value, bias: ir.Value | None, spec: AttentionOp) -> ir.Value:
         """Standard ops in the order TensorRT's MHA fusion wants (scale on Q, one mask Add)."""
         tape = self.tape
         q = self.q

@@ -1,4 +1,4 @@
-"""``LowerGeluPass``: ``tfgraph.Gelu`` → the GELU op of a target profile."""
+"""``LowerGeluPass``: ``tfgraph.Gelu`` → the GELU op its target chooses."""
 
 from __future__ import annotations
 
@@ -9,72 +9,81 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter.pattern import RewriteRuleClassBase, RewriteRuleSet
 
-from .rewrite_utils import DOMAIN, apply_rules, mark_missed
+from .canonical import DOMAIN, GeluOp, is_canonical
+from .rewrite_utils import apply_rules, import_used_domains, mark_missed
 
 logger = logging.getLogger(__name__)
 
-PROFILES = ("ort", "onnx", "tensorrt")
 MS_DOMAIN = "com.microsoft"
 GELU_OPSET = 20  # Gelu joined the default domain in opset 20
 NEEDS_OPSET = f"Gelu needs opset {GELU_OPSET}"
 
 
 class LowerGeluPass(ir.passes.InPlacePass):
-    """Replace every ``tfgraph.Gelu`` with the op of ``profile``.
+    """Replace every ``tfgraph.Gelu`` with its target's op (``target.lower_gelu``).
 
-    1. ``"ort"``: ``y = tfgraph.Gelu(x, approximate="none")`` becomes
-       ``y = com.microsoft::Gelu(x)``, and ``approximate="tanh"`` becomes
-       ``y = com.microsoft::FastGelu(x)`` (both in ONNX Runtime's CPU provider, checked against
-       ``torch.nn.functional.gelu`` to 1e-6); the ``com.microsoft`` opset (version 1) is
-       imported.
-    2. ``"onnx"`` and ``"tensorrt"``, when the model's default-domain opset is 20 or more:
-       ``y = Gelu(x, approximate=...)`` of the standard domain.
-    3. ``"onnx"`` and ``"tensorrt"`` below opset 20: the standard ops of the formula,
-       ``0.5 · x · (1 + erf(x · 1/√2))`` or ``0.5 · x · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))``,
-       with the reason ``"Gelu needs opset 20"`` on the ``Erf`` or ``Tanh`` node.
+    The builders a target picks from:
+
+    1. :func:`ms_gelu`: ``com.microsoft::Gelu(x)`` for ``approximate="none"`` and
+       ``com.microsoft::FastGelu(x)`` for ``"tanh"`` (both in ONNX Runtime's CPU provider,
+       checked against ``torch.nn.functional.gelu`` to 1e-6);
+    2. :func:`standard_gelu`, when the model's default-domain opset is 20 or more:
+       ``y = Gelu(x, approximate=...)`` of the standard domain; below opset 20 the standard
+       ops of the formula, ``0.5 · x · (1 + erf(x · 1/√2))`` or
+       ``0.5 · x · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))``, with the reason
+       ``"Gelu needs opset 20"`` on the ``Erf`` or ``Tanh`` node.
 
     No other op is lowered. ``modified`` counts replaced nodes; a second run reports ``False``.
+    ``target``: a :class:`tfgraph.targets.Target` or a registered target's name.
     """
 
-    def __init__(self, profile: str) -> None:
+    def __init__(self, target) -> None:
         super().__init__()
-        if profile not in PROFILES:
-            raise ValueError(f"unknown profile '{profile}': choose one of {', '.join(PROFILES)}")
-        self.profile = profile
+        from tfgraph.targets import get_target
+
+        self.target = get_target(target, error=ValueError)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
-        rule = GeluLowering.rule(self.profile, opset)
+        rule = GeluLowering.rule(self.target, opset)
         lowered = apply_rules(model, RewriteRuleSet([rule]))
-        if lowered and self.profile == "ort":
-            model.opset_imports.setdefault(MS_DOMAIN, 1)
-        logger.info("lowered %d tfgraph.Gelu for %s (opset %d)", lowered, self.profile, opset)
+        if lowered:
+            import_used_domains(model)
+        logger.info("lowered %d tfgraph.Gelu for %s (opset %d)", lowered, self.target.name, opset)
         return ir.passes.PassResult(model, modified=lowered > 0)
 
     def ensures(self, model: ir.Model) -> None:
         for node in model.graph.all_nodes():
-            if node.domain == DOMAIN and node.op_type == "Gelu":
+            if is_canonical(node, GeluOp.OP):
                 raise ir.passes.PostconditionError(f"{node.name}: tfgraph.Gelu left unlowered")
 
 
 class GeluLowering(RewriteRuleClassBase):
-    """``tfgraph.Gelu(x)`` → the profile's op (see :class:`LowerGeluPass` for the cases)."""
+    """``tfgraph.Gelu(x)`` → the target's op (see :class:`LowerGeluPass`)."""
 
-    def __init__(self, profile: str, opset: int) -> None:
-        super().__init__(name=f"LowerGelu[{profile}, opset {opset}]")
-        self._profile, self._opset = profile, opset
+    def __init__(self, target, opset: int) -> None:
+        super().__init__(name=f"LowerGelu[{target.name}, opset {opset}]")
+        self._target, self._opset = target, opset
 
     def pattern(self, op, x):
         return op.Gelu(x, _domain=DOMAIN, _outputs=["gelu"])
 
     def rewrite(self, op, x, gelu):
-        approximate = gelu.producer().attributes.get_string("approximate", "none")
-        if self._profile == "ort":
-            ms_op = op.FastGelu if approximate == "tanh" else op.Gelu
-            return ms_op(x, _domain=MS_DOMAIN)
-        if self._opset >= GELU_OPSET:
-            return op.Gelu(x, approximate=approximate)
-        return _expand(op, x, approximate)
+        spec = GeluOp.read(gelu.producer())
+        return self._target.lower_gelu(op, x, spec, self._opset)
+
+
+def ms_gelu(op, x, spec: GeluOp, opset: int):
+    """ONNX Runtime's contrib kernels."""
+    ms_op = op.FastGelu if spec.approximate == "tanh" else op.Gelu
+    return ms_op(x, _domain=MS_DOMAIN)
+
+
+def standard_gelu(op, x, spec: GeluOp, opset: int):
+    """``Gelu``-20, or its formula in standard ops below opset 20 (reported as missed)."""
+    if opset >= GELU_OPSET:
+        return op.Gelu(x, approximate=spec.approximate)
+    return _expand(op, x, spec.approximate)
 
 
 def _expand(op, x, approximate: str):

@@ -1,126 +1,168 @@
-"""Lower ``tfgraph.LayerNorm`` / ``tfgraph.RMSNorm`` to a target profile's kernels.
+"""``LowerNormsPass``: every ``tfgraph.LayerNorm`` / ``tfgraph.RMSNorm`` becomes what its target
+chooses (``tfgraph/targets/*.py``), built by :class:`NormCase`:
 
-- LayerNorm → ``ort``: ``LayerNormalization`` (``com.microsoft.SkipLayerNormalization`` with
-  the residual ``Add`` when ``skip_residual``); ``onnx`` and ``tensorrt``: ``LayerNormalization``.
-- RMSNorm → ``ort``: ``SimplifiedLayerNormalization`` (ORT's kernel in the default domain;
-  ``com.microsoft.SkipSimplifiedLayerNormalization`` with the residual when ``skip_residual``);
-  ``onnx``: ``RMSNormalization`` (opset 23); ``tensorrt``: ``RMSNormalization`` from TensorRT
-  10.15 on, else the decomposed ops.
-
-Residual fusion (``ort`` with ``skip_residual=True``, for ONNX Runtime on CUDA)::
+- :meth:`~NormCase.layer_normalization`: ``LayerNormalization`` (opset 17);
+- :meth:`~NormCase.simplified`: ``SimplifiedLayerNormalization`` (ONNX Runtime's RMSNorm kernel,
+  registered in the default domain although ONNX has no such op);
+- :meth:`~NormCase.rms_normalization`: ``RMSNormalization`` (opset 23);
+- :meth:`~NormCase.skip`: ``com.microsoft.SkipLayerNormalization`` /
+  ``SkipSimplifiedLayerNormalization`` with the residual ``Add`` (``None`` when there is none)::
 
     a ─┐                            a ─┐
        Add ─► s ─► Norm ─► y   ⇒       SkipNorm ─► y
     b ─┘      └──► (other uses)     b ─┘   └─────► s  (output 3: a + b)
 
-It applies when ``a`` and ``b`` have the same rank-2 or rank-3 shape (what ORT's kernels accept)
-and the sum is not a graph output. It is off by default: on the CPU (onnxruntime 1.32, 2
-threads, (1, 512, 768)) ``SkipLayerNormalization`` took 3.3 ms where ``Add`` +
-``LayerNormalization`` took 0.24 ms and the decomposed ops 0.49 ms; ``SkipSimplified…`` 0.21 ms
-against 0.09 ms for ``SimplifiedLayerNormalization`` (plus ~0.05 ms for the Add). A norm
-without a scale gets ``γ = 1``.
+  It applies when ``a`` and ``b`` have the same rank-2 or rank-3 shape (what ORT's kernels
+  accept) and the sum is not a graph output;
+- :meth:`~NormCase.decomposed`: RMSNorm expanded back into standard ops, reported as missed
+  with the target's reason.
 
-Where the target cannot run a norm (``RMSNormalization`` below opset 23, or TensorRT older than
-10.15) it is expanded back into standard ops and reported as missed with the reason.
+A norm without a scale gets ``γ = 1``.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
-from .rewrite_utils import DOMAIN, insert_tape, mark_missed, replace_value
+from .canonical import NORM_OPS, is_canonical
+from .lower_attention import Lowered
+from .rewrite_utils import (
+    LOWERED_FROM_KEY,
+    import_used_domains,
+    insert_tape,
+    mark_missed,
+    replace_value,
+)
 
 logger = logging.getLogger(__name__)
 
-PROFILES = ("ort", "onnx", "tensorrt")
 MS_DOMAIN = "com.microsoft"
 
 
-class LowerNormsPass(ir.passes.InPlacePass):
-    """Replace every canonical norm by the profile's op (table in the module docstring)."""
+@dataclass
+class NormCase:
+    """One canonical norm being lowered; its methods build the candidate ops on ``tape``."""
 
-    def __init__(
-        self,
-        profile: str,
-        *,
-        tensorrt_version: tuple[int, int] = (10, 15),
-        skip_residual: bool = False,
-    ) -> None:
+    graph: ir.Graph
+    node: ir.Node
+    x: ir.Value
+    scale: ir.Value
+    bias: ir.Value | None
+    epsilon: float
+    rms: bool
+    opset: int
+    tape: ir.tape.Tape = field(default_factory=ir.tape.Tape)
+    replaced: list = field(default_factory=list)  # (old, new) values besides the output
+    removed: list = field(default_factory=list)  # nodes removed besides the canonical one
+
+    def layer_normalization(self, *, keep_residual_apart: bool = False) -> Lowered:
+        """``LayerNormalization``. ``keep_residual_apart``: when the norm reads a rank-3
+        residual ``Add``, read it through ``Reshape(s, [0, 0, -1])`` (a no-op ONNX Runtime runs
+        as an alias), so that ONNX Runtime's own ``SkipLayerNormFusion`` (Add → LN only)
+        cannot turn the pair into ``SkipLayerNormalization``, 5–7× slower on the CPU
+        (measured, ORT 1.32, (1, 512, 768): 1.14 ms against 0.20 ms) — in any session,
+        whatever its options."""
+        x = self.x
+        add = x.producer()
+        if (
+            keep_residual_apart
+            and add is not None
+            and add.op_type == "Add"
+            and add.domain in ("", "ai.onnx")
+            and x.shape is not None
+            and len(x.shape) == 3
+        ):
+            keep = ir.tensor([0, 0, -1], dtype=ir.DataType.INT64)
+            shape = self.tape.initializer(keep, name=f"{self.node.name or 'norm'}_keep_shape")
+            x = self.tape.op("Reshape", [x, shape])
+            x.shape, x.type = self.x.shape, self.x.type
+        inputs = [x, self.scale] + ([self.bias] if self.bias is not None else [])
+        y = self.tape.op("LayerNormalization", inputs, {"axis": -1, "epsilon": self.epsilon})
+        return Lowered(y, "LayerNormalization")
+
+    def simplified(self) -> Lowered:
+        attrs = {"axis": -1, "epsilon": self.epsilon, "stash_type": 1}
+        y = self.tape.op("SimplifiedLayerNormalization", [self.x, self.scale], attrs)
+        return Lowered(y, "SimplifiedLayerNormalization")
+
+    def rms_normalization(self) -> Lowered:
+        attrs = {"axis": -1, "epsilon": self.epsilon}
+        return Lowered(
+            self.tape.op("RMSNormalization", [self.x, self.scale], attrs), "RMSNormalization"
+        )
+
+    def decomposed(self, reason: str) -> Lowered:
+        y = _decomposed_rms(
+            self.tape, self.x, self.scale, self.epsilon, prefix=self.node.name or "rms"
+        )
+        square_mean = next(n for n in self.tape.nodes if n.op_type == "ReduceMean")
+        mark_missed(square_mean, reason)
+        return Lowered(y, "decomposed")
+
+    def skip(self) -> Lowered | None:
+        """The skip (residual) kernel, when the norm's input is such an ``Add``."""
+        add = _residual_add(self.graph, self.x)
+        if add is None:
+            return None
+        a, b = add.inputs
+        inputs = [a, b, self.scale] + ([self.bias] if self.bias is not None else [])
+        op = "SkipSimplifiedLayerNormalization" if self.rms else "SkipLayerNormalization"
+        new = self.tape.op_multi_out(
+            op, inputs, {"epsilon": self.epsilon}, num_outputs=4, domain=MS_DOMAIN
+        )
+        total = new[3]
+        _keep_type(add.outputs[0], total)
+        self.replaced.append((add.outputs[0], total))
+        self.removed.append(add)
+        return Lowered(new[0], op)
+
+
+class LowerNormsPass(ir.passes.InPlacePass):
+    """Replace every canonical norm by its target's choice (see the module docstring).
+
+    ``target``: a :class:`tfgraph.targets.Target` or a registered target's name.
+    """
+
+    def __init__(self, target) -> None:
         super().__init__()
-        if profile not in PROFILES:
-            raise ValueError(f"unknown profile {profile!r}")
-        self.profile = profile
-        self.tensorrt_version = tensorrt_version
-        self.skip_residual = skip_residual
+        from tfgraph.targets import get_target
+
+        self.target = get_target(target, error=ValueError)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         opset = model.opset_imports.get("", 1)
         count = 0
         for node in list(graph):
-            if node.domain != DOMAIN or node.op_type not in ("LayerNorm", "RMSNorm"):
+            if not (is_canonical(node) and node.op_type in NORM_OPS):
                 continue
             lowered = self._lower(model, node, opset)
             logger.debug("lowered %s to %s", node.name, lowered)
             count += 1
+        if count:
+            import_used_domains(model)
         return ir.passes.PassResult(model, modified=bool(count))
 
     def _lower(self, model: ir.Model, node: ir.Node, opset: int) -> str:
         graph = model.graph
         x, scale, bias = (list(node.inputs) + [None, None])[:3]
-        eps = node.attributes["epsilon"].value
-        rms = node.op_type == "RMSNorm"
-        tape = ir.tape.Tape()
+        spec = NORM_OPS[node.op_type].read(node)
+        case = NormCase(graph, node, x, scale, bias, spec.epsilon, node.op_type == "RMSNorm", opset)
         if scale is None:
-            scale = _ones_like_last_dim(tape, x)
-        residual = _residual_add(graph, x) if self.profile == "ort" and self.skip_residual else None
-        if residual is not None:
-            add = x.producer()
-            a, b = add.inputs
-            inputs = [a, b, scale] + ([bias] if bias is not None else [])
-            op = "SkipSimplifiedLayerNormalization" if rms else "SkipLayerNormalization"
-            new = tape.op_multi_out(op, inputs, {"epsilon": eps}, num_outputs=4, domain=MS_DOMAIN)
-            model.opset_imports.setdefault(MS_DOMAIN, 1)
-            y, total = new[0], new[3]
-            _keep_type(node.outputs[0], y)
-            _keep_type(add.outputs[0], total)
-            insert_tape(graph, node, tape)
-            replace_value(node.outputs[0], y)
-            replace_value(add.outputs[0], total)
-            graph.remove([node, add], safe=True)
-            return op
-        if not rms:
-            inputs = [x, scale] + ([bias] if bias is not None else [])
-            y = tape.op("LayerNormalization", inputs, {"axis": -1, "epsilon": eps})
-            op = "LayerNormalization"
-        elif self.profile == "ort":
-            y = tape.op(
-                "SimplifiedLayerNormalization",
-                [x, scale],
-                {"axis": -1, "epsilon": eps, "stash_type": 1},
-            )
-            op = "SimplifiedLayerNormalization"
-        elif opset >= 23 and (self.profile == "onnx" or self.tensorrt_version >= (10, 15)):
-            y = tape.op("RMSNormalization", [x, scale], {"axis": -1, "epsilon": eps})
-            op = "RMSNormalization"
-        else:
-            y = _decomposed_rms(tape, x, scale, eps, prefix=node.name or "rms")
-            op = "decomposed"
-            reason = (
-                f"TensorRT {'.'.join(map(str, self.tensorrt_version))} does not parse "
-                "RMSNormalization (10.15+ does)"
-                if self.profile == "tensorrt" and self.tensorrt_version < (10, 15)
-                else f"RMSNormalization needs opset 23; this graph is opset {opset}"
-            )
-            square_mean = next(n for n in tape.nodes if n.op_type == "ReduceMean")
-            mark_missed(square_mean, reason)
-        _keep_type(node.outputs[0], y)
-        insert_tape(graph, node, tape)
-        replace_value(node.outputs[0], y)
-        graph.remove(node, safe=True)
-        return op
+            case.scale = _ones_like_last_dim(case.tape, x)
+        result = self.target.lower_norm(case)
+        _keep_type(node.outputs[0], result.value)
+        insert_tape(graph, node, case.tape)
+        for new in case.tape.nodes:
+            new.metadata_props[LOWERED_FROM_KEY] = node.op_type
+        replace_value(node.outputs[0], result.value)
+        for old, new in case.replaced:
+            replace_value(old, new)
+        graph.remove([node, *case.removed], safe=True)
+        return result.op
 
 
 def _keep_type(old: ir.Value, new: ir.Value) -> None:

@@ -28,7 +28,8 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from .rewrite_utils import DOMAIN, int_list, scalar
+from .canonical import DOMAIN, LayerNormOp, RMSNormOp, norm_op
+from .rewrite_utils import int_list, scalar
 
 
 def _square(op, v, name: str):
@@ -101,7 +102,7 @@ class LayerNormRule(_DivOrMulReciprocal):
         return result
 
     def rewrite(self, op, x, **_):
-        return op.LayerNorm(x, epsilon=self._epsilon, _domain=DOMAIN)
+        return LayerNormOp(self._epsilon).make(op, x)
 
 
 class RMSNormRule(_DivOrMulReciprocal):
@@ -116,7 +117,7 @@ class RMSNormRule(_DivOrMulReciprocal):
         return result
 
     def rewrite(self, op, x, **_):
-        return op.RMSNorm(x, epsilon=self._epsilon, _domain=DOMAIN)
+        return RMSNormOp(self._epsilon).make(op, x)
 
 
 class SeedLayerNormRule(pattern.RewriteRuleClassBase):
@@ -170,7 +171,7 @@ class StandardNormRule(pattern.RewriteRuleClassBase):
         eps = y.producer().attributes.get_float("epsilon", 1e-5)
         canonical = "LayerNorm" if self._op_type == "LayerNormalization" else "RMSNorm"
         inputs = [x, scale, bias] if bias is not None else [x, scale]
-        return getattr(op, canonical)(*inputs, epsilon=eps, _domain=DOMAIN)
+        return norm_op(canonical, eps).make(op, *inputs)
 
 
 class CenteredRMSNormRule(pattern.RewriteRuleClassBase):
@@ -189,7 +190,7 @@ class CenteredRMSNormRule(pattern.RewriteRuleClassBase):
 
     def rewrite(self, op, x, scale, y, **_):
         eps = y.producer().attributes.get_float("epsilon", 1e-5)
-        return op.LayerNorm(x, scale, epsilon=eps, _domain=DOMAIN)
+        return LayerNormOp(eps).make(op, x, scale)
 
 
 def _per_feature(value: ir.Value) -> bool:
@@ -220,7 +221,7 @@ class NormScaleRule(pattern.RewriteRuleClassBase):
 
     def rewrite(self, op, x, scale, n, **_):
         eps = n.producer().attributes["epsilon"].value
-        return getattr(op, self._op_type)(x, scale, epsilon=eps, _domain=DOMAIN)
+        return norm_op(self._op_type, eps).make(op, x, scale)
 
 
 class LayerNormBiasRule(pattern.RewriteRuleClassBase):
@@ -237,7 +238,7 @@ class LayerNormBiasRule(pattern.RewriteRuleClassBase):
 
     def rewrite(self, op, x, scale, bias, n, **_):
         eps = n.producer().attributes["epsilon"].value
-        return op.LayerNorm(x, scale, bias, epsilon=eps, _domain=DOMAIN)
+        return LayerNormOp(eps).make(op, x, scale, bias)
 
 
 CORE_RULES = [

@@ -35,7 +35,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from .rewrite_utils import DOMAIN
+from .canonical import AttentionOp
 
 OPSETS = (23, 24)
 
@@ -144,17 +144,15 @@ class OnnxAttentionRule(pattern.RewriteRuleClassBase):
             mask = bias
             bias = op.Where(mask, zero, lowest)
             bias.shape, bias.type = mask.shape, ir.TensorType(q.dtype)
-        out = op.Attention(
-            *([q, k, v] + ([bias] if bias is not None else [])),
+        canonical = AttentionOp(
             num_heads=spec.num_heads,
             kv_num_heads=spec.kv_num_heads,
             scale=float(spec.scale),
-            causal=int(spec.causal),
+            causal=spec.causal,
             causal_alignment="top_left" if spec.causal else "bottom_right",
-            window=0,
             bias_kind="additive" if bias is not None else "none",
-            _domain=DOMAIN,
         )
+        out = canonical.make(op, *([q, k, v] + ([bias] if bias is not None else [])))
         if spec.rank == 4:
             return out
         b, t = q.shape[0], q.shape[2]

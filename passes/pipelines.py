@@ -1,38 +1,50 @@
-"""Named pass pipelines: plain lists of ``onnx_ir`` passes, built for a target profile.
+"""Pass pipelines, built for a target: plain lists of ``onnx_ir`` passes.
 
 - ``none``: no rewrite at all; the graph is what the exporter produced.
 - ``cleanup``: graph hygiene only (identity elimination, common subexpressions, unused nodes,
   duplicate initializers, topological order).
-- ``default``: cleanup, then recognition into canonical ``tfgraph`` ops (norms, GELU,
-  attention, whose masks and biases are classified by evaluating them), then lowering
-  of those ops to the profile's kernels (``ort``, ``onnx``, ``tensorrt``), the workaround for
-  ONNX Runtime's ``Attention`` mask broadcasting, then cleanup.
+- ``default``: cleanup; recognition into canonical ``tfgraph`` ops (norms, GELU, attention,
+  whose masks and biases are classified by evaluating them); the KV cache when asked
+  (``PipelineOptions.kv_cache``); lowering of the canonical ops as the target says; the
+  target's own passes (``Target.extra_passes``); cleanup.
+
+:func:`build_pipeline` composes them; nothing is spliced in afterwards. Passes that depend on
+others say so in ``requires()`` (e.g. :class:`~.insert_kv_cache.InsertKVCachePass` needs
+canonical attention, :class:`~.share_kv_buffer.ShareKVBufferPass` lowered attention).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import onnx_ir as ir
 import onnx_ir.passes.common as common
 
 from .classify_attention_bias import ClassifyAttentionBiasPass
-from .expand_attention_mask import ExpandAttentionMaskPass
 from .fuse_attention import FuseAttentionPass
 from .fuse_gelu import FuseGeluPass
 from .fuse_norms import FuseNormsPass
 from .insert_kv_cache import InsertKVCachePass
 from .lower_attention import LowerAttentionPass
 from .lower_gelu import LowerGeluPass
-from .lower_norms import PROFILES, LowerNormsPass
-from .share_kv_buffer import ShareKVBufferPass
-
-# The default-domain opset each profile exports at: ORT's contrib ops need nothing newer than
-# 20; the standard ops the others lower to need 23 (RMSNormalization, Attention).
-PROFILE_OPSET = {"ort": 20, "onnx": 23, "tensorrt": 23}
+from .lower_norms import LowerNormsPass
 
 
-def _cleanup(profile: str) -> list[ir.passes.PassBase]:
+@dataclass(frozen=True)
+class PipelineOptions:
+    """What the user asked for besides the target: ``kv_cache`` adds past/present K/V."""
+
+    kv_cache: bool = False
+
+
+def _target(target):
+    from tfgraph.targets import get_target
+
+    return get_target(target, error=KeyError)
+
+
+def _cleanup(target) -> list[ir.passes.PassBase]:
     return [
         common.IdentityEliminationPass(),
         common.CommonSubexpressionEliminationPass(),
@@ -43,50 +55,61 @@ def _cleanup(profile: str) -> list[ir.passes.PassBase]:
     ]
 
 
-def _default(profile: str) -> list[ir.passes.PassBase]:
+def _default(target, options: PipelineOptions = PipelineOptions()) -> list[ir.passes.PassBase]:
+    target = _target(target)
     return [
-        *_cleanup(profile),
+        *_cleanup(target),
         common.ShapeInferencePass(),  # the rules read ranks and head counts from shapes
         FuseNormsPass(),
         FuseGeluPass(),
         FuseAttentionPass(),
         ClassifyAttentionBiasPass(),
+        *([InsertKVCachePass()] if options.kv_cache else []),
         common.RemoveUnusedNodesPass(),  # masks the kernels compute themselves are dead now
-        LowerNormsPass(profile),
-        LowerGeluPass(profile),
-        LowerAttentionPass(profile),
-        ExpandAttentionMaskPass(),
+        LowerNormsPass(target),
+        LowerGeluPass(target),
+        LowerAttentionPass(target),
+        *target.extra_passes(options),
         common.RemoveUnusedNodesPass(),
         common.RemoveUnusedOpsetsPass(),
         common.TopologicalSortPass(),
     ]
 
 
-PIPELINES: dict[str, Callable[[str], list[ir.passes.PassBase]]] = {
-    "none": lambda profile: [],
+# name → the pipeline's passes for a target (a Target or its name)
+PIPELINES: dict[str, Callable[..., list[ir.passes.PassBase]]] = {
+    "none": lambda target: [],
     "cleanup": _cleanup,
     "default": _default,
 }
+# pipelines that take options (the others fuse nothing a KV cache could attach to)
+_WITH_OPTIONS = {"default": _default}
 
 
-def get_pipeline(
-    name: str, profile: str = "ort", *, kv_cache: bool = False
+def build_pipeline(
+    target, options: PipelineOptions | None = None, *, name: str = "default"
 ) -> list[ir.passes.PassBase]:
-    """A fresh list of pass instances for a pipeline and profile; ``KeyError`` if unknown.
+    """A fresh list of pass instances for ``target`` (a :class:`tfgraph.targets.Target` or a
+    name); ``KeyError`` for an unknown pipeline or target, ``ValueError`` for options the
+    pipeline cannot take."""
+    options = options or PipelineOptions()
+    if name not in PIPELINES:
+        raise KeyError(name)
+    target = _target(target)
+    if name in _WITH_OPTIONS and PIPELINES[name] is _WITH_OPTIONS[name]:
+        return _WITH_OPTIONS[name](target, options)
+    if options.kv_cache:
+        raise ValueError(f"the KV cache needs fused attention; pipeline '{name}' fuses none")
+    return PIPELINES[name](target)
 
-    ``kv_cache`` adds :class:`InsertKVCachePass` after the attention biases are classified
-    (it works on the canonical ``tfgraph.Attention``, so only pipelines that fuse take it;
-    ``ValueError`` otherwise).
-    """
-    if profile not in PROFILES:
-        raise KeyError(profile)
-    passes = PIPELINES[name](profile)
-    if kv_cache:
-        at = [i for i, p in enumerate(passes) if isinstance(p, ClassifyAttentionBiasPass)]
-        if not at:
-            raise ValueError(f"the KV cache needs fused attention; pipeline '{name}' fuses none")
-        passes.insert(at[0] + 1, InsertKVCachePass())
-        if profile == "ort":  # GQA appends in place into buffers past and present share
-            lower = [i for i, p in enumerate(passes) if isinstance(p, LowerAttentionPass)]
-            passes.insert(lower[0] + 1, ShareKVBufferPass())
-    return passes
+
+def pass_names(passes: list[ir.passes.PassBase]) -> list[str]:
+    """One unique name per position: the class name, then ``Name#2``, ``Name#3`` … for a class
+    that runs again (``--dump-after`` and ``report.json`` use these)."""
+    seen: dict[str, int] = {}
+    names = []
+    for p in passes:
+        base = type(p).__name__
+        seen[base] = seen.get(base, 0) + 1
+        names.append(base if seen[base] == 1 else f"{base}#{seen[base]}")
+    return names

@@ -20,14 +20,17 @@ import onnx_ir as ir
 from onnxscript.rewriter import MatchingTracer, RewriteRuleSet
 from onnxscript.rewriter import pattern as _pattern
 
+from .canonical import DOMAIN  # noqa: F401  (re-exported: the passes' domain)
+
 logger = logging.getLogger(__name__)
 
-DOMAIN = "tfgraph"
 MISS_REASON_KEY = "tfgraph.miss_reason"
 EXCLUDED_KEY = "tfgraph.excluded"  # "true": left unfused on purpose (not an exact match)
 # On a node that stays standard ops on purpose because the target fuses it itself (TensorRT's
 # MatMul-Softmax-MatMul): what the target makes of it. The report counts it as fused.
 FUSED_AS_KEY = "tfgraph.fused_as"
+# On every node a lowering pass made: the canonical op it came from ("Attention", "LayerNorm").
+LOWERED_FROM_KEY = "tfgraph.lowered_from"
 
 
 def apply_rules(model: ir.Model, rules: RewriteRuleSet) -> int:
@@ -91,6 +94,13 @@ def replace_value(old: ir.Value, new: ir.Value) -> None:
     if name is not None:
         old.name = f"{name}__replaced"
         new.name = name
+
+
+def import_used_domains(model: ir.Model) -> None:
+    """Import (at version 1) every custom domain a lowering put into the main graph."""
+    for node in model.graph:
+        if node.domain not in ("", "ai.onnx"):
+            model.opset_imports.setdefault(node.domain, 1)
 
 
 def mark_missed(node: ir.Node, reason: str, *, excluded: bool = False) -> None:

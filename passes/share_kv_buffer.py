@@ -1,14 +1,16 @@
-"""``ort`` profile: turn the KV cache into preallocated buffers that past and present share.
+"""``ort`` target: turn the KV cache into preallocated buffers that past and present share.
 
-After lowering, each cached layer is a ``GroupQueryAttention`` reading ``past_key_values.{i}.*``
-as ``past_key``/``past_value``. ONNX Runtime's kernel writes the new keys and values in place
-when ``present_*`` is bound to the same buffer as ``past_*`` (onnxruntime-genai's layout), so a
-decode step never copies the cache. The buffer is longer than the past, so the past length can
-no longer be read off the past's shape; this pass
+After lowering, each cached layer is a ``GroupQueryAttention`` reading its ``past_key`` /
+``past_value`` inputs (roles, :mod:`tfgraph.contract`) in its past slots. ONNX Runtime's
+kernel writes the new keys and values in place when ``present_*`` is bound to the same buffer
+as ``past_*`` (onnxruntime-genai's layout), so a
+decode step never copies the cache. The buffer is longer than the past, so the past length
+can no longer be read off the past's shape; this pass
 
-- adds the input ``past_sequence_length`` (int64, shape [1]) and feeds it wherever the graph
-  read ``Shape(past_key_values.*)[2]`` (positions, masks, GQA's sequence lengths);
-- renames the buffers' length axis ``max_sequence`` (inputs and present outputs).
+- adds the input ``past_sequence_length`` (role ``past_length``; int64, shape [1]) and feeds
+  it wherever the graph read ``Shape(past)[2]`` (positions, masks, GQA's sequence lengths);
+- renames the buffers' length axis ``max_sequence`` (inputs and present outputs), and records
+  the layout (model metadata ``tfgraph.kv_buffer = shared``; ``manifest.json`` ``kv_layout``).
 
 The graph is left unchanged (and ``modified=False``) unless every use of every past input is a
 GQA past slot or that ``Shape``: e.g. a layer lowered to ``MultiHeadAttention`` (head size not
@@ -18,17 +20,19 @@ a multiple of 8) keeps its ``Concat``, and the artifact keeps the copying cache.
 from __future__ import annotations
 
 import logging
-import re
 
 import onnx_ir as ir
 import onnx_ir.passes.common as common
 
+from tfgraph import contract
+
+from .canonical import AttentionOp, is_canonical
+
 logger = logging.getLogger(__name__)
 
-PAST = re.compile(r"past_key_values\.\d+\.(key|value)$")
-PAST_LENGTH = "past_sequence_length"
-BUFFER_DIM = "max_sequence"
-SHARED_KEY = "tfgraph.kv_buffer"  # model metadata: "shared" when this pass applied
+PAST_LENGTH = contract.PAST_LENGTH_NAME
+BUFFER_DIM = contract.BUFFER_DIM
+SHARED_KEY = contract.KV_LAYOUT_KEY  # model metadata: "shared" when this pass applied
 
 
 def _is_length_shape(node: ir.Node) -> bool:
@@ -52,10 +56,19 @@ def _is_gqa_past(node: ir.Node, index: int) -> bool:
 
 
 class ShareKVBufferPass(ir.passes.InPlacePass):
+    def requires(self, model: ir.Model) -> None:
+        if any(is_canonical(n, AttentionOp.OP) for n in model.graph):
+            raise ir.passes.PreconditionError(
+                "the shared KV buffer needs lowered attention (GroupQueryAttention), but "
+                "tfgraph.Attention is still in the graph: run ShareKVBufferPass after "
+                "LowerAttentionPass"
+            )
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        pasts = [v for v in graph.inputs if v.name and PAST.match(v.name)]
-        if not pasts or any(v.name == PAST_LENGTH for v in graph.inputs):
+        names = set(contract.names_with_role(model, contract.PAST_KEY, contract.PAST_VALUE))
+        pasts = [v for v in graph.inputs if v.name in names]
+        if not pasts or contract.names_with_role(model, contract.PAST_LENGTH):
             return ir.passes.PassResult(model, modified=False)
         common.RemoveUnusedNodesPass()(model)  # the cache Concats lowering made dead
         shapes, gqa = [], []
@@ -73,6 +86,7 @@ class ShareKVBufferPass(ir.passes.InPlacePass):
             name=PAST_LENGTH, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([1])
         )
         graph.inputs.append(length)
+        contract.set_role(model, PAST_LENGTH, contract.PAST_LENGTH)
         for node in shapes:
             node.outputs[0].replace_all_uses_with(length)
             graph.remove(node, safe=True)

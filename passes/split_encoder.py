@@ -1,11 +1,12 @@
 """Split a KV-cached encoder-decoder graph: the encoder runs once, the decoder every step.
 
 :class:`~.insert_kv_cache.InsertKVCachePass` names the key and value of every cross-attention
-layer ``cross_key_values.{i}.key`` / ``.value`` (batch, heads, encoder_sequence, head_dim) and
-lists them in the model's metadata (:data:`CROSS_KV_KEY`). :func:`split_encoder` then cuts the
-graph there:
+``cross_key_values.{i}.key`` / ``.value`` (batch, heads, encoder_sequence, head_dim) by decoder
+layer i, and lists them in the model's metadata (:data:`CROSS_KV_KEY`, ``[name, role, layer]``
+entries). :func:`split_encoder` then cuts the graph there:
 
-- the **encoder** graph takes the encoder inputs and returns those cross keys and values;
+- the **encoder** graph (``onnx_ir``'s ``extract``) takes the encoder inputs and returns only
+  those cross keys and values (roles ``cross_key`` / ``cross_value`` of decoder layer i);
 - the **decoder** graph takes them as inputs instead of recomputing them, so a decoding step
   never runs the encoder; encoder inputs it no longer reads are dropped (an
   ``attention_mask`` it still reads for the cross-attention mask stays).
@@ -19,48 +20,48 @@ import logging
 import onnx_ir as ir
 import onnx_ir.passes.common as common
 
+from tfgraph import contract
+
 logger = logging.getLogger(__name__)
 
 CROSS_KV_KEY = "tfgraph.cross_kv"
-CROSS_KEY, CROSS_VALUE = "cross_key_values.{}.key", "cross_key_values.{}.value"
 
 
-def cross_kv_names(model: ir.Model) -> list[str]:
-    return json.loads(model.metadata_props.get(CROSS_KV_KEY, "[]"))
+def cross_kv_entries(model: ir.Model) -> list[tuple[str, str, int]]:
+    return [tuple(e) for e in json.loads(model.metadata_props.get(CROSS_KV_KEY, "[]"))]
 
 
-def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
-    values = {v.name: v for v in graph.inputs}
-    for node in graph:
-        values.update({v.name: v for v in node.outputs if v.name})
-    return values
-
-
-def _drop_unused_inputs(graph: ir.Graph) -> None:
+def _drop_unused_inputs(model: ir.Model) -> None:
+    graph = model.graph
+    dropped = []
     for value in list(graph.inputs):
         if not value.uses() and not value.is_graph_output():
             graph.inputs.remove(value)
+            dropped.append(value.name)
+    contract.drop_roles(model, dropped)
 
 
 def split_encoder(model: ir.Model) -> ir.Model | None:
     """Turn ``model`` into the decoder step graph in place and return the encoder graph, or
     ``None`` when the model has no cross-attention to cut."""
-    names = cross_kv_names(model)
-    if not names:
+    entries = cross_kv_entries(model)
+    if not entries:
         return None
-    encoder = ir.serde.deserialize_model(ir.serde.serialize_model(model))  # a deep copy
-    values = _values_by_name(encoder.graph)
-    encoder.graph.outputs.clear()
-    encoder.graph.outputs.extend(values[n] for n in names)
+    names = [name for name, _, _ in entries]
+    values = ir.convenience.create_value_mapping(model.graph)
+    roles = contract.read_roles(model.metadata_props)
+    graph = ir.convenience.extract(
+        model.graph, list(model.graph.inputs), [values[n] for n in names]
+    )
+    encoder = ir.Model(graph, ir_version=model.ir_version, producer_name=model.producer_name)
+    contract.write_roles(encoder, {v.name: roles[v.name] for v in graph.inputs if v.name in roles})
+    for name, role, layer in entries:
+        contract.set_role(encoder, name, role, layer)
+    _shapes_from_encoder_inputs(encoder)
     common.RemoveUnusedNodesPass()(encoder)
-    _drop_unused_inputs(encoder.graph)
-    _shapes_from_encoder_inputs(encoder.graph)
-    common.RemoveUnusedNodesPass()(encoder)
-    _drop_unused_inputs(encoder.graph)
+    _drop_unused_inputs(encoder)
     common.RemoveUnusedOpsetsPass()(encoder)
-    encoder.metadata_props.pop(CROSS_KV_KEY, None)
 
-    values = _values_by_name(model.graph)
     for name in names:
         old = values[name]
         new = ir.Value(name=f"{name}__input", type=old.type, shape=old.shape)
@@ -70,7 +71,9 @@ def split_encoder(model: ir.Model) -> ir.Model | None:
     for value in model.graph.inputs:
         if value.name.endswith("__input"):
             value.name = value.name[: -len("__input")]
-    _drop_unused_inputs(model.graph)
+    for name, role, layer in entries:
+        contract.set_role(model, name, role, layer)
+    _drop_unused_inputs(model)
     common.RemoveUnusedOpsetsPass()(model)
     model.metadata_props.pop(CROSS_KV_KEY, None)
     logger.info("split off the encoder: %d cross-attention layers", len(names) // 2)
@@ -83,11 +86,13 @@ def _dims(value: ir.Value) -> list | None:
     return [d.value if isinstance(d, ir.SymbolicDim) else d for d in value.shape]
 
 
-def _shapes_from_encoder_inputs(graph: ir.Graph) -> None:
+def _shapes_from_encoder_inputs(model: ir.Model) -> None:
     """Cross K/V often read the batch size off the decoder's tokens (``Shape`` of a decoder
     value, for a ``Reshape``). Take such dims from an encoder input with the same symbol, so
     the encoder graph does not need the decoder's tokens."""
-    decoder_inputs = [v for v in graph.inputs if v.name == "decoder_input_ids"]
+    graph = model.graph
+    tokens = set(contract.names_with_role(model, contract.TOKEN_IDS))
+    decoder_inputs = [v for v in graph.inputs if v.name in tokens]
     if not decoder_inputs:
         return
     sources = {}  # symbol → (encoder input, axis)

@@ -1,13 +1,12 @@
-"""Token generation with a KV-cached artifact (``export --kv-cache``) on ONNX Runtime.
+"""Token generation with a KV-cached artifact (``export --kv-cache``), on any runner.
 
-The cached graph takes the new tokens, ``past_key_values.{i}.key/.value`` (batch, kv_heads,
-past, head_dim) and, when the model has one, an ``attention_mask`` over past + new tokens; it
-returns ``logits`` and ``present.{i}.key/.value``. A step binds the previous step's present
-``OrtValue`` objects as the next step's past through ONNX Runtime's IO binding: the cache never
-travels through Python or numpy. Artifacts of the ``ort`` profile take preallocated buffers
-(``past_sequence_length`` input, :mod:`tfgraph.passes.share_kv_buffer`): past and present are
-bound to the same buffer and the kernel appends in place, so a step copies nothing; other
-artifacts get a fresh present (past + new) per step. See docs/kv-cache.md.
+:class:`CachedDecoder` drives a graph through the runner protocol (:mod:`.runner`) and the
+artifact's roles (:mod:`tfgraph.contract`): the new tokens go to the ``token_ids`` input, the
+padding mask over past + new tokens to ``attention_mask``, the cache to ``past_key`` /
+``past_value`` of each layer, and ``logits`` come back. The runner keeps the cache where it
+runs: with ONNX Runtime, the previous step's present ``OrtValue`` objects are bound as the next
+step's past, or, for a shared-buffer artifact (``kv_layout`` ``shared``), past and present are
+the same preallocated buffer and the kernel appends in place. See docs/kv-cache.md.
 
 Decoding: greedy, or sampling with temperature, top-k, top-p and a seed; stops at
 ``max_new_tokens`` or when every row has produced ``eos_token_id``. Prompts of different lengths
@@ -18,22 +17,20 @@ without one the model sees the pad tokens (as eager PyTorch on the same padded b
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from tfgraph import contract
 from tfgraph.errors import TfgraphError
 
-from .session import Session
+from .runner import KVCache, Runner
 
 logger = logging.getLogger(__name__)
 
-PAST = re.compile(r"past_key_values\.(\d+)\.(key|value)$")
-TOKEN_INPUTS = ("decoder_input_ids", "input_ids")
-PAST_LENGTH = "past_sequence_length"  # shared-buffer artifacts
-ENCODER_FILE = "encoder.onnx"  # encoder-decoder artifacts: cross-attention K/V, run once
+ENCODER_FILE = contract.ENCODER_FILE  # encoder-decoder artifacts: cross-attention K/V, run once
+_CACHE_ROLES = (contract.PAST_KEY, contract.PAST_VALUE, contract.PAST_LENGTH)
 
 
 @dataclass
@@ -68,62 +65,63 @@ class Generation:
     prompt_lengths: list[int] = field(default_factory=list)
 
 
-@dataclass
-class KVCache:
-    """Per-layer past keys/values as ``OrtValue`` objects, holding ``length`` positions; for a
-    shared-buffer artifact each buffer has room for ``capacity`` positions."""
-
-    values: dict[str, object]
-    length: int = 0
-    capacity: int | None = None
-
-
 class CachedDecoder:
-    """One KV-cached artifact, stepped with IO binding. ``extra`` inputs (an encoder's
-    ``attention_mask``, ``input_ids`` of an encoder-decoder graph) are fed unchanged."""
+    """One KV-cached artifact on a runner (:class:`tfgraph.runtime.Session` or any other
+    implementation of the runner protocol). ``extra`` inputs (an encoder's attention mask,
+    the cross-attention K/V :meth:`encode` returns) are fed unchanged at every step."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Runner) -> None:
         self.session = session
-        ort_session = session.ort_session
-        inputs = {i.name: i for i in ort_session.get_inputs()}
-        self.token_input = next((n for n in TOKEN_INPUTS if n in inputs), None)
-        layers: dict[int, dict[str, object]] = {}
-        for name, meta in inputs.items():
-            match = PAST.match(name)
-            if match:
-                layers.setdefault(int(match.group(1)), {})[match.group(2)] = meta
-        if self.token_input is None or not layers:
+        signature = session.signature
+        token = signature.input(contract.TOKEN_IDS)
+        self.layers = signature.cache_layers
+        if token is None or not self.layers:
+            names = ", ".join(p.name for p in signature.inputs)
             raise TfgraphError(
-                f"'{session.path}' has no KV cache (inputs: {', '.join(inputs)}); export it "
-                "with --kv-cache"
+                f"'{session.path}' has no KV cache (inputs: {names}); export it with --kv-cache"
             )
-        self.layers = [layers[i] for i in sorted(layers)]
-        self.mask_input = next(
-            (
-                n
-                for n, m in inputs.items()
-                if "mask" in n and any(d == "total_sequence" for d in m.shape)
-            ),
-            None,
-        )
-        self.shared = PAST_LENGTH in inputs
-        known = {self.token_input, self.mask_input, PAST_LENGTH} | {
-            m.name for layer in self.layers for m in layer.values()
-        }
-        self.extra_inputs = [n for n in inputs if n not in known]
-        self.logits_output = session.output_names[0]
-        encoder_file = session.path.parent / ENCODER_FILE
+        self.token_input = token.name
+        mask = signature.input(contract.ATTENTION_MASK)
+        self.mask_input = mask.name if mask is not None else None
+        self.shared = signature.shared_buffer
+        self.extra_inputs = [
+            p.name
+            for p in signature.inputs
+            if p.role not in (contract.TOKEN_IDS, contract.ATTENTION_MASK, *_CACHE_ROLES)
+        ]
+        self._keys = {p.name: p.key for p in signature.inputs}
+        self._logits = (signature.output(contract.LOGITS) or signature.outputs[0]).key
         self.encoder = None
-        if encoder_file.is_file():
-            self.encoder = Session(encoder_file, session.providers, threads=session.threads)
-            self.encoder_inputs = list(self.encoder.input_names)
-        self._past_dtype = {
-            m.name: _numpy_dtype(m.type) for layer in self.layers for m in layer.values()
-        }
+        self.encoder_inputs: list[str] = []
+        if (session.path.parent / ENCODER_FILE).is_file():
+            self.encoder = session.sibling(ENCODER_FILE)
+            self.encoder_inputs = [p.name for p in self.encoder.signature.inputs]
         self.max_positions = session.max_positions  # None: the artifact states no limit
 
+    @property
+    def seq2seq(self) -> bool:
+        """An encoder-decoder artifact: prompts feed the encoder, the decoder starts afresh."""
+        ports = [*self.session.signature.inputs]
+        if self.encoder is not None:
+            ports += self.encoder.signature.inputs
+        return self.encoder is not None or any(p.role == contract.ENCODER_TOKEN_IDS for p in ports)
+
+    def encoder_feeds(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+        """Encoder-decoder generation: the left-padded prompts and their padding mask, by the
+        names the encoder (and the step graph) give the encoder's tokens and mask."""
+        ports = [*self.session.signature.inputs]
+        if self.encoder is not None:
+            ports += self.encoder.signature.inputs
+        feeds = {}
+        for port in ports:
+            if port.role == contract.ENCODER_TOKEN_IDS:
+                feeds[port.name] = ids
+            elif port.role == contract.ENCODER_ATTENTION_MASK:
+                feeds[port.name] = mask
+        return feeds
+
     def check_positions(self, needed: int, what: str) -> None:
-        """Refuse, before ONNX Runtime runs, more positions than the model supports."""
+        """Refuse, before the runner runs, more positions than the model supports."""
         if self.max_positions is not None and needed > self.max_positions:
             raise TfgraphError(
                 f"{what} needs {needed} positions but the model supports {self.max_positions} "
@@ -131,34 +129,19 @@ class CachedDecoder:
             )
 
     def encode(self, inputs: dict[str, np.ndarray]) -> dict[str, object]:
-        """Encoder-decoder artifacts: the cross-attention keys and values, as ``OrtValue``
-        objects to bind at every step (empty for a decoder-only artifact)."""
+        """Encoder-decoder artifacts: the cross-attention keys and values, as runner values
+        to bind at every step (empty for a decoder-only artifact)."""
         if self.encoder is None:
             return {}
-        binding = self.encoder.ort_session.io_binding()
-        for name in self.encoder_inputs:
-            if name not in inputs:
-                raise TfgraphError(f"the encoder needs input '{name}'")
-            value = self.encoder.check_input(name, inputs[name])
-            binding.bind_cpu_input(name, np.ascontiguousarray(value))
-        for name in self.encoder.output_names:
-            binding.bind_output(name, "cpu")
-        self.encoder.ort_session.run_with_iobinding(binding)
-        return dict(zip(self.encoder.output_names, binding.get_outputs(), strict=True))
+        missing = [n for n in self.encoder_inputs if n not in inputs]
+        if missing:
+            raise TfgraphError(f"the encoder needs input '{missing[0]}'")
+        return self.encoder.run({n: inputs[n] for n in self.encoder_inputs}, native=True)
 
     def empty_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty cache for ``batch`` rows; a shared-buffer artifact preallocates room for
         ``capacity`` positions (prompt + new tokens), once."""
-        import onnxruntime as ort
-
-        values = {}
-        room = capacity if self.shared else 0
-        for layer in self.layers:
-            for meta in layer.values():
-                heads, size = meta.shape[1], meta.shape[3]
-                empty = np.zeros((batch, heads, room, size), self._past_dtype[meta.name])
-                values[meta.name] = ort.OrtValue.ortvalue_from_numpy(empty)
-        return KVCache(values, 0, capacity if self.shared else None)
+        return self.session.new_cache(batch, capacity)
 
     def step(
         self,
@@ -175,45 +158,17 @@ class CachedDecoder:
                 f"the KV cache holds {cache.capacity} positions but {cache.length + new} are "
                 "needed; allocate it with a larger capacity"
             )
-        binding = self.session.ort_session.io_binding()
-        if self.shared:
-            binding.bind_cpu_input(PAST_LENGTH, np.array([cache.length], np.int64))
-        binding.bind_cpu_input(self.token_input, np.ascontiguousarray(tokens, np.int64))
+        feeds = {(contract.TOKEN_IDS, None): np.asarray(tokens, np.int64)}
         if self.mask_input is not None:
             if mask is None:
                 raise TfgraphError(f"the model needs '{self.mask_input}' over past + new tokens")
-            binding.bind_cpu_input(self.mask_input, np.ascontiguousarray(mask, np.int64))
+            feeds[(contract.ATTENTION_MASK, None)] = np.asarray(mask, np.int64)
         for name in self.extra_inputs:
             if extra is None or name not in extra:
                 raise TfgraphError(f"the model also needs input '{name}'")
-            if isinstance(extra[name], np.ndarray):
-                binding.bind_cpu_input(name, np.ascontiguousarray(extra[name]))
-            else:  # an OrtValue (cross-attention K/V from encode()): bound without a copy
-                binding.bind_ortvalue_input(name, extra[name])
-        for name, value in cache.values.items():
-            binding.bind_ortvalue_input(name, value)
-        outputs = self.session.output_names
-        for name in outputs:
-            past = name.replace("present.", "past_key_values.", 1)
-            if self.shared and name.startswith("present.") and past in cache.values:
-                binding.bind_ortvalue_output(name, cache.values[past])  # appended in place
-            else:
-                binding.bind_output(name, "cpu")
-        self.session.ort_session.run_with_iobinding(binding)
-        values = dict(zip(outputs, binding.get_outputs(), strict=True))
-        logits = values.pop(self.logits_output).numpy()
-        if self.shared:
-            return logits, KVCache(cache.values, cache.length + new, cache.capacity)
-        next_values = {
-            name.replace("present.", "past_key_values.", 1): value
-            for name, value in values.items()
-            if name.startswith("present.")
-        }
-        return logits, KVCache(next_values, cache.length + new)
-
-
-def _numpy_dtype(ort_type: str):
-    return {"tensor(float)": np.float32, "tensor(float16)": np.float16}.get(ort_type, np.float32)
+            feeds[self._keys[name]] = extra[name]
+        outputs, cache = self.session.step(feeds, cache, new)
+        return self.session.to_numpy(outputs[self._logits]), cache
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:

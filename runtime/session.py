@@ -1,4 +1,5 @@
-"""Open an artifact (a directory with ``model.onnx``, or an ``.onnx`` file) with ONNX Runtime.
+"""Open an artifact (a directory with ``model.onnx``, or an ``.onnx`` file) with ONNX Runtime:
+:class:`Session`, the ONNX Runtime implementation of the runner protocol (:mod:`.runner`).
 
 Before ONNX Runtime sees a file, it is checked: the artifact's ``manifest.json`` (if any) must be
 of a format this tfgraph understands, and every external-data location must name a file inside
@@ -15,8 +16,11 @@ from pathlib import Path, PureWindowsPath
 
 import numpy as np
 
-from tfgraph.errors import TfgraphError
+from tfgraph import contract
+from tfgraph.errors import TfgraphError, first_line
 from tfgraph.manifest import read_manifest
+
+from .runner import KVCache, RoleKey
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +114,7 @@ def check_external_data(model_file: Path) -> None:
         proto = onnx.load(str(model_file), load_external_data=False)
     except Exception as exc:
         raise TfgraphError(
-            f"cannot read '{model_file}' as ONNX ({_first_line(exc)}); re-export it"
+            f"cannot read '{model_file}' as ONNX ({first_line(exc)}); re-export it"
         ) from exc
     root = model_file.parent.resolve()
     for tensor in _tensors(proto.graph):
@@ -125,13 +129,13 @@ def check_external_data(model_file: Path) -> None:
             )
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
-
-
 # Named dims that count token positions: checked against the manifest's ``max_positions``.
-SEQUENCE_DIMS = frozenset({"sequence", "decoder_sequence", "total_sequence"})
+SEQUENCE_DIMS = contract.SEQUENCE_DIMS
+_PAST_ROLES = (contract.PAST_KEY, contract.PAST_VALUE)
+_PRESENT_PAST = {
+    contract.PRESENT_KEY: contract.PAST_KEY,
+    contract.PRESENT_VALUE: contract.PAST_VALUE,
+}
 
 
 def _shape_text(shape: Sequence) -> str:
@@ -179,31 +183,146 @@ class Session:
         if threads:
             options.intra_op_num_threads = threads
             options.inter_op_num_threads = 1
-        # On the CPU, ORT's own SkipLayerNormFusion turns Add + LayerNormalization into a
-        # kernel measured 10× slower (docs/BENCHMARKS.md); keep the two ops there.
-        disabled = ["SkipLayerNormFusion"] if chosen[0] == PROVIDERS["cpu"] else []
+        disabled = list(self._target_session().disabled_optimizers)
         try:
             self._session = ort.InferenceSession(
                 str(self.path), options, providers=chosen, disabled_optimizers=disabled
             )
         except Exception as exc:
             raise TfgraphError(
-                f"ONNX Runtime cannot load '{self.path}': {_first_line(exc)}; if the file is "
+                f"ONNX Runtime cannot load '{self.path}': {first_line(exc)}; if the file is "
                 "damaged or incomplete, export it again"
             ) from exc
         self.input_names = [i.name for i in self._session.get_inputs()]
         self.output_names = [o.name for o in self._session.get_outputs()]
         self._input_types = {i.name: i.type for i in self._session.get_inputs()}
         self._input_shapes = {i.name: i.shape for i in self._session.get_inputs()}
+        self._output_types = {o.name: o.type for o in self._session.get_outputs()}
+        self.signature = self._read_signature()
+        self._device = "cuda" if chosen[0] == PROVIDERS["cuda"] else "cpu"
+        self._optimize = optimize
         logger.info("opened %s with %s", self.path, chosen)
+
+    def _target_session(self):
+        """The session settings of the artifact's target (none stated: the defaults)."""
+        from tfgraph.targets import SessionSettings, get_target
+
+        name = ((self.manifest or {}).get("target") or {}).get("name")
+        if name is None:
+            return SessionSettings()
+        try:
+            return get_target(name).session
+        except TfgraphError:  # a target this tfgraph does not have: run with the defaults
+            return SessionSettings()
+
+    def _read_signature(self) -> contract.Signature:
+        """Roles from ``manifest.json`` (this file's entry), else from the model's metadata."""
+        if self.manifest is not None:
+            stated = contract.signature_from_manifest(self.manifest, self.path.name)
+            if stated is not None:
+                return stated
+        meta = self._session.get_modelmeta().custom_metadata_map
+        roles = contract.read_roles(meta)
+        if not roles:
+            dtypes = {i.name: i.type for i in self._session.get_inputs()}
+            roles = {
+                **contract.infer_input_roles(self.input_names, dtypes),
+                **contract.infer_output_roles(self.output_names),
+            }
+
+        def ports(values, default):
+            out = []
+            for v in values:
+                role, layer = roles.get(v.name, (default, None))
+                shape = [d if isinstance(d, int) else str(d) for d in v.shape]
+                out.append(contract.Port(v.name, role, layer, v.type, shape))
+            return tuple(out)
+
+        inputs = ports(self._session.get_inputs(), contract.INPUT)
+        outputs = ports(self._session.get_outputs(), contract.OUTPUT)
+        layout = None
+        if any(p.role in _PAST_ROLES for p in inputs):
+            shared = meta.get(contract.KV_LAYOUT_KEY) == "shared"
+            layout = {"kind": "shared" if shared else "concat"}
+        return contract.Signature(inputs, outputs, layout)
 
     @property
     def ort_session(self):
         """The underlying ``onnxruntime.InferenceSession`` (IO binding, metadata)."""
         return self._session
 
-    def run(self, inputs: Mapping[str, object]) -> dict[str, np.ndarray]:
-        """Run on numpy arrays or torch tensors; returns ``{output name: numpy array}``."""
+    @property
+    def device(self) -> str:
+        return self._device
+
+    def sibling(self, file: str) -> Session:
+        return Session(
+            self.path.parent / file, self.providers, optimize=self._optimize, threads=self.threads
+        )
+
+    @staticmethod
+    def to_numpy(value) -> np.ndarray:
+        return value if isinstance(value, np.ndarray) else value.numpy()
+
+    # -- the cache ---------------------------------------------------------------------------
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        """An empty cache for ``batch`` rows; a shared-buffer artifact preallocates room for
+        ``capacity`` positions (prompt + new tokens), once."""
+        import onnxruntime as ort
+
+        shared = self.signature.shared_buffer
+        room = capacity if shared else 0
+        values = {}
+        for port in self.signature.inputs_with(*_PAST_ROLES):
+            shape = self._input_shapes[port.name]
+            dtype = _ORT_DTYPES.get(self._input_types[port.name], np.float32)
+            empty = np.zeros((batch, shape[1], room, shape[3]), dtype)
+            values[port.key] = ort.OrtValue.ortvalue_from_numpy(empty)
+        return KVCache(values, 0, capacity if shared else None)
+
+    def step(
+        self, feeds: Mapping[RoleKey, object], cache: KVCache, new_tokens: int
+    ) -> tuple[dict[RoleKey, object], KVCache]:
+        """One step with IO binding: the cache never travels through numpy. A shared buffer is
+        bound as both past and present (the kernel appends in place); otherwise the presents
+        become the next step's pasts."""
+        shared = self.signature.shared_buffer
+        binding = self._session.io_binding()
+        for port in self.signature.inputs:
+            if port.role in _PAST_ROLES:
+                binding.bind_ortvalue_input(port.name, cache.values[port.key])
+                continue
+            if port.role == contract.PAST_LENGTH:
+                binding.bind_cpu_input(port.name, np.array([cache.length], np.int64))
+                continue
+            value = feeds.get(port.key)
+            if value is None:
+                raise TfgraphError(f"the model also needs input '{port.name}' ({port.role})")
+            if isinstance(value, np.ndarray):
+                binding.bind_cpu_input(port.name, np.ascontiguousarray(value))
+            else:  # an OrtValue (an encoder's cross-attention K/V): bound without a copy
+                binding.bind_ortvalue_input(port.name, value)
+        for port in self.signature.outputs:
+            past = (_PRESENT_PAST.get(port.role), port.layer)
+            if shared and past in cache.values:
+                binding.bind_ortvalue_output(port.name, cache.values[past])  # appended in place
+            else:
+                binding.bind_output(port.name, "cpu")
+        self._session.run_with_iobinding(binding)
+        values = binding.get_outputs()
+        outputs = {p.key: v for p, v in zip(self.signature.outputs, values, strict=True)}
+        if shared:
+            return outputs, KVCache(cache.values, cache.length + new_tokens, cache.capacity)
+        next_values = {
+            (_PRESENT_PAST[p.role], p.layer): outputs[p.key]
+            for p in self.signature.outputs
+            if p.role in _PRESENT_PAST
+        }
+        return outputs, KVCache(next_values, cache.length + new_tokens)
+
+    def run(self, inputs: Mapping[str, object], *, native: bool = False) -> dict[str, object]:
+        """Run on numpy arrays or torch tensors; returns ``{output name: numpy array}`` (with
+        ``native``, ``OrtValue`` objects that stay where ONNX Runtime put them)."""
         missing = [n for n in self.input_names if n not in inputs]
         unknown = [n for n in inputs if n not in self.input_names]
         if missing or unknown:
@@ -212,6 +331,14 @@ class Session:
                 f"it takes {self.input_names}"
             )
         feeds = {name: self.check_input(name, inputs[name]) for name in self.input_names}
+        if native:
+            binding = self._session.io_binding()
+            for name, value in feeds.items():
+                binding.bind_cpu_input(name, np.ascontiguousarray(value))
+            for name in self.output_names:
+                binding.bind_output(name, "cpu")
+            self._session.run_with_iobinding(binding)
+            return dict(zip(self.output_names, binding.get_outputs(), strict=True))
         outputs = self._session.run(None, feeds)
         return dict(zip(self.output_names, outputs, strict=True))
 

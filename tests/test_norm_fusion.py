@@ -189,7 +189,7 @@ def test_residual_add_folds_into_skip_norm(fn, op):
     want = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options).run(None, feeds)
     run_pipeline(model, "cleanup")
     FuseNormsPass()(model)
-    LowerNormsPass("ort", skip_residual=True)(model)
+    LowerNormsPass("ort-cuda")(model)  # the skip kernels are ort-cuda's
     check_model(model, "skip lowering")
     hist = op_histogram(model)
     assert hist[f"com.microsoft::{op}"] == 1
@@ -205,7 +205,7 @@ def test_tensorrt_before_10_15_keeps_rmsnorm_decomposed():
     run_pipeline(model, "cleanup")
     want = _run(model, X)[0]
     FuseNormsPass()(model)
-    LowerNormsPass("tensorrt", tensorrt_version=(10, 14))(model)
+    LowerNormsPass("tensorrt@10.14")(model)
     norm = count_fusions(model)["norm"]
     assert (norm["fused"], norm["total"]) == (0, 1)
     assert "TensorRT 10.14 does not parse RMSNormalization" in norm["missed"][0]["reason"]

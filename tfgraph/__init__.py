@@ -10,7 +10,7 @@ from .errors import ParityError, TfgraphError
 
 __version__ = "0.1.0"
 
-ARTIFACT_FORMAT = 1  # bumped when manifest.json changes incompatibly
+ARTIFACT_FORMAT = 2  # bumped when manifest.json changes (2: roles, graphs, kv_layout, target)
 
 _LAZY = {
     "export": "exporting",

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tfgraph.runtime import CachedDecoder, Session
+from tfgraph.runtime import CachedDecoder, open_runner
 
-from .parity import FP32, PARITY_SHAPES, Tolerance, compare
+from .parity import FP32, PARITY_SHAPES, Tolerance, compare, runner_info
 from .sources import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def check_cache_parity(
     tolerance: Tolerance = FP32,
     seed: int = 0,
 ) -> dict:
-    decoder = CachedDecoder(Session(model_file))
+    decoder = CachedDecoder(open_runner(model_file))
     name = source.output_names[0]
     token_input = decoder.token_input
     cases = []
@@ -111,4 +111,5 @@ def check_cache_parity(
         "shapes": [list(s) for s in shapes],
         **summary,
         "decode_steps": DECODE_STEPS,
+        "runner": runner_info(decoder.session),
     }

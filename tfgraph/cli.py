@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import TfgraphError
+from .errors import TfgraphError, first_line
 
 EXPORT_STEPS = ("load", "trace", "passes", "save", "parity")
 
@@ -126,7 +126,7 @@ def _cmd_inspect(args) -> int:
     try:
         model = ir.load(path)
     except Exception as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        first = first_line(exc)
         raise TfgraphError(f"cannot read '{path}' as ONNX ({first}); re-export it") from exc
     fusions = _report_fusions(path.parent / "report.json") or count_fusions(model, "unknown")
     print(f"{path}  opsets {dict(sorted(model.opset_imports.items()))}")
@@ -165,26 +165,33 @@ def _parse_ids(text: str, flag: str) -> list[int]:
 def _cmd_run(args) -> int:
     import numpy as np
 
-    from tfgraph.runtime import Session
+    from tfgraph import contract
+    from tfgraph.runtime import open_runner
 
-    session = Session(args.path, providers=args.provider)
+    session = open_runner(args.path, providers=args.provider)
     ids = np.array([_parse_ids(args.input_ids, "--input-ids")], dtype=np.int64)
+    signature = session.signature
+    seq2seq = signature.input(contract.ENCODER_TOKEN_IDS) is not None
+    tokens = ids
+    if seq2seq:  # --input-ids feed the encoder; the decoder starts from --decoder-input-ids
+        dec = args.decoder_input_ids or "0"
+        tokens = np.array([_parse_ids(dec, "--decoder-input-ids")], dtype=np.int64)
     feeds: dict[str, np.ndarray] = {}
-    for name in session.input_names:
-        if name == "input_ids":
-            feeds[name] = ids
-        elif name == "attention_mask":
-            feeds[name] = np.ones_like(ids)
-        elif name == "past_sequence_length":  # a shared-buffer cached artifact
-            feeds[name] = np.zeros(1, np.int64)
-        elif name.startswith("past_key_values."):  # a cached artifact: start from no past
-            meta = next(i for i in session.ort_session.get_inputs() if i.name == name)
-            feeds[name] = np.zeros((1, meta.shape[1], 0, meta.shape[3]), np.float32)
-        elif name == "decoder_input_ids":
-            dec = args.decoder_input_ids or "0"
-            feeds[name] = np.array([_parse_ids(dec, "--decoder-input-ids")], dtype=np.int64)
+    for port in signature.inputs:
+        if port.role == contract.TOKEN_IDS:
+            feeds[port.name] = tokens
+        elif port.role == contract.ENCODER_TOKEN_IDS:
+            feeds[port.name] = ids
+        elif port.role == contract.ATTENTION_MASK:
+            feeds[port.name] = np.ones_like(tokens)
+        elif port.role == contract.ENCODER_ATTENTION_MASK:
+            feeds[port.name] = np.ones_like(ids)
+        elif port.role == contract.PAST_LENGTH:  # a shared-buffer cached artifact
+            feeds[port.name] = np.zeros(1, np.int64)
+        elif port.role in (contract.PAST_KEY, contract.PAST_VALUE):  # start from no past
+            feeds[port.name] = np.zeros((1, port.shape[1], 0, port.shape[3]), np.float32)
         else:
-            raise TfgraphError(f"the model takes input '{name}', which `run` cannot fill")
+            raise TfgraphError(f"the model takes input '{port.name}', which `run` cannot fill")
     outputs = session.run(feeds)
     rows = []
     for name, value in outputs.items():
@@ -207,9 +214,9 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_generate(args) -> int:
-    from tfgraph.runtime import CachedDecoder, GenerationConfig, Session, generate
+    from tfgraph.runtime import CachedDecoder, GenerationConfig, generate, open_runner
 
-    decoder = CachedDecoder(Session(args.path, providers=args.provider))
+    decoder = CachedDecoder(open_runner(args.path, providers=args.provider))
     tokenizer = None
     if args.text is not None:
         tokenizer = _load_tokenizer(args.path)
@@ -219,11 +226,11 @@ def _cmd_generate(args) -> int:
     else:
         raise TfgraphError('give a prompt: --input-ids "1 2 3" (or --text with a tokenizer)')
     extra = {}
-    if decoder.token_input == "decoder_input_ids":  # encoder-decoder: prompts feed the encoder
+    if decoder.seq2seq:  # encoder-decoder: prompts feed the encoder
         from tfgraph.runtime.generate import left_pad
 
         ids, mask = left_pad(prompts, args.pad_token_id)
-        extra = {"input_ids": ids, "attention_mask": mask}
+        extra = decoder.encoder_feeds(ids, mask)
         prompts = [[args.decoder_start_token_id]] * len(prompts)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
@@ -270,7 +277,7 @@ def _load_tokenizer(path: str):
             directory / "tokenizer", local_files_only=True, trust_remote_code=False
         )
     except Exception as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        first = first_line(exc)
         raise TfgraphError(
             f"cannot load the tokenizer in '{directory / 'tokenizer'}' ({first}); use --input-ids"
         ) from exc
@@ -313,12 +320,17 @@ def _cmd_fuzz(args) -> int:
         raise TfgraphError(
             f"fuzz needs its test extras ({exc.name} is missing): pip install 'tfgraph[dev]'"
         ) from exc
-    from tfgraph.passes.lower_norms import PROFILES
+    from tfgraph.targets import get_target, target_names
 
     profiles = tuple(p.strip() for p in args.profiles.split(",") if p.strip())
-    unknown = [p for p in profiles if p not in PROFILES]
+    unknown = []
+    for name in profiles:
+        try:
+            get_target(name)
+        except TfgraphError:
+            unknown.append(name)
     if unknown or not profiles:
-        raise TfgraphError(f"--profiles {args.profiles!r}: choose from {', '.join(PROFILES)}")
+        raise TfgraphError(f"--profiles {args.profiles!r}: choose from {', '.join(target_names())}")
     if args.replay is not None:
         return _fuzz_replay(args.replay, profiles, not args.no_cache, FuzzCase, check_case)
     if args.examples < 1:
@@ -414,9 +426,34 @@ def _cmd_models(args) -> int:
     return 0
 
 
+def _cmd_targets(args) -> int:
+    from tfgraph.targets import targets
+
+    rows = []
+    for target in targets().values():
+        rows.append(
+            [
+                target.label,
+                str(target.opset),
+                target.runner,
+                ",".join(target.session.providers),
+                ",".join(target.precisions),
+                target.description,
+            ]
+        )
+    print(_table(rows, ["target", "opset", "runner", "providers", "precisions", "lowering"]))
+    print("\nparameterized: tensorrt@X.Y (TensorRT version; plain 'tensorrt' is 10.15)")
+    if args.verbose:
+        for target in targets().values():
+            print(f"\n{target.label}:")
+            for fact in target.facts:
+                print(f"  - {fact}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tfgraph.passes import PIPELINES
-    from tfgraph.passes.lower_norms import PROFILES
+    from tfgraph.targets import target_names
 
     from . import __version__
 
@@ -433,9 +470,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="preset name, package.module:function, or a HF model directory")
     p.add_argument("-o", "--output", required=True, type=Path, help="artifact directory")
     p.add_argument("--pipeline", default="default", choices=list(PIPELINES))
-    p.add_argument("--profile", default="ort", choices=list(PROFILES))
     p.add_argument(
-        "--opset", type=int, help="default-domain opset (default: 20 for ort, 23 otherwise)"
+        "--profile",
+        "--target",
+        dest="profile",
+        default="ort",
+        metavar="TARGET",
+        help=f"target backend: {', '.join(target_names())}, or tensorrt@X.Y "
+        "(python -m tfgraph targets lists them; default: ort)",
+    )
+    p.add_argument(
+        "--opset", type=int, help="default-domain opset (default: the target's; 20 for ort)"
     )
     p.add_argument(
         "--check-each-pass",
@@ -531,7 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="campaign seed (same seed, same cases)")
     p.add_argument(
         "--profiles",
-        default=",".join(PROFILES),
+        default="ort,onnx,tensorrt",
         help="comma-separated profiles to export each example for (default: all)",
     )
     p.add_argument(
@@ -548,6 +593,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replay", metavar="JSON", help="check one case printed by a failure")
     verbose(p)
     p.set_defaults(func=_cmd_fuzz)
+
+    p = sub.add_parser("targets", help="list the targets (backends) and what each lowers to")
+    verbose(p)
+    p.set_defaults(func=_cmd_targets)
 
     p = sub.add_parser("models", help="list the model presets")
     p.add_argument("--markdown", action="store_true", help="as a Markdown table (README)")

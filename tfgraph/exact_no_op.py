@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
-from onnxscript.rewriter.rules.common import _no_op
+
+from .onnxscript_private import NO_OP_RULES as _no_op
 
 
 class _ExactNoOp(pattern.RewriteRuleClassBase):

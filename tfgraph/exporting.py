@@ -22,11 +22,10 @@ from pathlib import Path
 
 import torch
 
+from tfgraph.contract import ENCODER_FILE
 from tfgraph.exporters import check_target, save_onnx, staged_directory, write_json
-from tfgraph.passes import PROFILE_OPSET
-from tfgraph.passes.lower_norms import PROFILES
 from tfgraph.passes.split_encoder import split_encoder
-from tfgraph.runtime.generate import ENCODER_FILE
+from tfgraph.targets import Target, get_target
 
 from .cache_parity import check_cache_parity
 from .errors import TfgraphError
@@ -60,7 +59,7 @@ def export(
     out_dir: str | Path,
     *,
     pipeline: str = "default",
-    profile: str = "ort",
+    profile: str | Target = "ort",
     opset: int | None = None,
     check_each_pass: bool = False,
     external_data: bool | None = None,
@@ -72,13 +71,14 @@ def export(
     kv_cache: bool = False,
     progress: Callable[[str], None] = _no_progress,
 ) -> ExportResult:
-    """Export ``model`` (a MODEL string as the CLI takes it, or a :class:`ModelSource`)."""
+    """Export ``model`` (a MODEL string as the CLI takes it, or a :class:`ModelSource`) for
+    target ``profile`` (a :class:`tfgraph.targets.Target` or a registered name such as
+    ``ort``, ``onnx``, ``tensorrt@10.14``)."""
     out_dir = Path(out_dir)
-    if profile not in PROFILES:
-        raise TfgraphError(f"unknown profile '{profile}': choose one of {', '.join(PROFILES)}")
+    target = get_target(profile)
     check_target(out_dir)  # before any slow work
     if opset is None:
-        opset = PROFILE_OPSET[profile]
+        opset = target.opset
     timings: dict[str, float] = {}
 
     def step(name: str, fn, *args, **kwargs):
@@ -122,22 +122,37 @@ def export(
             run_pipeline,
             graph,
             pipeline,
-            profile=profile,
+            profile=target,
             check_each_pass=check_each_pass,
             dump_after=dump_after,
             dump_dir=stage,
             kv_cache=kv_cache,
         )
-        fusions = count_fusions(graph, pipeline)
+        fusions = count_fusions(graph, pipeline, target=target)
         files = []
+        encoder = None
         if kv_cache:
             encoder = split_encoder(graph)  # encoder-decoder: the encoder runs once per prompt
             if encoder is not None:
-                check_model(encoder, "split_encoder")
-                check_model(graph, "split_encoder")
+                check_model(encoder, "split_encoder", target)
+                check_model(graph, "split_encoder", target)
                 files += save_onnx(encoder, stage, external_data=external_data, name=ENCODER_FILE)
         files = step("save", save_onnx, graph, stage, external_data=external_data) + files
         files += _copy_tokenizer(source, stage)
+        passes = [r.as_dict() for r in records]
+        manifest = build_manifest(
+            graph,
+            kv_cache=kv_cache,
+            origin=source.origin,
+            pipeline=pipeline,
+            target=target,
+            passes=passes,
+            fusions=fusions,
+            files=files,
+            max_positions=source.info.get("max_positions"),
+            encoder=encoder,
+        )
+        write_json(stage / "manifest.json", manifest)  # the runner reads it
         parity = step(
             "parity",
             check_cache_parity if kv_cache else check_parity,
@@ -146,31 +161,19 @@ def export(
             shapes=parity_shapes,
             tolerance=tolerance,
         )
-        passes = [r.as_dict() for r in records]
-        manifest = build_manifest(
-            graph,
-            kv_cache=kv_cache,
-            origin=source.origin,
-            pipeline=pipeline,
-            profile=profile,
-            passes=passes,
-            fusions=fusions,
-            files=files,
-            max_positions=source.info.get("max_positions"),
-        )
         report = {
             "model": source.origin,
             "source": source.info,
             "parity": parity,
             "fusions": fusions,
             "kv_cache": kv_cache,
-            "profile": profile,
+            "profile": target.label,
+            "target": manifest["target"],
             "opset": graph.opset_imports.get("", opset),
             "pipeline": pipeline,
             "passes": passes,
             "timings": timings,
         }
-        write_json(stage / "manifest.json", manifest)
         write_json(stage / "report.json", report)
     return ExportResult(out_dir, manifest, report)
 

@@ -1,10 +1,12 @@
 """Count fusion candidates in a graph, fused or not, per layer, with the reason for each miss.
 
 A *candidate* is a place where a fused kernel could run:
+Which ops are fused kernels is each target's fact (:attr:`tfgraph.targets.Target.fused_ops`).
+
 - ``attention``: every fused attention op, plus every ``Softmax`` left in the graph (each one is
   an unfused attention core: scores → softmax → ·V). A standard ``Attention`` that the
   recognition pass could not take over (it carries a miss reason) counts as missed, not fused:
-  it was not lowered for the profile.
+  it was not lowered for the target.
 - ``norm``: every normalization op, plus every decomposed norm left in the graph, found by its
   ``ReduceMean`` of a square (``Pow(x, 2)`` or ``Mul(x, x)``: the variance of LayerNorm, the mean
   square of RMSNorm; one per norm).
@@ -24,56 +26,10 @@ from collections import Counter
 
 import onnx_ir as ir
 
-from tfgraph.passes.rewrite_utils import EXCLUDED_KEY, FUSED_AS_KEY, MISS_REASON_KEY, scalar
-
-from .trace import module_name
-
-FUSED_OPS: dict[str, set[tuple[str, str]]] = {
-    "attention": {
-        ("tfgraph", "Attention"),
-        ("", "Attention"),
-        ("com.microsoft", "Attention"),
-        ("com.microsoft", "MultiHeadAttention"),
-        ("com.microsoft", "GroupQueryAttention"),
-    },
-    "norm": {
-        ("tfgraph", "LayerNorm"),
-        ("tfgraph", "RMSNorm"),
-        ("", "LayerNormalization"),
-        ("", "RMSNormalization"),
-        ("com.microsoft", "SimplifiedLayerNormalization"),
-        ("com.microsoft", "SkipLayerNormalization"),
-        ("com.microsoft", "SkipSimplifiedLayerNormalization"),
-        ("", "SimplifiedLayerNormalization"),
-    },
-    "gelu": {
-        ("tfgraph", "Gelu"),
-        ("", "Gelu"),
-        ("com.microsoft", "Gelu"),
-        ("com.microsoft", "FastGelu"),
-        ("com.microsoft", "BiasGelu"),
-    },
-}
-
-
-def _is_square(value: ir.Value | None) -> bool:
-    node = value.producer() if value is not None else None
-    if node is None:
-        return False
-    if node.op_type == "Mul" and len(node.inputs) == 2:
-        return node.inputs[0] is node.inputs[1]
-    if node.op_type == "Pow" and len(node.inputs) == 2:
-        return scalar(node.inputs[1]) == 2.0
-    return False
-
-
-def is_norm_candidate(node: ir.Node) -> bool:
-    """A decomposed norm: a ``ReduceMean`` of a square (variance or mean square)."""
-    return (
-        node.domain in ("", "ai.onnx")
-        and node.op_type == "ReduceMean"
-        and _is_square(node.inputs[0])
-    )
+from tfgraph.passes.fuse_norms import is_norm_candidate
+from tfgraph.passes.provenance import module_name
+from tfgraph.passes.rewrite_utils import EXCLUDED_KEY, FUSED_AS_KEY, MISS_REASON_KEY
+from tfgraph.targets import FUSION_KINDS, Target, all_fused_ops, get_target
 
 
 def _unfused_candidates(kind: str, model: ir.Model) -> set[int]:
@@ -94,10 +50,20 @@ def _unfused_candidates(kind: str, model: ir.Model) -> set[int]:
     return {id(n) for n in model.graph if is_norm_candidate(n)}
 
 
-def count_fusions(model: ir.Model, pipeline: str = "default") -> dict:
-    """``{kind: {fused, total, missed: [{module, reason}], fused_modules: [...]}}``."""
+def count_fusions(
+    model: ir.Model, pipeline: str = "default", *, target: Target | str | None = None
+) -> dict:
+    """``{kind: {fused, total, missed: [{module, reason}], fused_modules: [...]}}``.
+
+    What counts as a fused op is the target's (``Target.fused``); without a target, any
+    registered target's (a bare ``.onnx`` file of unknown origin)."""
+    fused_by_kind = (
+        {k: get_target(target).fused(k) for k in FUSION_KINDS}
+        if target is not None
+        else all_fused_ops()
+    )
     result = {}
-    for kind, fused_ops in FUSED_OPS.items():
+    for kind, fused_ops in fused_by_kind.items():
         fused, missed = [], []
         unfused = _unfused_candidates(kind, model)
         for node in model.graph:  # fused ops live in the main graph

@@ -45,7 +45,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from tfgraph.models.config import ATTN_IMPLS, FAMILIES, FFNS, NORMS, POSITIONS, ModelConfig
-from tfgraph.passes.lower_norms import PROFILES
+from tfgraph.targets import get_target
 
 from .generation_parity import compare_greedy, encoder_inputs
 from .sources import ModelSource, from_module
@@ -60,6 +60,7 @@ HEAD_DIMS = (8, 16, 4, 12, 6, 2, 10, 5)  # multiples of 8 and not, odd too
 VOCABS = (64, 128, 50, 97)
 ROPE_FRACTIONS = (1.0, 0.5, 0.25, 0.75)
 PADDINGS = ("model", "none", "left", "single")  # of an attention_mask input (see _padding)
+PROFILES = ("ort", "onnx", "tensorrt")  # the targets each example is exported for
 CACHE_PROFILES = ("onnx", "tensorrt")  # the second profile of the KV-cached export
 GELU_FFNS = ("gelu", "gelu-tanh", "geglu")
 NEAR_DUPLICATE = 3  # fields: a case this close to one already run (same family) is skipped
@@ -654,9 +655,10 @@ def run_fuzz(
 ) -> FuzzReport:
     """Check ``examples`` cases drawn with ``seed``; stops at the first failure and shrinks it
     (``keep_going``: runs them all, no shrinking). Failures are in the report, not raised."""
-    unknown = [p for p in profiles if p not in PROFILES]
-    if unknown or not profiles:
+    if not profiles:
         raise ValueError(f"profiles {list(profiles)}: choose from {', '.join(PROFILES)}")
+    for name in profiles:
+        get_target(name, error=ValueError)
     report = FuzzReport(requested=examples, seed=seed)
     reproduce = _reproduce_command(examples, seed, profiles, cache)
     recorder = _Recorder(

@@ -71,7 +71,7 @@ def eager_greedy(
 
     Returns the chosen tokens per row and each step's (batch, vocab) last-position logits.
     """
-    if decoder.token_input == "decoder_input_ids":
+    if decoder.seq2seq:
         tokens = np.zeros((len(prompts), 1), np.int64)  # decoder start token 0
     else:
         tokens, _ = left_pad(prompts, pad)

@@ -1,4 +1,6 @@
-"""``manifest.json``: what an artifact is (signature, opsets, passes, fusions, versions).
+"""``manifest.json``: what an artifact is (signature with roles, KV layout, target, opsets,
+passes, fusions, versions). The roles and the layout are :mod:`tfgraph.contract`'s; a runner or
+a server drives the artifact from ``graphs`` (one signature per ONNX file) alone.
 
 Readers check ``format`` first: an artifact written by a newer tfgraph (a higher format than
 :data:`tfgraph.ARTIFACT_FORMAT`) is refused rather than misread.
@@ -12,11 +14,13 @@ import platform
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import ARTIFACT_FORMAT, __version__
+from . import ARTIFACT_FORMAT, __version__, contract
 from .errors import TfgraphError
 
 if TYPE_CHECKING:
     import onnx_ir as ir
+
+    from .targets import Target
 
 MANIFEST_FILE = "manifest.json"
 
@@ -33,13 +37,17 @@ def versions() -> dict[str, str]:
     return found
 
 
-def describe_value(value: ir.Value) -> dict:
-    """Name, dtype and symbolic shape (named dims as strings, static ones as ints)."""
-    dtype = value.dtype.name.lower() if value.dtype is not None else None
-    shape = None
-    if value.shape is not None:
-        shape = [d if isinstance(d, int) else str(d.value) for d in value.shape]
-    return {"name": value.name, "dtype": dtype, "shape": shape}
+describe_value = contract.describe_value
+
+
+def _target_entry(target: Target) -> dict:
+    return {
+        "name": target.name,
+        "label": target.label,
+        "version": list(target.version) if target.version else None,
+        "runner": target.runner,
+        "providers": list(target.session.providers),
+    }
 
 
 def build_manifest(
@@ -47,24 +55,34 @@ def build_manifest(
     *,
     origin: str,
     pipeline: str,
-    profile: str,
+    target: Target,
     passes: list[dict],
     fusions: dict,
     files: list[str],
     kv_cache: bool = False,
     max_positions: int | None = None,
+    encoder: ir.Model | None = None,
 ) -> dict:
     """``max_positions``: the most positions (past + new) the model supports, when the source
-    says (learned position tables, a Hugging Face config's limit); ``None`` when unknown."""
+    says (learned position tables, a Hugging Face config's limit); ``None`` when unknown.
+    ``encoder``: the encoder graph of a split encoder-decoder (``encoder.onnx``)."""
+    signature = contract.signature_of(model)
+    graphs = {contract.MODEL_FILE: {**signature.as_dict(), "kv_layout": signature.kv_layout}}
+    if encoder is not None:
+        graphs[contract.ENCODER_FILE] = {**contract.signature_of(encoder).as_dict()}
+        graphs[contract.ENCODER_FILE]["kv_layout"] = None
     return {
         "format": ARTIFACT_FORMAT,
         "model": origin,
         "files": files,
-        "inputs": [describe_value(v) for v in model.graph.inputs],
+        "inputs": [describe_value(v) for v in model.graph.inputs],  # roles: see "graphs"
         "outputs": [describe_value(v) for v in model.graph.outputs],
+        "graphs": graphs,
+        "kv_layout": signature.kv_layout,
         "opsets": dict(sorted(model.opset_imports.items())),
         "pipeline": pipeline,
-        "profile": profile,
+        "profile": target.label,
+        "target": _target_entry(target),
         "passes": passes,
         "fusions": {k: {"fused": v["fused"], "total": v["total"]} for k, v in fusions.items()},
         "kv_cache": kv_cache,

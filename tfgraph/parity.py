@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tfgraph.runtime import Session
+from tfgraph.runtime import Runner, open_runner
 
 from .sources import ModelSource
 
@@ -69,8 +69,9 @@ def check_parity(
     tolerance: Tolerance = FP32,
     seed: int = 0,
 ) -> dict:
-    """Run both sides at each shape; ``outputs[]`` holds the worst case per output."""
-    session = Session(model_file)
+    """Run both sides at each shape; ``outputs[]`` holds the worst case per output; ``runner``
+    says what ran the artifact (the runner its target names)."""
+    session = open_runner(model_file)
     cases = []
     for i, (batch, seq) in enumerate(shapes):
         inputs = source.inputs(batch, seq, seed=seed + i)
@@ -104,4 +105,14 @@ def check_parity(
         "outputs": outputs,
         "cases": cases,
         "shapes": [list(s) for s in shapes],
+        "runner": runner_info(session),
     }
+
+
+def runner_info(runner: Runner) -> dict:
+    """Which runner verified an artifact, on which device (``report.json``)."""
+    info = {"runner": type(runner).__name__, "device": runner.device}
+    providers = getattr(runner, "providers", None)
+    if providers is not None:
+        info["providers"] = list(providers)
+    return info

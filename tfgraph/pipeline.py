@@ -22,10 +22,12 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common
 
-from tfgraph.passes import PIPELINES, get_pipeline
+from tfgraph import contract
+from tfgraph.passes import PIPELINES, PipelineOptions, build_pipeline, pass_names
 from tfgraph.passes.insert_kv_cache import KVCacheError
+from tfgraph.targets import Target, all_nonstandard_default_ops, get_target
 
-from .errors import TfgraphError
+from .errors import TfgraphError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -46,18 +48,13 @@ class GraphCheckError(TfgraphError):
     exit_code = 1
 
 
-# ONNX Runtime kernels registered in the default domain although ONNX has no such op; the ONNX
-# checker sees them as in a custom domain, which it does not validate.
-ORT_DEFAULT_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})
-
-
 # Checks look at types and shapes, not at weight values: larger initializers are handed to the
 # checker as graph inputs of the same type and shape, which keeps a check of GPT-2-small to a
 # fraction of a second instead of seconds.
 _WEIGHT_BYTES = 1 << 16
 
 
-def _checkable(model: ir.Model) -> onnx.ModelProto:
+def _checkable(model: ir.Model, nonstandard: frozenset) -> onnx.ModelProto:
     proto = ir.serde.serialize_model(model)
     weights = [t for t in proto.graph.initializer if len(t.raw_data) > _WEIGHT_BYTES]
     for tensor in weights:
@@ -67,7 +64,7 @@ def _checkable(model: ir.Model) -> onnx.ModelProto:
         proto.graph.initializer.remove(tensor)
     moved = False
     for node in proto.graph.node:
-        if node.domain in ("", "ai.onnx") and node.op_type in ORT_DEFAULT_DOMAIN_OPS:
+        if node.domain in ("", "ai.onnx") and node.op_type in nonstandard:
             node.domain = "com.microsoft"
             moved = True
     if moved and not any(o.domain == "com.microsoft" for o in proto.opset_import):
@@ -75,12 +72,20 @@ def _checkable(model: ir.Model) -> onnx.ModelProto:
     return proto
 
 
-def check_model(model: ir.Model, after: str) -> None:
+def check_model(model: ir.Model, after: str, target: Target | str | None = None) -> None:
     """ONNX checker and strict shape inference; raises naming the pass ``after``.
 
-    Inferred shapes are then recorded in the graph (``ShapeInferencePass``).
+    Ops that ``target`` emits in the default domain although ONNX has no such op (its
+    ``nonstandard_default_ops``; every target's when none is given) are shown to the checker
+    as a custom domain, which it does not validate. Inferred shapes are then recorded in the
+    graph (``ShapeInferencePass``).
     """
-    proto = _checkable(model)
+    nonstandard = (
+        get_target(target).nonstandard_default_ops
+        if target is not None
+        else all_nonstandard_default_ops()
+    )
+    proto = _checkable(model, nonstandard)
     for name, check in (
         ("ONNX checker", lambda: onnx.checker.check_model(proto)),
         (
@@ -103,7 +108,6 @@ CANONICAL_DOMAIN = "tfgraph"
 _PROBE_MAX_BYTES = 1 << 30  # larger models are not serialized once more per pass
 _PROBE_SIZES = {"batch": 2, "sequence": 5, "total_sequence": 5, "max_sequence": 5}
 _PROBE_OTHER_DIM = 3
-_PAST_LENGTH = "past_sequence_length"
 
 
 def _has_canonical_ops(model: ir.Model) -> bool:
@@ -119,7 +123,7 @@ def _dim_size(dim) -> int:
     if isinstance(dim, int):
         return dim
     name = str(dim.value) if dim.value is not None else ""
-    if "past" in name:
+    if name == contract.PAST_DIM:
         return 0  # an empty cache: the graph must then compute what it did without one
     return _PROBE_SIZES.get(name, _PROBE_OTHER_DIM)
 
@@ -136,14 +140,17 @@ def _index_bound(value: ir.Value) -> int:
     return bound or 2
 
 
-def _probe_feed(value: ir.Value, rng: np.random.Generator) -> np.ndarray:
+_MASKS = (contract.ATTENTION_MASK, contract.ENCODER_ATTENTION_MASK)
+
+
+def _probe_feed(value: ir.Value, role: str, rng: np.random.Generator) -> np.ndarray:
     shape = [_dim_size(d) for d in value.shape] if value.shape is not None else []
     dtype = value.dtype.numpy() if value.dtype is not None else np.float32
-    if value.name == _PAST_LENGTH:
+    if role == contract.PAST_LENGTH:
         return np.zeros(shape, dtype)
     if np.issubdtype(dtype, np.floating):
         return rng.standard_normal(shape).astype(dtype)
-    if dtype == np.bool_ or "mask" in (value.name or ""):
+    if dtype == np.bool_ or role in _MASKS:
         return np.ones(shape, dtype)
     return rng.integers(0, _index_bound(value), shape).astype(dtype)
 
@@ -211,7 +218,7 @@ class ParityProbe:
             if guessed:  # inputs new since the reference: the probe's guess may be at fault
                 logger.info("parity probe skipped after %s (new inputs): %s", pass_name, exc)
                 return
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            first = first_line(exc)
             raise GraphCheckError(
                 f"parity probe failed after {self._suspects()}: ONNX Runtime cannot run it: {first}"
             ) from exc
@@ -232,11 +239,15 @@ class ParityProbe:
                     f"parity probe failed after {self._suspects()}: output '{name}' changed "
                     f"({problem}; tolerance {PROBE_ATOL:g} + {PROBE_RTOL:g}·|before|)"
                 )
-        logger.info("parity probe after %s: %d output(s) match", pass_name, len(common))
+        # the class name first (what a reader greps for), then the pass's unique name
+        base = pass_name.split("#")[0]
+        where = f" ({pass_name})" if base != pass_name else ""
+        logger.info("parity probe after %s: %d output(s) match%s", base, len(common), where)
 
     def _feed(self, model: ir.Model) -> bool:
         """Inputs for the graph's inputs, reusing the reference's; True when some are new."""
         guessed = False
+        roles = {p.name: p.role for p in contract.signature_of(model).inputs}
         for value in model.graph.inputs:
             key = _input_key(value)
             if self.keys.get(value.name) == key:
@@ -244,7 +255,7 @@ class ParityProbe:
             if value.name in self.reference_inputs:  # the reference ran on another input
                 logger.info("parity probe off: input %s changed to %s", value.name, key)
                 self.reference = {}
-            self.feeds[value.name] = _probe_feed(value, self.rng)
+            self.feeds[value.name] = _probe_feed(value, roles[value.name], self.rng)
             self.keys[value.name] = key
             guessed = True
         return guessed
@@ -259,41 +270,51 @@ def run_pipeline(
     model: ir.Model,
     name: str,
     *,
-    profile: str = "ort",
+    profile: Target | str = "ort",
     check_each_pass: bool = False,
     dump_after: str | None = None,
     dump_dir: Path | None = None,
     kv_cache: bool = False,
 ) -> list[PassRecord]:
-    """Apply pipeline ``name`` in place and return one record per pass."""
+    """Apply pipeline ``name`` for target ``profile`` in place; one record per pass, named
+    uniquely (:func:`tfgraph.passes.pass_names`). ``dump_after`` names one of those."""
     if name not in PIPELINES:
         raise TfgraphError(f"unknown pipeline '{name}': choose one of {', '.join(PIPELINES)}")
+    target = get_target(profile)
     try:
-        passes = get_pipeline(name, profile, kv_cache=kv_cache)
+        passes = build_pipeline(target, PipelineOptions(kv_cache=kv_cache), name=name)
     except ValueError as exc:
         raise TfgraphError(f"{exc}: use --pipeline default with --kv-cache") from exc
+    names = pass_names(passes)
+    if dump_after is not None and dump_after not in names:
+        raise TfgraphError(
+            f"--dump-after {dump_after}: pipeline '{name}' has no such pass; choose one of "
+            f"{', '.join(names)}"
+        )
     check_each_pass = check_each_pass or os.environ.get(CHECK_EACH_PASS_ENV) == "1"
     probe = ParityProbe()
     if check_each_pass:
         probe.start(model)
     records = []
-    for p in passes:
-        pass_name = type(p).__name__
+    for p, pass_name in zip(passes, names, strict=True):
         logger.debug("running pass %s", pass_name)
         start = time.perf_counter()
         try:
             result = p(model)
         except KVCacheError as exc:
             raise TfgraphError(f"cannot insert a KV cache: {exc}") from exc
+        except ir.passes.PreconditionError as exc:
+            cause = f": {exc.__cause__}" if exc.__cause__ else ""
+            raise TfgraphError(f"{pass_name} cannot run here: {exc}{cause}") from exc
         seconds = time.perf_counter() - start
         records.append(PassRecord(pass_name, seconds, bool(result.modified)))
         logger.info("pass %s: %.3f s, modified=%s", pass_name, seconds, result.modified)
         if check_each_pass:
-            check_model(model, pass_name)
+            check_model(model, pass_name, target)
             if result.modified:
                 probe.after(model, pass_name)
         if dump_after == pass_name and dump_dir is not None:
             dump_dir.mkdir(parents=True, exist_ok=True)
             ir.save(model, dump_dir / f"after_{pass_name}.onnx")
-    check_model(model, f"pipeline '{name}'")
+    check_model(model, f"pipeline '{name}'", target)
     return records

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree
 
-from .errors import TfgraphError
+from . import contract
+from .errors import TfgraphError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,18 @@ class ModelSource:
     def inputs(self, batch: int, seq: int, seed: int = 0) -> dict[str, torch.Tensor]:
         generator = torch.Generator().manual_seed(seed)
         return self.make_inputs(batch, seq, generator)
+
+    def roles(self) -> dict[str, tuple[str, None]]:
+        """The role of each input and output (:mod:`tfgraph.contract`): as the module states
+        them (``input_roles`` / ``output_roles`` dicts of name → role), else inferred."""
+        stated_in = getattr(self.module, "input_roles", None) or {}
+        stated_out = getattr(self.module, "output_roles", None) or {}
+        probe = self.inputs(1, 2)
+        dtypes = {n: str(probe[n].dtype) for n in self.input_names if n in probe}
+        roles = contract.infer_input_roles(self.input_names, dtypes)
+        roles.update(contract.infer_output_roles(self.output_names))
+        roles.update({n: (r, None) for n, r in {**stated_in, **stated_out}.items()})
+        return roles
 
     def eager(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run the eager module; outputs flattened and named like the graph outputs."""
@@ -211,13 +224,14 @@ def _infer_inputs(module: nn.Module, example, origin: str):
             _run(module, names, make)
         except Exception as again:
             raise TfgraphError(
-                f"{origin} fails on inputs shaped like its examples ({_first_line(again)}); "
-                "check the example inputs, or give the module the tfgraph input protocol"
+                f"{origin} fails on inputs shaped like its examples "
+                f"({first_line(again, named=True)}); check the example inputs, or give the "
+                "module the tfgraph input protocol"
             ) from again
         logger.warning(
             "%s does not run with another size of dim 1 (%s): only the batch dim stays dynamic",
             origin,
-            _first_line(exc),
+            first_line(exc, named=True),
         )
     return names, make, axes
 
@@ -328,7 +342,9 @@ def _from_hf_dir(
             path, local_files_only=True, trust_remote_code=trust_remote_code
         )
     except Exception as exc:  # a config transformers cannot read is the user's input
-        raise TfgraphError(f"cannot read '{path / 'config.json'}': {_first_line(exc)}") from exc
+        raise TfgraphError(
+            f"cannot read '{path / 'config.json'}': {first_line(exc, named=True)}"
+        ) from exc
     arch = (config.architectures or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
     if cls is None:
@@ -411,14 +427,7 @@ def _load_hf_weights(cls, path: Path, trust_remote_code: bool, attn_implementati
         )
     except Exception as exc:  # unreadable or unsafe weights are the user's input
         raise TfgraphError(
-            f"cannot load the model in '{path}': {_first_line(exc)}; it must be "
+            f"cannot load the model in '{path}': {first_line(exc, named=True)}; it must be "
             "save_pretrained() output (safetensors, or a plain-tensor pytorch_model.bin)"
         ) from exc
     return model.eval()
-
-
-def _first_line(exc: BaseException) -> str:
-    for line in str(exc).strip().splitlines():
-        if line.strip():
-            return f"{type(exc).__name__}: {line.strip()}"
-    return type(exc).__name__

@@ -7,7 +7,6 @@ node) is kept, so reports can map graph nodes back to modules (:func:`module_nam
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import io
 import logging
@@ -17,9 +16,12 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 import torch
 from onnxscript import rewriter
-from onnxscript.optimizer import _constant_folding as folding
 
-from .errors import TfgraphError
+from tfgraph.passes.provenance import module_name  # noqa: F401  (re-exported)
+
+from . import contract
+from . import onnxscript_private as private
+from .errors import TfgraphError, first_line
 from .exact_no_op import exact
 from .sources import ModelSource
 
@@ -52,7 +54,9 @@ def trace(source: ModelSource, *, opset: int = DEFAULT_OPSET) -> ir.Model:
                 report=False,
             )
     except Exception as exc:
-        raise TfgraphError(f"tracing {source.origin} failed: {_first_line(exc)}") from exc
+        raise TfgraphError(
+            f"tracing {source.origin} failed: {first_line(exc, named=True, root=True)}"
+        ) from exc
     model = program.model
     # The exporter's own optimize() is onnxscript's optimizer (constant folding, CSE, dead
     # code) plus, at opset 23, onnxscript's ONNX fusions (RMSNormalization, RotaryEmbedding,
@@ -60,6 +64,7 @@ def trace(source: ModelSource, *, opset: int = DEFAULT_OPSET) -> ir.Model:
     # per layer, and the fused RotaryEmbedding it makes does not run in ONNX Runtime 1.32.
     _optimize(model)
     model.producer_name = "tfgraph"
+    contract.write_roles(model, source.roles())  # what each input and output is, from here on
     return model
 
 
@@ -68,7 +73,7 @@ def trace(source: ModelSource, *, opset: int = DEFAULT_OPSET) -> ir.Model:
 # (measured, 48-layer gpt-tiny: 45 of the optimizer's 48 s were that matcher; optimize_ir took
 # 1.8 / 5.2 / 18.8 s at 16 / 32 / 64 layers). Two Slices stay two Slices (RoPE's rotate_half).
 # onnxscript's no-op rules are tolerant (x + 1e-12 → x): swapped for exact ones.
-_REWRITE_RULES = exact([r for r in rewriter._DEFAULT_REWRITE_RULES if r.name != "SlicesSplit"])
+_REWRITE_RULES = exact([r for r in private.DEFAULT_REWRITE_RULES if r.name != "SlicesSplit"])
 
 
 def _optimize(model: ir.Model) -> None:
@@ -78,10 +83,10 @@ def _optimize(model: ir.Model) -> None:
         common.InlinePass(),
         ir.passes.PassManager(
             [
-                folding.FoldConstantsPass(
+                private.FoldConstantsPass(
                     shape_inference=True,
-                    input_size_limit=folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
-                    output_size_limit=folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
+                    input_size_limit=private.FOLD_INPUT_SIZE_LIMIT,
+                    output_size_limit=private.FOLD_OUTPUT_SIZE_LIMIT,
                 ),
                 rewriter.RewritePass(_REWRITE_RULES),
                 common.RemoveUnusedNodesPass(),
@@ -100,42 +105,3 @@ def _optimize(model: ir.Model) -> None:
         common.NameFixPass(),
     )
     passes(model)
-
-
-def _first_line(exc: BaseException) -> str:
-    while exc.__cause__ is not None:  # the exporter wraps the real error; name that one
-        exc = exc.__cause__
-    text = str(exc).strip()
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith(("Traceback", "File ", "For more information")):
-            return f"{type(exc).__name__}: {line}"
-    return type(exc).__name__
-
-
-# Leaf modules that only hold an op (nn.Softmax, nn.Dropout, ...): a report names their owner.
-_OP_MODULES = ("torch.nn.modules.activation.", "torch.nn.modules.dropout.")
-
-
-def _literal_list(node: ir.Node, key: str) -> list[str]:
-    text = node.metadata_props.get(key)
-    if not text:
-        return []
-    try:
-        return list(ast.literal_eval(text))
-    except (ValueError, SyntaxError):
-        return []
-
-
-def module_name(node: ir.Node) -> str:
-    """The PyTorch module path a node was traced from (``blocks.0.attn``), or ``""``.
-
-    Each name scope is already a full module path and the last one is the op itself; an
-    op-holding leaf such as ``nn.Softmax`` is skipped in favour of the module that owns it.
-    """
-    scopes = _literal_list(node, "pkg.torch.onnx.name_scopes")[:-1]
-    classes = _literal_list(node, "pkg.torch.onnx.class_hierarchy")[:-1]
-    if len(classes) == len(scopes):
-        while len(scopes) > 1 and classes[-1].startswith(_OP_MODULES):
-            scopes, classes = scopes[:-1], classes[:-1]
-    return scopes[-1] if scopes else ""

@@ -1,0 +1,144 @@
+"""The canonical ops of the ``tfgraph`` domain, one dataclass each, with ``make``/``read``.
+
+Recognition rules emit them (``spec.make(op, *inputs)`` inside an onnxscript rewrite), the
+analysis passes refine them (``spec.replace(...).write(node)``) and every target's lowering
+reads them (``AttentionOp.read(node)``). Nothing else spells their attributes.
+
+- ``tfgraph.Attention(Q, K, V[, bias])``: Q (B, Hq, T, d); K, V (B, Hkv, S, d), not expanded
+  for GQA/MQA; ``Y = softmax(scale·Q·Kᵀ + causal/window mask + bias) · repeat_interleave(V)``.
+  ``causal_alignment``: ``bottom_right`` (key j visible from query i iff j ≤ i + S − T) or
+  ``top_left`` (iff j ≤ i); ``window`` (0: none; else key j also masked when
+  (i + S − T) − j ≥ window); ``bias_kind``: ``none``, ``additive``, ``alibi``, ``relative``,
+  ``padding``; ``cached``: K and V are ``Concat(past, new, axis=2)`` made by the KV-cache pass
+  (a target with an appending kernel takes past and new apart).
+- ``tfgraph.LayerNorm(x[, γ[, β]])`` and ``tfgraph.RMSNorm(x[, γ])`` over the last axis, with
+  ``epsilon``.
+- ``tfgraph.Gelu(x)`` with ``approximate`` ``none`` (erf) or ``tanh``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import onnx_ir as ir
+
+DOMAIN = "tfgraph"
+
+
+def is_canonical(node: ir.Node, op_type: str | None = None) -> bool:
+    return node.domain == DOMAIN and (op_type is None or node.op_type == op_type)
+
+
+class _Canonical:
+    OP: ClassVar[str]
+
+    def attributes(self) -> dict:
+        return {f.name: _attr_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def make(self, op, *inputs, **kwargs):
+        """Emit the op inside an onnxscript rewrite (``op`` is the rewriter's builder)."""
+        return getattr(op, self.OP)(*inputs, _domain=DOMAIN, **self.attributes(), **kwargs)
+
+    def write(self, node: ir.Node) -> None:
+        """Set these attributes on an existing canonical node."""
+        for name, value in self.attributes().items():
+            node.attributes[name] = ir.convenience.convert_attribute(name, value)
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+    def matches(self, node: ir.Node) -> bool:
+        return is_canonical(node, self.OP)
+
+
+def _attr_value(value):
+    return int(value) if isinstance(value, bool) else value
+
+
+@dataclass(frozen=True)
+class AttentionOp(_Canonical):
+    OP: ClassVar[str] = "Attention"
+    BIAS: ClassVar[int] = 3  # input slot of the bias
+
+    num_heads: int
+    kv_num_heads: int
+    scale: float
+    causal: bool = False
+    causal_alignment: str = "bottom_right"
+    window: int = 0
+    bias_kind: str = "none"
+    cached: bool = False
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.kv_num_heads
+
+    @property
+    def bottom_right(self) -> bool:
+        return self.causal_alignment == "bottom_right"
+
+    @classmethod
+    def read(cls, node: ir.Node, head_size: int | None = None) -> AttentionOp:
+        """The node's attributes; ``head_size`` gives the default scale if none is stated."""
+        attrs = node.attributes
+        num_heads = attrs.get_int("num_heads")
+        kv_num_heads = attrs.get_int("kv_num_heads", num_heads)
+        if num_heads is None or kv_num_heads is None or num_heads % kv_num_heads:
+            raise ValueError(f"{node.name}: num_heads {num_heads} and kv_num_heads {kv_num_heads}")
+        scale = attrs.get_float("scale")
+        if scale is None:  # the canonical op states it; the kernels' default, if ever absent
+            if not isinstance(head_size, int):
+                raise ValueError(f"{node.name}: no scale and no static head size")
+            scale = head_size**-0.5
+        return cls(
+            num_heads=num_heads,
+            kv_num_heads=kv_num_heads,
+            scale=scale,
+            causal=bool(attrs.get_int("causal", 0)),
+            causal_alignment=attrs.get_string("causal_alignment", "bottom_right"),
+            window=attrs.get_int("window", 0),
+            bias_kind=attrs.get_string("bias_kind", "none"),
+            cached=bool(attrs.get_int("cached", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class LayerNormOp(_Canonical):
+    OP: ClassVar[str] = "LayerNorm"
+    epsilon: float
+
+    @classmethod
+    def read(cls, node: ir.Node) -> LayerNormOp:
+        return cls(epsilon=node.attributes["epsilon"].value)
+
+
+@dataclass(frozen=True)
+class RMSNormOp(_Canonical):
+    OP: ClassVar[str] = "RMSNorm"
+    epsilon: float
+
+    @classmethod
+    def read(cls, node: ir.Node) -> RMSNormOp:
+        return cls(epsilon=node.attributes["epsilon"].value)
+
+
+NORM_OPS: dict[str, type] = {"LayerNorm": LayerNormOp, "RMSNorm": RMSNormOp}
+
+
+def norm_op(op_type: str, epsilon: float) -> LayerNormOp | RMSNormOp:
+    return NORM_OPS[op_type](epsilon=epsilon)
+
+
+@dataclass(frozen=True)
+class GeluOp(_Canonical):
+    OP: ClassVar[str] = "Gelu"
+    approximate: str = "none"
+
+    @classmethod
+    def read(cls, node: ir.Node) -> GeluOp:
+        return cls(approximate=node.attributes.get_string("approximate", "none"))
+
+
+CANONICAL_OPS = {c.OP: c for c in (AttentionOp, LayerNormOp, RMSNormOp, GeluOp)}

@@ -1,0 +1,332 @@
+"""The artifact contract: the role of every graph input and output, their names, the KV layout.
+
+This module is the one place that spells the names the exporter gives to the tensors it adds
+(``past_key_values.{i}.key``, ``past_sequence_length``, ``cross_key_values.{i}.key`` …) and the
+one place that says what each input and output *is*. Everything else asks by role:
+
+=========================== ====== ===================================================
+role                        layer  meaning
+=========================== ====== ===================================================
+``token_ids``                      the tokens the model reads (decoder side of a seq2seq)
+``attention_mask``                 padding mask over the token positions (past + new)
+``position_ids``                   explicit positions of the tokens
+``encoder_token_ids``              token ids of a seq2seq encoder
+``encoder_attention_mask``         padding mask over the encoder positions
+``input``                          any other data input the user feeds
+``past_key`` / ``past_value``  i   the cache of self-attention layer i
+``past_length``                    positions already in a shared cache buffer
+``cross_key`` / ``cross_value`` i  the encoder's keys/values for decoder layer i
+``logits``                         next-token scores
+``hidden_states``                  the last hidden state (encoders)
+``present_key`` / ``present_value`` i  layer i's cache after this step
+``output``                         any other output
+=========================== ====== ===================================================
+
+Roles travel in the model itself (metadata ``tfgraph.roles``, JSON ``{name: [role, layer]}``)
+from the trace on: each step that adds an input or output states its role there, and
+``manifest.json`` lists them (:func:`signature_of`). A runner, a server or a user drives an
+artifact from its :class:`Signature` alone.
+
+The KV layout (``manifest.json`` ``kv_layout``): ``concat`` (each present output is the past
+followed by the new positions: a fresh tensor per step) or ``shared`` (each past input is a
+preallocated buffer of ``capacity_dim`` positions; the present output aliases it, written in
+place; ``past_length`` says how many positions are filled).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
+
+ROLES_KEY = "tfgraph.roles"  # model metadata: {name: [role, layer or null]}
+KV_LAYOUT_KEY = "tfgraph.kv_buffer"  # model metadata: "shared" for a preallocated buffer
+
+TOKEN_IDS = "token_ids"
+ATTENTION_MASK = "attention_mask"
+POSITION_IDS = "position_ids"
+ENCODER_TOKEN_IDS = "encoder_token_ids"
+ENCODER_ATTENTION_MASK = "encoder_attention_mask"
+INPUT = "input"
+PAST_KEY, PAST_VALUE = "past_key", "past_value"
+PAST_LENGTH = "past_length"
+CROSS_KEY, CROSS_VALUE = "cross_key", "cross_value"
+LOGITS = "logits"
+HIDDEN_STATES = "hidden_states"
+PRESENT_KEY, PRESENT_VALUE = "present_key", "present_value"
+OUTPUT = "output"
+
+INPUT_ROLES = (
+    TOKEN_IDS,
+    ATTENTION_MASK,
+    POSITION_IDS,
+    ENCODER_TOKEN_IDS,
+    ENCODER_ATTENTION_MASK,
+    INPUT,
+    PAST_KEY,
+    PAST_VALUE,
+    PAST_LENGTH,
+    CROSS_KEY,
+    CROSS_VALUE,
+)
+OUTPUT_ROLES = (LOGITS, HIDDEN_STATES, PRESENT_KEY, PRESENT_VALUE, CROSS_KEY, CROSS_VALUE, OUTPUT)
+GENERIC_ROLES = frozenset({INPUT, OUTPUT})
+LAYER_ROLES = frozenset({PAST_KEY, PAST_VALUE, PRESENT_KEY, PRESENT_VALUE, CROSS_KEY, CROSS_VALUE})
+PRESENT_OF = {PAST_KEY: PRESENT_KEY, PAST_VALUE: PRESENT_VALUE}
+
+# Names the exporter gives to the tensors it adds (the roles above say what they are).
+_NAMES = {
+    PAST_KEY: "past_key_values.{}.key",
+    PAST_VALUE: "past_key_values.{}.value",
+    PRESENT_KEY: "present.{}.key",
+    PRESENT_VALUE: "present.{}.value",
+    CROSS_KEY: "cross_key_values.{}.key",
+    CROSS_VALUE: "cross_key_values.{}.value",
+}
+PAST_LENGTH_NAME = "past_sequence_length"
+
+# Symbolic dims of the cache tensors.
+PAST_DIM, TOTAL_DIM, BUFFER_DIM = "past_sequence", "total_sequence", "max_sequence"
+# Named dims that count token positions (checked against ``max_positions``).
+SEQUENCE_DIMS = frozenset({"sequence", "decoder_sequence", TOTAL_DIM})
+
+ENCODER_FILE = "encoder.onnx"  # encoder-decoder artifacts: cross-attention K/V, run once
+MODEL_FILE = "model.onnx"
+
+
+def tensor_name(role: str, layer: int) -> str:
+    """The name the exporter gives the tensor of ``role`` for ``layer``."""
+    return _NAMES[role].format(layer)
+
+
+@dataclass(frozen=True)
+class Port:
+    """One input or output: its role (and layer) and the graph's name for it."""
+
+    name: str
+    role: str
+    layer: int | None = None
+    dtype: str | None = None
+    shape: list | None = None
+
+    @property
+    def key(self) -> tuple[str, int | str | None]:
+        """``(role, layer)``; ports of the generic roles (``input``, ``output``) are told
+        apart by name: ``(role, name)``."""
+        if self.role in GENERIC_ROLES:
+            return (self.role, self.name)
+        return (self.role, self.layer)
+
+    def as_dict(self) -> dict:
+        out = {"name": self.name, "dtype": self.dtype, "shape": self.shape, "role": self.role}
+        if self.layer is not None:
+            out["layer"] = self.layer
+        return out
+
+    @classmethod
+    def from_dict(cls, entry: Mapping) -> Port:
+        return cls(
+            entry["name"],
+            entry.get("role", INPUT),
+            entry.get("layer"),
+            entry.get("dtype"),
+            entry.get("shape"),
+        )
+
+
+@dataclass(frozen=True)
+class Signature:
+    """The inputs and outputs of one graph, by role; ``kv_layout`` as in the module docstring
+    (``None`` without a cache)."""
+
+    inputs: tuple[Port, ...]
+    outputs: tuple[Port, ...]
+    kv_layout: dict | None = None
+    _index: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for side, ports in (("in", self.inputs), ("out", self.outputs)):
+            for port in ports:
+                self._index.setdefault((side, port.key), port)
+
+    def input(self, role: str, layer: int | None = None) -> Port | None:
+        return self._index.get(("in", (role, layer)))
+
+    def output(self, role: str, layer: int | None = None) -> Port | None:
+        return self._index.get(("out", (role, layer)))
+
+    def inputs_with(self, *roles: str) -> list[Port]:
+        return [p for p in self.inputs if p.role in roles]
+
+    def outputs_with(self, *roles: str) -> list[Port]:
+        return [p for p in self.outputs if p.role in roles]
+
+    @property
+    def cache_layers(self) -> list[int]:
+        return sorted({p.layer for p in self.inputs if p.role in (PAST_KEY, PAST_VALUE)})
+
+    @property
+    def shared_buffer(self) -> bool:
+        return bool(self.kv_layout) and self.kv_layout.get("kind") == "shared"
+
+    def as_dict(self) -> dict:
+        return {
+            "inputs": [p.as_dict() for p in self.inputs],
+            "outputs": [p.as_dict() for p in self.outputs],
+        }
+
+    @classmethod
+    def from_dict(cls, entry: Mapping, kv_layout: dict | None = None) -> Signature:
+        return cls(
+            tuple(Port.from_dict(p) for p in entry["inputs"]),
+            tuple(Port.from_dict(p) for p in entry["outputs"]),
+            kv_layout,
+        )
+
+
+# --- roles in the model's metadata ------------------------------------------------------------
+
+
+def read_roles(metadata: Mapping[str, str]) -> dict[str, tuple[str, int | None]]:
+    """``{name: (role, layer)}`` from a model's metadata (``{}`` when it states none)."""
+    raw = metadata.get(ROLES_KEY)
+    if not raw:
+        return {}
+    return {name: (entry[0], entry[1]) for name, entry in json.loads(raw).items()}
+
+
+def write_roles(model: ir.Model, roles: Mapping[str, tuple[str, int | None]]) -> None:
+    model.metadata_props[ROLES_KEY] = json.dumps(
+        {name: [role, layer] for name, (role, layer) in roles.items()}, sort_keys=True
+    )
+
+
+def set_role(model: ir.Model, name: str, role: str, layer: int | None = None) -> None:
+    """State the role of graph input or output ``name``."""
+    roles = read_roles(model.metadata_props)
+    roles[name] = (role, layer)
+    write_roles(model, roles)
+
+
+def drop_roles(model: ir.Model, names: Iterable[str]) -> None:
+    roles = read_roles(model.metadata_props)
+    for name in names:
+        roles.pop(name, None)
+    write_roles(model, roles)
+
+
+def role_of(model: ir.Model, name: str) -> tuple[str, int | None] | None:
+    return read_roles(model.metadata_props).get(name)
+
+
+def names_with_role(model: ir.Model, *roles: str) -> list[str]:
+    """Graph inputs and outputs of ``model`` that have one of ``roles``, in graph order (roles
+    inferred for a graph that states none)."""
+    signature = signature_of(model)
+    return [p.name for p in (*signature.inputs, *signature.outputs) if p.role in roles]
+
+
+def infer_input_roles(names: Iterable[str], dtypes: Mapping[str, str] | None = None) -> dict:
+    """Roles for a source's inputs when the model does not state them (``input_roles``): the
+    Hugging Face names, then the first integer input as the tokens. The one place that reads
+    meaning into an input's name; every later step reads the roles it wrote."""
+    names = list(names)
+    dtypes = dtypes or {}
+    seq2seq = "decoder_input_ids" in names
+    known = {
+        "input_ids": ENCODER_TOKEN_IDS if seq2seq else TOKEN_IDS,
+        "decoder_input_ids": TOKEN_IDS,
+        "attention_mask": ENCODER_ATTENTION_MASK if seq2seq else ATTENTION_MASK,
+        "decoder_attention_mask": ATTENTION_MASK,
+        "position_ids": POSITION_IDS,
+        "decoder_position_ids": POSITION_IDS,
+    }
+    roles: dict[str, tuple[str, None]] = {}
+    for name in names:
+        role = known.get(name)
+        if role is None and "mask" in name.lower():
+            role = ENCODER_ATTENTION_MASK if seq2seq else ATTENTION_MASK
+        roles[name] = (role or INPUT, None)
+    if not any(r == TOKEN_IDS for r, _ in roles.values()):
+        ints = [n for n in names if roles[n][0] == INPUT and "int" in dtypes.get(n, "int")]
+        if ints:
+            roles[ints[0]] = (TOKEN_IDS, None)
+    return roles
+
+
+def infer_output_roles(names: Iterable[str]) -> dict:
+    known = {"logits": LOGITS, "last_hidden_state": HIDDEN_STATES}
+    return {name: (known.get(name, OUTPUT), None) for name in names}
+
+
+# --- signatures -----------------------------------------------------------------------------
+
+
+def describe_value(value: ir.Value) -> dict:
+    """Name, dtype and symbolic shape (named dims as strings, static ones as ints)."""
+    dtype = value.dtype.name.lower() if value.dtype is not None else None
+    shape = None
+    if value.shape is not None:
+        shape = [d if isinstance(d, int) else str(d.value) for d in value.shape]
+    return {"name": value.name, "dtype": dtype, "shape": shape}
+
+
+def kv_layout_of(model: ir.Model) -> dict | None:
+    """The KV layout of a graph with past inputs (``None`` without a cache)."""
+    roles = read_roles(model.metadata_props)
+    pasts = [n for n, (r, _) in roles.items() if r in PRESENT_OF]
+    present = {(r, layer): n for n, (r, layer) in roles.items() if r in PRESENT_OF.values()}
+    graph_inputs = {v.name for v in model.graph.inputs}
+    pasts = [n for n in pasts if n in graph_inputs]
+    if not pasts:
+        return None
+    shared = model.metadata_props.get(KV_LAYOUT_KEY) == "shared"
+    aliases = {}
+    for name in pasts:
+        role, layer = roles[name]
+        out = present.get((PRESENT_OF[role], layer))
+        if out is not None:
+            aliases[out] = name
+    return {
+        "kind": "shared" if shared else "concat",
+        "capacity_dim": BUFFER_DIM if shared else None,
+        "layers": len({roles[n][1] for n in pasts}),
+        "present_aliases_past": aliases if shared else {},
+        "present_extends_past": {} if shared else aliases,
+    }
+
+
+def signature_of(model: ir.Model) -> Signature:
+    """The graph's inputs and outputs with the roles its metadata states; a graph without
+    stated roles (not written by tfgraph) gets the inferred ones."""
+    stated = read_roles(model.metadata_props)
+    if not stated:
+        dtypes = {v.name: str(v.dtype).lower() for v in model.graph.inputs}
+        stated = {
+            **infer_input_roles([v.name for v in model.graph.inputs], dtypes),
+            **infer_output_roles([v.name for v in model.graph.outputs]),
+        }
+
+    def port(value, default: str) -> Port:
+        role, layer = stated.get(value.name, (default, None))
+        d = describe_value(value)
+        return Port(value.name, role, layer, d["dtype"], d["shape"])
+
+    return Signature(
+        tuple(port(v, INPUT) for v in model.graph.inputs),
+        tuple(port(v, OUTPUT) for v in model.graph.outputs),
+        kv_layout_of(model),
+    )
+
+
+def signature_from_manifest(manifest: Mapping, file: str = MODEL_FILE) -> Signature | None:
+    """The signature ``manifest.json`` states for ``file`` (``None`` if it states none)."""
+    graphs = manifest.get("graphs") or {}
+    entry = graphs.get(file)
+    if entry is None:
+        return None
+    return Signature.from_dict(entry, entry.get("kv_layout"))

@@ -1,0 +1,89 @@
+"""What a target is: one object that says how the canonical graph becomes its graph, and how
+that graph runs. Callers never branch on a target's name; they read these fields."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
+
+    from tfgraph.passes.lower_attention import AttentionCase, Lowered
+    from tfgraph.passes.lower_norms import NormCase
+    from tfgraph.passes.pipelines import PipelineOptions
+
+# The canonical ops count as fused in every target's report (a graph not lowered yet).
+CANONICAL_FUSED = {
+    "attention": frozenset({("tfgraph", "Attention")}),
+    "norm": frozenset({("tfgraph", "LayerNorm"), ("tfgraph", "RMSNorm")}),
+    "gelu": frozenset({("tfgraph", "Gelu")}),
+}
+FUSION_KINDS = tuple(CANONICAL_FUSED)
+STANDARD_FUSED = {  # standard ONNX ops that are fused kernels wherever they run
+    "attention": frozenset({("", "Attention")}),
+    "norm": frozenset({("", "LayerNormalization"), ("", "RMSNormalization")}),
+    "gelu": frozenset({("", "Gelu")}),
+}
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    """How the target's runner opens a graph: execution providers in order of preference and
+    ONNX Runtime graph transformers to switch off."""
+
+    providers: tuple[str, ...] = ("cpu",)
+    disabled_optimizers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Target:
+    """A backend: see docs/architecture.md ("Adding a target").
+
+    - ``opset``: the default-domain opset the graph is traced and exported at.
+    - ``lower_attention(case) -> Lowered``, ``lower_norm(case) -> Lowered``,
+      ``lower_gelu(op, x, spec, opset) -> value``: how each canonical op lowers, built with
+      the builders of :mod:`tfgraph.passes.lower_attention`, :mod:`~tfgraph.passes.lower_norms`
+      and :mod:`~tfgraph.passes.lower_gelu`.
+    - ``extra_passes(options)``: passes that run after lowering (workarounds, the shared KV
+      buffer), with the pipeline's options.
+    - ``fused_ops``: per fusion kind (``attention``, ``norm``, ``gelu``), the ``(domain, op)``
+      pairs its report counts as fused kernels.
+    - ``nonstandard_default_ops``: ops it emits in the default domain that ONNX does not define
+      (the checker is shown them as a custom domain).
+    - ``session``, ``runner``: how its graphs run (:mod:`tfgraph.runtime` picks the runner).
+    - ``precisions``: the ``--precision`` values it accepts.
+    - ``facts``: what the target's choices rest on, for ``python -m tfgraph targets``.
+    """
+
+    name: str
+    description: str
+    opset: int
+    lower_attention: Callable[[AttentionCase], Lowered]
+    lower_norm: Callable[[NormCase], Lowered]
+    lower_gelu: Callable[..., ir.Value]
+    fused_ops: Mapping[str, frozenset] = field(default_factory=dict)
+    extra_passes: Callable[[PipelineOptions], list] = lambda options: []
+    nonstandard_default_ops: frozenset = frozenset()
+    session: SessionSettings = SessionSettings()
+    runner: str = "onnxruntime"
+    precisions: tuple[str, ...] = ("fp32",)
+    version: tuple[int, ...] | None = None
+    facts: tuple[str, ...] = ()
+
+    def fused(self, kind: str) -> frozenset:
+        """Every ``(domain, op)`` counted as a fused ``kind`` in this target's graphs."""
+        return CANONICAL_FUSED[kind] | self.fused_ops.get(kind, frozenset())
+
+    @property
+    def label(self) -> str:
+        if self.version is None:
+            return self.name
+        return f"{self.name}@{'.'.join(map(str, self.version))}"
+
+
+def fused_ops(ms: Mapping[str, set] | None = None) -> dict[str, frozenset]:
+    """The standard fused ops plus a target's own (``{kind: {(domain, op)}}``)."""
+    ms = ms or {}
+    return {k: STANDARD_FUSED[k] | frozenset(ms.get(k, ())) for k in FUSION_KINDS}

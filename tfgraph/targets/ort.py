@@ -1,0 +1,122 @@
+"""``ort``: ONNX Runtime on the CPU, with its contrib kernels (``com.microsoft``).
+
+Choices measured on ONNX Runtime 1.32's CPU provider (docs/attention-lowering.md,
+KERNELS.md). "Self" means S == T is proved by the shapes; then both causal alignments coincide.
+
+Attention:
+
+1. cached layer (the KV-cache pass's past + new), causal, bottom-right, head size a multiple
+   of 8: ``GroupQueryAttention`` with ``past_key``/``past_value`` (it appends the new keys and
+   values itself; with the shared buffer, in place).
+2. self, causal: ``GroupQueryAttention`` (``causal=1``; KV heads native;
+   ``local_window_size = window``; the bias, if any, as ``attention_bias`` with its query axis
+   expanded to T). It takes its flash path only with ``present_*`` declared (done).
+3. self, not causal, with a bias or a window: ``GroupQueryAttention`` with ``causal=0``, the
+   window folded into ``attention_bias``.
+4. not causal, no bias, no window (self or cross): ``MultiHeadAttention`` (its flash path on the
+   CPU), K/V heads expanded by repeat-interleave when Hkv < Hq.
+5. S ≠ T (or not provable) with causal, window or bias, or a head size GQA's CPU kernel refuses
+   (not a multiple of 8): ``MultiHeadAttention`` with the masks folded into
+   ``attention_bias`` (GQA rejects S ≠ T without a past; ``MultiHeadAttention(unidirectional=1)``
+   is wrong for 1 < T < S; ``Attention``-23 with a mask measured no better).
+
+Norms: ``LayerNormalization``; RMSNorm as ``SimplifiedLayerNormalization``. No skip kernels:
+on the CPU (ORT 1.32, 2 threads, (1, 512, 768)) ``SkipLayerNormalization`` took 1.14 ms where
+``Add`` + ``LayerNormalization`` took 0.20 ms (``ort-cuda`` uses them). ONNX Runtime's own
+``SkipLayerNormFusion`` would make one from a residual ``Add`` feeding only the norm, in any
+session opened with default options; the norm reads such an ``Add`` through a no-op
+``Reshape`` the fusion does not match (``NormCase.layer_normalization``), so a plain
+``onnxruntime.InferenceSession`` runs the fast kernels without any option.
+GELU: ``com.microsoft`` ``Gelu`` / ``FastGelu``.
+"""
+
+from __future__ import annotations
+
+from tfgraph.passes.expand_attention_mask import ExpandAttentionMaskPass
+from tfgraph.passes.lower_attention import AttentionCase, Lowered
+from tfgraph.passes.lower_gelu import ms_gelu
+from tfgraph.passes.lower_norms import NormCase
+from tfgraph.passes.share_kv_buffer import ShareKVBufferPass
+
+from . import register
+from .base import SessionSettings, Target, fused_ops
+
+ORT_FUSED = {
+    "attention": {
+        ("com.microsoft", "Attention"),
+        ("com.microsoft", "MultiHeadAttention"),
+        ("com.microsoft", "GroupQueryAttention"),
+    },
+    "norm": {
+        ("", "SimplifiedLayerNormalization"),
+        ("com.microsoft", "SimplifiedLayerNormalization"),
+        ("com.microsoft", "SkipLayerNormalization"),
+        ("com.microsoft", "SkipSimplifiedLayerNormalization"),
+    },
+    "gelu": {
+        ("com.microsoft", "Gelu"),
+        ("com.microsoft", "FastGelu"),
+        ("com.microsoft", "BiasGelu"),
+    },
+}
+
+
+def lower_attention(case: AttentionCase) -> Lowered:
+    spec, build = case.spec, case.build
+    # GroupQueryAttention's CPU kernel needs head_size % 8 == 0 (measured: it refuses
+    # Llama-2-70B-tiny's head size 2); MultiHeadAttention with the mask does not.
+    gqa_ok = isinstance(case.head_size, int) and case.head_size % 8 == 0
+    cached = case.cached_kv() if gqa_ok and spec.causal and spec.bottom_right else None
+    if cached is not None:
+        return Lowered(build.gqa_past(cached, case.bias, spec), "GroupQueryAttention (past)")
+    if gqa_ok and case.self_attention and (spec.causal or spec.window or case.bias is not None):
+        return Lowered(build.gqa(case.v, case.bias, spec), "GroupQueryAttention")
+    mask = build.full_mask(case.bias, spec, causal=spec.causal, window=spec.window)
+    return Lowered(build.mha(case.v, mask, spec), "MultiHeadAttention")
+
+
+def lower_norm(case: NormCase) -> Lowered:
+    if case.rms:
+        return case.simplified()  # ORT fuses no skip kernel onto it on the CPU (measured)
+    return case.layer_normalization(keep_residual_apart=True)
+
+
+def lower_norm_with_skip(case: NormCase) -> Lowered:
+    """ONNX Runtime's skip kernels where the norm reads a residual ``Add`` (``ort-cuda``)."""
+    skip = case.skip()
+    if skip is not None:
+        return skip
+    return case.simplified() if case.rms else case.layer_normalization()
+
+
+def extra_passes(options) -> list:
+    passes = []
+    if options.kv_cache:  # GQA appends in place into buffers past and present share
+        passes.append(ShareKVBufferPass())
+    # ORT's Attention kernel rejects a mask broadcast over the query axis (an unrecognized
+    # ONNX Attention left in the graph)
+    passes.append(ExpandAttentionMaskPass())
+    return passes
+
+
+ORT = register(
+    Target(
+        name="ort",
+        description="ONNX Runtime, CPU provider: contrib kernels (GroupQueryAttention flash path)",
+        opset=20,  # ORT's contrib ops need nothing newer
+        lower_attention=lower_attention,
+        lower_norm=lower_norm,
+        lower_gelu=ms_gelu,
+        fused_ops=fused_ops(ORT_FUSED),
+        extra_passes=extra_passes,
+        nonstandard_default_ops=frozenset({"SimplifiedLayerNormalization"}),
+        session=SessionSettings(providers=("cpu",)),
+        runner="onnxruntime",
+        precisions=("fp32",),
+        facts=(
+            "GroupQueryAttention: flash path on the CPU (O(n) memory) with present_* declared",
+            "head size must be a multiple of 8 for GroupQueryAttention; else MultiHeadAttention",
+            "KV cache: one preallocated buffer per layer shared by past and present",
+        ),
+    )
+)

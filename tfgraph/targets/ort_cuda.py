@@ -1,0 +1,27 @@
+"""``ort-cuda``: ONNX Runtime's CUDA provider. The ``ort`` lowering, plus the skip kernels
+(``SkipLayerNormalization`` / ``SkipSimplifiedLayerNormalization`` folding the residual
+``Add``), which measured slower on the CPU and are what ONNX Runtime's CUDA provider fuses.
+
+Not verified on a GPU here: parity of an ``ort-cuda`` export runs these kernels on ONNX
+Runtime's CPU provider (they exist there), and ``report.json`` names the provider used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from . import register
+from .base import SessionSettings
+from .ort import ORT, lower_norm_with_skip
+
+register(
+    dataclasses.replace(
+        ORT,
+        name="ort-cuda",
+        description="ONNX Runtime, CUDA provider: contrib kernels with skip (residual) norms",
+        lower_norm=lower_norm_with_skip,
+        session=SessionSettings(providers=("cuda", "cpu")),
+        precisions=("fp32",),
+        facts=(*ORT.facts, "SkipLayerNormalization folds the residual Add (slower on the CPU)"),
+    )
+)
