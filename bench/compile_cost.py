@@ -73,8 +73,9 @@ def _row(n_layers: int, report: dict, wall: float) -> dict:
     timings = report["timings"]
     steps = {f"{name}_s": float(timings.get(name, 0.0)) for name in STEPS}
     per_pass: dict[str, float] = {}
-    for record in report["passes"]:  # a pass class may run more than once in a pipeline
-        per_pass[record["name"]] = per_pass.get(record["name"], 0.0) + float(record["seconds"])
+    for record in report["passes"]:  # a pass class may run more than once: Name, Name#2, …
+        name = record["name"].split("#")[0]
+        per_pass[name] = per_pass.get(name, 0.0) + float(record["seconds"])
     return {
         "layers": n_layers,
         "total_s": round(sum(steps.values()), 3),

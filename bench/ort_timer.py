@@ -30,7 +30,8 @@ def main() -> None:
     options.inter_op_num_threads = 1
     if args.opt == "none":
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    # As tfgraph.runtime does on the CPU: ORT's SkipLayerNormFusion makes a slower kernel.
+    # For every engine alike: ORT's SkipLayerNormFusion makes a slower kernel on the CPU
+    # (tfgraph's ort graphs never let it fire; peers' graphs would).
     session = ort.InferenceSession(
         args.model,
         options,

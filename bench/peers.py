@@ -16,7 +16,8 @@ abs error of its logits against eager PyTorch at :data:`PARITY_SHAPE` (ONNX Runt
 process, untimed), and prefill latency and peak RSS at each sequence length, batch 1, measured
 by :func:`tfgraph.bench.ort_probe.probe` in a fresh torch-free process per peer and length
 (peers interleaved per length). ONNX Runtime's own graph optimizations run at session load for
-every peer alike (all levels, ``SkipLayerNormFusion`` off, as ``tfgraph.runtime`` does).
+every peer alike (all levels, ``SkipLayerNormFusion`` off: its CPU kernel is slower, and a
+plain session would fire it on peers' graphs; tfgraph's ``ort`` graphs never let it fire).
 
 A peer that cannot be imported is ``{"available": false, "note": why}``; one that raises while
 building its model is the same with ``error`` (one line); a measurement that raises leaves its

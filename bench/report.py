@@ -29,8 +29,8 @@ def norm_section(d: dict) -> list[str]:
         f"({d['norms']['cleanup']['fused']}/{d['norms']['cleanup']['total']} folded); "
         f"`default` folds them ({d['norms']['default']['fused']}/"
         f"{d['norms']['default']['total']}). ORT optimizations `none` isolates our pass; "
-        "`all` is what a user gets (with ORT's SkipLayerNormFusion off, as tfgraph.runtime "
-        "does).",
+        "`all` is what a user gets (with ORT's SkipLayerNormFusion off for every engine "
+        "alike; tfgraph's own `ort` graphs do not let it fire either way).",
         "",
     ]
     for title, rows, ratios in (

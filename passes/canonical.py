@@ -105,23 +105,22 @@ class AttentionOp(_Canonical):
 
 
 @dataclass(frozen=True)
-class LayerNormOp(_Canonical):
-    OP: ClassVar[str] = "LayerNorm"
+class _NormOp(_Canonical):
     epsilon: float
 
     @classmethod
-    def read(cls, node: ir.Node) -> LayerNormOp:
+    def read(cls, node: ir.Node):
         return cls(epsilon=node.attributes["epsilon"].value)
 
 
 @dataclass(frozen=True)
-class RMSNormOp(_Canonical):
-    OP: ClassVar[str] = "RMSNorm"
-    epsilon: float
+class LayerNormOp(_NormOp):
+    OP: ClassVar[str] = "LayerNorm"
 
-    @classmethod
-    def read(cls, node: ir.Node) -> RMSNormOp:
-        return cls(epsilon=node.attributes["epsilon"].value)
+
+@dataclass(frozen=True)
+class RMSNormOp(_NormOp):
+    OP: ClassVar[str] = "RMSNorm"
 
 
 NORM_OPS: dict[str, type] = {"LayerNorm": LayerNormOp, "RMSNorm": RMSNormOp}

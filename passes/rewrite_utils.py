@@ -113,11 +113,7 @@ def constant(value: ir.Value | None) -> np.ndarray | None:
     """The value of an initializer or a ``Constant`` node's output, else ``None``."""
     if value is None:
         return None
-    const = value.const_value
-    if const is None:
-        node = value.producer()
-        if node is not None and node.op_type == "Constant" and "value" in node.attributes:
-            const = node.attributes["value"].as_tensor()
+    const = ir.convenience.get_const_tensor(value)
     return None if const is None else np.asarray(const.numpy())
 
 

@@ -119,8 +119,8 @@ def _cmd_inspect(args) -> int:
 
     from tfgraph.runtime.session import checked_model
 
+    from .contract import signature_of
     from .fusions import count_fusions, op_histogram
-    from .manifest import describe_value
 
     path, _ = checked_model(args.path)  # format and external-data locations checked first
     try:
@@ -130,9 +130,13 @@ def _cmd_inspect(args) -> int:
         raise TfgraphError(f"cannot read '{path}' as ONNX ({first}); re-export it") from exc
     fusions = _report_fusions(path.parent / "report.json") or count_fusions(model, "unknown")
     print(f"{path}  opsets {dict(sorted(model.opset_imports.items()))}")
-    for title, values in (("inputs", model.graph.inputs), ("outputs", model.graph.outputs)):
-        rows = [[d["name"], d["dtype"], str(d["shape"])] for d in map(describe_value, values)]
-        print(_table(rows, [title[:-1], "dtype", "shape"]))
+    signature = signature_of(model)
+    for title, ports in (("inputs", signature.inputs), ("outputs", signature.outputs)):
+        rows = [
+            [p.name, p.role + (f" {p.layer}" if p.layer is not None else ""), p.dtype, str(p.shape)]
+            for p in ports
+        ]
+        print(_table(rows, [title[:-1], "role", "dtype", "shape"]))
         print()
     hist = op_histogram(model)
     print(_table([[op, str(n)] for op, n in hist.most_common()], ["op", "count"]))

@@ -70,12 +70,13 @@ def export(
     dump_after: str | None = None,
     kv_cache: bool = False,
     progress: Callable[[str], None] = _no_progress,
+    target: str | Target | None = None,
 ) -> ExportResult:
     """Export ``model`` (a MODEL string as the CLI takes it, or a :class:`ModelSource`) for
     target ``profile`` (a :class:`tfgraph.targets.Target` or a registered name such as
-    ``ort``, ``onnx``, ``tensorrt@10.14``)."""
+    ``ort``, ``onnx``, ``tensorrt@10.14``); ``target`` is the same, and wins when given."""
     out_dir = Path(out_dir)
-    target = get_target(profile)
+    target = get_target(target if target is not None else profile)
     check_target(out_dir)  # before any slow work
     if opset is None:
         opset = target.opset

@@ -464,8 +464,8 @@ def check_cached(source: ModelSource, case: FuzzCase, ctx: CaseContext, profile:
     with ctx.stage(case, stage):
         decoder = CachedDecoder(Session(out))
         prompts, extra = case.prompts(), {}
-        if decoder.token_input == "decoder_input_ids":  # prompts feed the encoder
-            prompts, extra = [[0]] * len(prompts), encoder_inputs(prompts)
+        if decoder.seq2seq:  # prompts feed the encoder
+            prompts, extra = [[0]] * len(prompts), encoder_inputs(decoder, prompts)
         with _quiet("tfgraph.runtime.generate"):  # unequal prompts without a mask: intended
             comparison = compare_greedy(source, decoder, prompts, case.new_tokens, extra=extra)
     if not comparison.agrees_up_to_a_tie():

@@ -53,10 +53,12 @@ class GreedyComparison:
         return all(r["passed"] for r in checked)
 
 
-def encoder_inputs(prompts: list[list[int]], pad: int = 0) -> dict[str, np.ndarray]:
-    """Encoder-decoder generation: the prompts, left-padded, feed the encoder."""
-    ids, mask = left_pad(prompts, pad)
-    return {"input_ids": ids, "attention_mask": mask}
+def encoder_inputs(
+    decoder: CachedDecoder, prompts: list[list[int]], pad: int = 0
+) -> dict[str, np.ndarray]:
+    """Encoder-decoder generation: the prompts, left-padded, feed the encoder (by the roles
+    of the artifact's inputs)."""
+    return decoder.encoder_feeds(*left_pad(prompts, pad))
 
 
 def eager_greedy(
