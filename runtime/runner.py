@@ -63,22 +63,18 @@ class Runner(Protocol):
         """Another graph of the same artifact (``encoder.onnx``), opened the same way."""
 
 
-def _onnxruntime(path, **options) -> Runner:
-    from .session import Session
-
-    return Session(path, **options)
-
-
-# runner name (a target's ``runner``) → how to open an artifact with it
-RUNNERS = {"onnxruntime": _onnxruntime}
+# runner name (a target's ``runner``) → the class that opens an artifact with it; each
+# implementation registers itself (``runtime/session.py``: ``onnxruntime``)
+RUNNERS: dict[str, type] = {}
 
 
 def open_runner(path: str | Path, runner: str | None = None, **options) -> Runner:
     """Open ``path`` with ``runner`` (default: the one its manifest's target names)."""
     if runner is None:
-        from .session import checked_model
+        from tfgraph.manifest import read_manifest
 
-        _, manifest = checked_model(path)
+        path = Path(path)
+        manifest = read_manifest(path if path.is_dir() else path.parent)
         runner = ((manifest or {}).get("target") or {}).get("runner", "onnxruntime")
     if runner not in RUNNERS:
         raise TfgraphError(

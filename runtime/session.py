@@ -20,7 +20,7 @@ from tfgraph import contract
 from tfgraph.errors import TfgraphError, first_line
 from tfgraph.manifest import read_manifest
 
-from .runner import KVCache, RoleKey
+from .runner import RUNNERS, KVCache, RoleKey
 
 logger = logging.getLogger(__name__)
 
@@ -375,3 +375,6 @@ class Session:
                     f"input '{name}' has {size} positions ({dim}), more than the {limit} the "
                     "model supports (max_positions in manifest.json); shorten it"
                 )
+
+
+RUNNERS["onnxruntime"] = Session

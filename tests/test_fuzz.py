@@ -39,13 +39,17 @@ TINY = FuzzCase(
 @pytest.fixture
 def broken_scale(monkeypatch):
     """Every lowered attention computes softmax(1.25·scale·QKᵀ): wrong numbers, valid graph."""
-    read_spec = lower_attention._read_spec
+    canonical = lower_attention.AttentionOp
 
-    def wrong(node, q, k):
-        spec = read_spec(node, q, k)
-        return dataclasses.replace(spec, scale=spec.scale * 1.25)
+    class WrongScale:  # what LowerAttentionPass reads the canonical op with
+        OP = canonical.OP
 
-    monkeypatch.setattr(lower_attention, "_read_spec", wrong)
+        @staticmethod
+        def read(node, head_size=None):
+            spec = canonical.read(node, head_size=head_size)
+            return dataclasses.replace(spec, scale=spec.scale * 1.25)
+
+    monkeypatch.setattr(lower_attention, "AttentionOp", WrongScale)
 
 
 def test_campaign_passes(tmp_path):
