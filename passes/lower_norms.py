@@ -59,9 +59,10 @@ class NormCase:
     removed: list = field(default_factory=list)  # nodes removed besides the canonical one
 
     def layer_normalization(self, *, keep_residual_apart: bool = False) -> Lowered:
-        """``LayerNormalization``. ``keep_residual_apart``: when the norm reads a rank-3
-        residual ``Add``, read it through ``Reshape(s, [0, 0, -1])`` (a no-op ONNX Runtime runs
-        as an alias), so that ONNX Runtime's own ``SkipLayerNormFusion`` (Add → LN only)
+        """``LayerNormalization``. ``keep_residual_apart``: where the norm reads a rank-3
+        ``Add`` that feeds nothing else (what ONNX Runtime 1.32's ``SkipLayerNormFusion``
+        matches: a post-LN block, a pre-LN model's final norm), read it through
+        ``Reshape(s, [0, 0, -1])`` (a no-op ONNX Runtime runs as an alias), so that the fusion
         cannot turn the pair into ``SkipLayerNormalization``, 5–7× slower on the CPU
         (measured, ORT 1.32, (1, 512, 768): 1.14 ms against 0.20 ms) — in any session,
         whatever its options."""
@@ -74,6 +75,8 @@ class NormCase:
             and add.domain in ("", "ai.onnx")
             and x.shape is not None
             and len(x.shape) == 3
+            and len(x.uses()) == 1
+            and not x.is_graph_output()
         ):
             keep = ir.tensor([0, 0, -1], dtype=ir.DataType.INT64)
             shape = self.tape.initializer(keep, name=f"{self.node.name or 'norm'}_keep_shape")
