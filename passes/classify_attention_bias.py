@@ -5,7 +5,10 @@ Masks and position biases are computed by subgraphs that depend only on shapes a
 fragile. Instead, for each ``tfgraph.Attention`` with a bias input:
 
 1. Extract the subgraph that computes the bias and run it in ONNX Runtime at two sizes, with an
-   all-ones ``attention_mask`` and then with one padded key.
+   all-ones ``attention_mask`` and then with one padded key. A bias that reads only the
+   *shape* of an activation (SDPA's ``is_causal`` decomposed: a ``Trilu`` mask sized by
+   ``Shape(Q)``, ``Shape(K)``) is evaluated with a stand-in of that shape, so it is classified
+   even when the activation comes out of a fused op.
 2. Classify what it computes (entries ≤ −1e8 count as masked):
    - masked exactly above the diagonal (and, with a window w, where i − j ≥ w), zero elsewhere:
      ``causal=1`` (``window=w``), and the bias input is dropped: the kernel does it in O(n);
@@ -87,18 +90,53 @@ class Subgraphs:
         return self._done[value.name]
 
     def _extract(self, value: ir.Value) -> onnx.ModelProto | None:
-        seen, stack = set(), [value]
-        while stack:  # only standard ops: ONNX Runtime evaluates the subgraph
-            node = stack.pop().producer()
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
-            if node.domain not in ("", "ai.onnx"):
-                return None
-            stack.extend(i for i in node.inputs if i is not None)
-        # every graph input stays an input, so that dims are numbered as in the whole graph
-        graph = ir.convenience.extract(self.model.graph, list(self.model.graph.inputs), [value])
+        boundary = _cone(value, cut_shapes=False)
+        if boundary is None:  # through a fused op: read only the shapes of what it feeds
+            boundary = _cone(value, cut_shapes=True)
+        if boundary is None:
+            return None
+        # every graph input stays an input, so that dims are numbered as in the whole graph;
+        # values whose shape alone the bias reads come after them, as inputs of their shape
+        inputs = list(self.model.graph.inputs) + [v for v in boundary if not v.is_graph_input()]
+        graph = ir.convenience.extract(self.model.graph, inputs, [value])
         return ir.to_proto(ir.Model(graph, ir_version=self.model.ir_version))
+
+
+def _known_dims(value: ir.Value) -> bool:
+    """Every dim a static int or a named symbol: a stand-in of that shape can be fed."""
+    return value.shape is not None and all(
+        isinstance(d, int) or d.value is not None for d in value.shape
+    )
+
+
+def _cone(value: ir.Value, *, cut_shapes: bool) -> list[ir.Value] | None:
+    """Walk back from ``value`` through standard ops; ``None`` if a non-standard op computes
+    it. With ``cut_shapes``, a value read only by ``Shape`` (a mask built from the shape of
+    Q or K, as SDPA's decomposition builds its causal mask) is not walked through: it is
+    returned, to be fed as a stand-in of its (symbolic) shape, whose values the bias cannot
+    read."""
+    seen: set[int] = set()
+    shape_only: dict[int, ir.Value] = {}
+    data: set[int] = set()
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        node = v.producer()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.domain not in ("", "ai.onnx"):
+            return None
+        if cut_shapes and node.op_type == "Shape" and _known_dims(node.inputs[0]):
+            shape_only.setdefault(id(node.inputs[0]), node.inputs[0])
+            continue
+        for i in node.inputs:
+            if i is not None:
+                data.add(id(i))
+                stack.append(i)
+    if any(k in data for k in shape_only):  # also read as data: walked through already
+        return None if cut_shapes else []
+    return list(shape_only.values())
 
 
 def evaluate_biases(

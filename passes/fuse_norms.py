@@ -8,6 +8,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import RewriteRuleSet
 
 from . import norm_rules
+from .norm_products import reorder_norm_products
 from .rewrite_utils import apply_rules, diagnose, mark_missed, scalar
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ def unfused_norm_candidates(model: ir.Model) -> list[ir.Node]:
 class FuseNormsPass(ir.passes.InPlacePass):
     """Fold decomposed norms into canonical ``tfgraph`` ops (see :mod:`.norm_rules`).
 
+    0. The products of a hand-written norm are put in one order
+       (:mod:`.norm_products`: ``w * x * rsqrt(…)`` → ``(x * rsqrt(…)) * w``, …).
     1. Every core form (LayerNorm with either variance form, RMSNorm) becomes
        ``tfgraph.LayerNorm(x)`` / ``tfgraph.RMSNorm(x)``.
     2. A following per-feature ``Mul(·, γ)`` and, for LayerNorm, ``Add(·, β)`` are absorbed.
@@ -51,6 +54,7 @@ class FuseNormsPass(ir.passes.InPlacePass):
     """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        reordered = reorder_norm_products(model)
         count = apply_rules(model, RewriteRuleSet(norm_rules.CORE_RULES))
         if count:
             count += apply_rules(model, RewriteRuleSet(norm_rules.AFFINE_RULES, commute=True))
@@ -60,7 +64,7 @@ class FuseNormsPass(ir.passes.InPlacePass):
             mark_missed(node, reason, excluded=excluded)
             logger.debug("norm left unfused at %s: %s", node.name, reason)
         logger.info("norm rules applied %d times (core, scale and bias rewrites)", count)
-        return ir.passes.PassResult(model, modified=bool(count))
+        return ir.passes.PassResult(model, modified=bool(count or reordered))
 
 
 def _norm_root(candidate: ir.Node) -> ir.Node:

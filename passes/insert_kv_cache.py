@@ -442,7 +442,10 @@ class InsertKVCachePass(ir.passes.InPlacePass):
                 node.replace_input_with(index, new)
         # K and V: the past, then the new tokens; the concatenation is the present.
         for i, node in enumerate(analysis.layers):
-            AttentionOp.read(node).replace(cached=True).write(node)
+            # Q and K shared the sequence axis, where both causal alignments coincide; with a
+            # past, the new queries follow it: bottom-right (SDPA's is_causal is top-left)
+            spec = AttentionOp.read(node)
+            spec.replace(cached=True, causal_alignment="bottom_right").write(node)
             for slot, past, role in (
                 (1, pasts[2 * i], contract.PRESENT_KEY),
                 (2, pasts[2 * i + 1], contract.PRESENT_VALUE),

@@ -1,0 +1,203 @@
+"""Models written the ways people write them, not the way the zoo does (factories for
+``export tests.idiom_models:NAME``-style tests; this directory is on sys.path in tests).
+
+- ``gpt`` / ``gpt_gqa``: nanoGPT style, ``F.scaled_dot_product_attention(..., is_causal=True)``
+  (``enable_gqa=True`` with 2 KV heads for 4 query heads);
+- ``mha_lm``: ``nn.MultiheadAttention(..., is_causal=True)`` with the causal mask it requires;
+- ``seq2seq``: ``nn.Transformer(..., tgt_is_causal=True)``.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attn(nn.Module):
+    def __init__(self, d, h, kv=None):
+        super().__init__()
+        self.h, self.kv = h, kv or h
+        self.hs = d // h
+        self.q = nn.Linear(d, d)
+        self.k = nn.Linear(d, self.kv * self.hs)
+        self.v = nn.Linear(d, self.kv * self.hs)
+        self.o = nn.Linear(d, d)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q = self.q(x).view(B, T, self.h, self.hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k(x).view(B, T, self.kv, self.hs).transpose(1, 2)
+        v = self.v(x).view(B, T, self.kv, self.hs).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv != self.h)
+        return self.o(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, d, h, kv=None):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = Attn(d, h, kv)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab=64, d=32, h=4, layers=2, kv=None, n_pos=64):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(n_pos, d)
+        self.blocks = nn.ModuleList(Block(d, h, kv) for _ in range(layers))
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln_f(x))
+
+
+def gpt():
+    torch.manual_seed(0)
+    return GPT()
+
+
+def gpt_gqa():
+    torch.manual_seed(0)
+    return GPT(h=4, kv=2)
+
+
+class MHABlock(nn.Module):
+    """nn.MultiheadAttention with is_causal=True and the causal mask it requires."""
+
+    def __init__(self, d, h):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, h, batch_first=True)
+
+    def forward(self, x):
+        T = x.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(T, dtype=x.dtype)
+        h = self.ln(x)
+        y, _ = self.attn(h, h, h, attn_mask=mask, is_causal=True, need_weights=False)
+        return x + y
+
+
+class MHALM(nn.Module):
+    def __init__(self, vocab=64, d=32, h=4, layers=2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(MHABlock(d, h) for _ in range(layers))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def mha_lm():
+    torch.manual_seed(0)
+    return MHALM().eval()
+
+
+class Seq2Seq(nn.Module):
+    """nn.Transformer with tgt_is_causal=True."""
+
+    input_names = ("input_ids", "decoder_input_ids")
+    output_names = ("logits",)
+
+    def __init__(self, vocab=64, d=32, h=4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.core = nn.Transformer(d, h, 1, 1, dim_feedforward=64, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids, decoder_input_ids):
+        T = decoder_input_ids.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(T)
+        src, tgt = self.emb(input_ids), self.emb(decoder_input_ids)
+        y = self.core(src, tgt, tgt_mask=mask, tgt_is_causal=True)
+        return self.head(y)
+
+    def example_inputs(self, batch, seq, generator):
+        return {
+            "input_ids": torch.randint(0, 64, (batch, seq), generator=generator),
+            "decoder_input_ids": torch.randint(
+                0, 64, (batch, max(1, seq - 2)), generator=generator
+            ),
+        }
+
+    def dynamic_axes(self):
+        return {
+            "input_ids": {0: "batch", 1: "sequence"},
+            "decoder_input_ids": {0: "batch", 1: "decoder_sequence"},
+        }
+
+
+def seq2seq():
+    torch.manual_seed(0)
+    return Seq2Seq().eval()
+
+
+# --- norms written in every operand order -----------------------------------------------------
+# x: the input, w: the per-feature scale, r: rsqrt(mean(x²) + ε) (LayerNorm: of the variance),
+# s: sqrt(…) for the division forms; d = x − mean(x) for LayerNorm.
+RMS_ORDERS = {
+    "x*r*w": lambda x, w, r, s: x * r * w,
+    "w*x*r": lambda x, w, r, s: w * x * r,
+    "x*w*r": lambda x, w, r, s: x * w * r,
+    "r*x*w": lambda x, w, r, s: r * x * w,
+    "r*w*x": lambda x, w, r, s: r * w * x,
+    "w*r*x": lambda x, w, r, s: w * r * x,
+    "w*(x*r)": lambda x, w, r, s: w * (x * r),
+    "x*(w*r)": lambda x, w, r, s: x * (w * r),
+    "(w*r)*x": lambda x, w, r, s: (w * r) * x,
+    "w*x/s": lambda x, w, r, s: w * x / s,
+    "x*w/s": lambda x, w, r, s: x * w / s,
+    "x/s*w": lambda x, w, r, s: x / s * w,
+    "w*(x/s)": lambda x, w, r, s: w * (x / s),
+}
+
+
+class HandNorm(nn.Module):
+    """RMSNorm or LayerNorm (``centered``) written out with the products in ``order``."""
+
+    def __init__(self, d: int, order: str, centered: bool, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(d) + 0.5)
+        self.bias = nn.Parameter(torch.randn(d) * 0.1) if centered else None
+        self.order, self.centered, self.eps = order, centered, eps
+
+    def forward(self, x):
+        if self.centered:
+            x = x - x.mean(-1, keepdim=True)
+        ms = x.pow(2).mean(-1, keepdim=True) + self.eps
+        y = RMS_ORDERS[self.order](x, self.weight, torch.rsqrt(ms), torch.sqrt(ms))
+        return y + self.bias if self.bias is not None else y
+
+
+class NormStack(nn.Module):
+    """Embedding, then one residual block per (order, centered) pair, each with a
+    hand-written norm written in that order, then a head."""
+
+    def __init__(self, layouts: list[tuple[str, bool]], d: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, d)
+        self.norms = nn.ModuleList(HandNorm(d, o, c) for o, c in layouts)
+        self.mix = nn.ModuleList(nn.Linear(d, d) for _ in layouts)
+        self.head = nn.Linear(d, 64)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for norm, mix in zip(self.norms, self.mix, strict=True):
+            x = x + mix(norm(x))
+        return self.head(x)
+
+
+def every_norm_order():
+    """RMSNorm and LayerNorm in each operand order of :data:`RMS_ORDERS`: 26 norms."""
+    torch.manual_seed(0)
+    return NormStack([(o, c) for c in (False, True) for o in RMS_ORDERS]).eval()

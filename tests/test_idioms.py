@@ -1,0 +1,113 @@
+"""Attention written the common ways (issue: "any model, really"): SDPA with ``is_causal``
+(nanoGPT, with and without ``enable_gqa``), ``nn.MultiheadAttention(is_causal=True)``,
+``nn.Transformer(tgt_is_causal=True)``. Each fuses completely, is recognized as causal, and is
+KV-cached: prefill and decode parity, and greedy generation equal to eager recompute."""
+
+from __future__ import annotations
+
+import idiom_models
+import onnx_ir as ir
+import pytest
+
+import tfgraph
+from tfgraph.generation_parity import compare_greedy, encoder_inputs
+from tfgraph.passes.classify_attention_bias import ClassifyAttentionBiasPass, Subgraphs
+from tfgraph.runtime import CachedDecoder, Session
+from tfgraph.sources import from_module
+
+PROMPTS = [[5, 9, 2, 7, 1], [3, 1]]
+CASES = [
+    ("gpt", "ort"),
+    ("gpt", "onnx"),  # opset 23: SDPA exported as ONNX Attention(is_causal=1), top-left
+    ("gpt_gqa", "ort"),
+    ("gpt_gqa", "onnx"),
+    ("mha_lm", "ort"),
+    ("seq2seq", "ort"),
+    ("seq2seq", "onnx"),
+]
+
+
+@pytest.mark.parametrize(("factory", "target"), CASES)
+def test_is_causal_models_fuse_and_cache(factory, target, tmp_path):
+    source = from_module(getattr(idiom_models, factory)(), origin=f"idiom:{factory}")
+    result = tfgraph.export(source, tmp_path / "art", profile=target, kv_cache=True)
+    report = result.report
+    assert report["parity"]["passed"], report["parity"]["outputs"]
+    assert report["parity"]["prefill"]["passed"] and report["parity"]["decode"]["passed"]
+    attention = report["fusions"]["attention"]
+    assert attention["fused"] == attention["total"] >= 2, attention["missed"]
+    decoder = CachedDecoder(Session(tmp_path / "art"))
+    prompts, extra = PROMPTS, {}
+    if decoder.seq2seq:
+        prompts, extra = [[0]] * len(PROMPTS), encoder_inputs(decoder, PROMPTS)
+    comparison = compare_greedy(source, decoder, prompts, 8, extra=extra)
+    assert comparison.passed, (comparison.tokens, comparison.want_tokens)
+
+
+def test_sdpa_is_causal_is_classified_causal_without_a_bias(tmp_path):
+    """The opset-20 decomposition builds the mask from Shape(Q) and Shape(K): evaluated with
+    stand-ins of those shapes, it is a plain causal mask, dropped into the kernel's causal."""
+    source = from_module(idiom_models.gpt(), origin="idiom:gpt")
+    result = tfgraph.export(source, tmp_path / "art")
+    model = ir.load(tmp_path / "art" / "model.onnx")
+    gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == 2 and all(n.attributes["causal"].value == 1 for n in gqa)
+    assert all(len(n.inputs) <= 7 for n in gqa)  # no attention_bias input: the mask is gone
+    assert result.passed
+
+
+def _graph_with_fused_producer(mask_reads_values: bool) -> ir.Model:
+    """x → tfgraph op → h; a causal mask built from Shape(h) (and, optionally, h's values)
+    feeds a canonical attention's bias slot."""
+    text = """
+    <ir_version: 10, opset_import: ["" : 20, "tfgraph" : 1]>
+    g (float[batch, sequence, 8] x) => (float[batch, 2, sequence, 4] y)
+    <float[batch, sequence, 8] h> {
+        h = tfgraph.LayerNorm <epsilon: float = 1e-5> (x)
+        shape = Shape <start: int = 1, end: int = 2> (h)
+        square = Concat <axis: int = 0> (shape, shape)
+        one = Constant <value = float {1.0}> ()
+        ones = Expand (one, square)
+        low = Trilu <upper: int = 0> (ones)
+        zero = Constant <value = float {0.0}> ()
+        keep = Equal (low, zero)
+        lowest = Constant <value = float {-3.4e38}> ()
+        mask = Where (keep, lowest, zero)
+        axes = Constant <value = int64[2] {0, 1}> ()
+        mask4 = Unsqueeze (mask, axes)
+        r = Constant <value = int64[4] {0, 0, 2, 4}> ()
+        t = Reshape (h, r)
+        q = Transpose <perm: ints = [0, 2, 1, 3]> (t)
+        bias = Add (mask4, EXTRA)
+        y = tfgraph.Attention <num_heads: int = 2, kv_num_heads: int = 2, scale: float = 0.5,
+            causal: int = 0, causal_alignment: string = "bottom_right", window: int = 0,
+            bias_kind: string = "additive", cached: int = 0> (q, q, q, bias)
+    }
+    """
+    extra = "ReduceMean <keepdims: int = 0> (h)" if mask_reads_values else "Identity (zero)"
+    text = text.replace(
+        "bias = Add (mask4, EXTRA)", f"extra = {extra}\n        bias = Add (mask4, extra)"
+    )
+    model = ir.from_onnx_text(text)
+    return model
+
+
+def test_a_mask_from_a_fused_ops_shape_is_evaluated():
+    model = _graph_with_fused_producer(mask_reads_values=False)
+    node = next(n for n in model.graph if n.op_type == "Attention")
+    assert Subgraphs(model).get(node.inputs[3]) is not None
+    assert ClassifyAttentionBiasPass()(model).modified
+    assert node.attributes["causal"].value == 1 and len(node.inputs) == 3  # bias dropped
+
+
+def test_a_bias_reading_a_fused_ops_values_is_not_evaluated():
+    """Rejection: a stand-in feeds only shapes, so a bias that also reads the fused op's values
+    is not evaluated as a whole; its causal mask is split off and the rest kept as the bias."""
+    model = _graph_with_fused_producer(mask_reads_values=True)
+    node = next(n for n in model.graph if n.op_type == "Attention")
+    extra = node.inputs[3].producer().inputs[1]
+    assert Subgraphs(model).get(node.inputs[3]) is None
+    assert ClassifyAttentionBiasPass()(model).modified
+    assert node.attributes["causal"].value == 1
+    assert node.inputs[3] is extra and node.attributes["bias_kind"].value == "additive"
+    assert node.metadata_props["tfgraph.bias_classified"] == "additive (causal mask split off)"
