@@ -10,9 +10,41 @@ import onnx_ir.passes.common as common
 from onnxscript.rewriter import RewriteRuleSet
 
 from . import attention_rules, onnx_attention_rules
-from .rewrite_utils import apply_rules, diagnose, mark_missed
+from .rewrite_utils import apply_rules, constant, diagnose, mark_missed
 
 logger = logging.getLogger(__name__)
+
+
+_THROUGH = frozenset({"Add", "Sub", "Mul", "Div", "Cast", "Identity", "Neg", "Tanh", "Where"})
+
+
+def is_gating_softmax(node: ir.Node) -> bool:
+    """A ``Softmax`` over a projection, not over attention scores: a mixture-of-experts
+    router's ``softmax(x · W_router)`` (or any gate). Its input comes, through elementwise ops,
+    from a ``MatMul``/``Gemm`` by a constant 2-D weight, and its axis has a static size (the
+    experts), where attention scores come from ``Q · Kᵀ`` of two activations over keys.
+    Such a softmax is not an attention candidate: not fused, not reported missed."""
+    value = node.inputs[0]
+    if value is None or value.shape is None or not value.shape:
+        return False
+    if not isinstance(value.shape[-1], int):  # over a dynamic axis: keys, not experts
+        return False
+    for _ in range(6):
+        producer = value.producer()
+        if producer is None or producer.domain not in ("", "ai.onnx"):
+            return False
+        if producer.op_type in ("MatMul", "Gemm"):
+            weight = constant(producer.inputs[1])
+            return weight is not None and weight.ndim == 2
+        if producer.op_type not in _THROUGH:
+            return False
+        data = [i for i in producer.inputs if i is not None and constant(i) is None]
+        if producer.op_type == "Where":
+            data = data[1:]
+        if len(data) != 1:
+            return False
+        value = data[0]
+    return False
 
 
 class FuseAttentionPass(ir.passes.InPlacePass):
@@ -40,6 +72,8 @@ class FuseAttentionPass(ir.passes.InPlacePass):
                 common.RemoveUnusedNodesPass()(model)  # dead shape arithmetic blocks removal
         for node in model.graph:
             if node.op_type == "Softmax" and node.domain in ("", "ai.onnx"):
+                if is_gating_softmax(node):
+                    continue
                 reason = diagnose(model, attention_rules.CORE_RULES, node, depth=3)
                 mark_missed(node, reason)
             elif node.op_type == "Attention" and node.domain in ("", "ai.onnx"):

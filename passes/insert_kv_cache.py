@@ -48,6 +48,7 @@ import onnx_ir.passes.common as common
 from tfgraph import contract
 
 from .canonical import AttentionOp
+from .fuse_attention import is_gating_softmax
 from .provenance import layer_name
 from .rewrite_utils import DOMAIN, LOWERED_FROM_KEY
 from .split_encoder import CROSS_KV_KEY
@@ -156,7 +157,11 @@ class _Analysis:
                 "attention layer fused (see the report's fusions.attention.missed)"
             )
         for node in self.graph:
-            if node.domain in ("", "ai.onnx") and node.op_type == "Softmax":
+            if (
+                node.domain in ("", "ai.onnx")
+                and node.op_type == "Softmax"
+                and not is_gating_softmax(node)  # a router's softmax over experts
+            ):
                 if node.inputs[0] in self.token and _has(node.inputs[0], self.seq):
                     raise KVCacheError(
                         f"{_module(node)}: an attention core is not fused (a Softmax over the "

@@ -201,3 +201,41 @@ def every_norm_order():
     """RMSNorm and LayerNorm in each operand order of :data:`RMS_ORDERS`: 26 norms."""
     torch.manual_seed(0)
     return NormStack([(o, c) for c in (False, True) for o in RMS_ORDERS]).eval()
+
+
+# --- mixture of experts ------------------------------------------------------------------------
+class MoE(nn.Module):
+    """A top-2 router over 4 experts: ``softmax(x · W_router)`` is a gate, not attention."""
+
+    def __init__(self, d: int, experts: int = 4, top: int = 2) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, experts, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, 2 * d), nn.ReLU(), nn.Linear(2 * d, d))
+            for _ in range(experts)
+        )
+        self.top = top
+
+    def forward(self, x):
+        probs = torch.softmax(self.router(x), dim=-1)  # (B, T, E)
+        weight, index = probs.topk(self.top, dim=-1)
+        gate = torch.zeros_like(probs).scatter(-1, index, weight)  # dense: traceable
+        outs = torch.stack([e(x) for e in self.experts], dim=-1)  # (B, T, d, E)
+        return (outs * gate.unsqueeze(-2)).sum(-1)
+
+
+class MoEBlock(Block):
+    def __init__(self, d, h):
+        super().__init__(d, h)
+        self.mlp = MoE(d)
+
+
+class MoEGPT(GPT):
+    def __init__(self, vocab=64, d=32, h=4, layers=2, n_pos=64):
+        super().__init__(vocab, d, h, layers, None, n_pos)
+        self.blocks = nn.ModuleList(MoEBlock(d, h) for _ in range(layers))
+
+
+def moe_gpt():
+    torch.manual_seed(0)
+    return MoEGPT().eval()

@@ -111,3 +111,40 @@ def test_a_bias_reading_a_fused_ops_values_is_not_evaluated():
     assert node.attributes["causal"].value == 1
     assert node.inputs[3] is extra and node.attributes["bias_kind"].value == "additive"
     assert node.metadata_props["tfgraph.bias_classified"] == "additive (causal mask split off)"
+
+
+def test_router_softmax_is_not_an_attention_candidate(tmp_path):
+    """A mixture-of-experts router's softmax over experts is a gate: the report counts the 2
+    attention layers only (2/2, not 2/4), and the decoder is KV-cached."""
+    source = from_module(idiom_models.moe_gpt(), origin="idiom:moe_gpt")
+    result = tfgraph.export(source, tmp_path / "art", kv_cache=True)
+    attention = result.report["fusions"]["attention"]
+    assert (attention["fused"], attention["total"], attention["missed"]) == (2, 2, [])
+    assert result.passed and result.report["parity"]["decode"]["passed"]
+    model = ir.load(tmp_path / "art" / "model.onnx")
+    assert sum(n.op_type == "Softmax" for n in model.graph) == 2  # the routers stay
+    decoder = CachedDecoder(Session(tmp_path / "art"))
+    assert compare_greedy(source, decoder, PROMPTS, 6).passed
+
+
+def test_a_softmax_over_keys_is_still_a_candidate():
+    """Rejection: a softmax over a dynamic axis (keys) is never taken for a gate, even when it
+    reads a projection by a constant weight."""
+    from tfgraph.passes.fuse_attention import is_gating_softmax
+
+    model = ir.from_onnx_text("""
+    <ir_version: 10, opset_import: ["" : 20]>
+    g (float[2, sequence, 8] x) => (float[2, sequence, 4] gate, float[2, 8, sequence] keys) {
+        w = Constant <value = float[8, 4] {1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0,
+            1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0,
+            1.0, 1.0, 1.0, 1.0}> ()
+        logits = MatMul (x, w)
+        gate = Softmax <axis: int = -1> (logits)
+        xt = Transpose <perm: ints = [0, 2, 1]> (x)
+        keys = Softmax <axis: int = -1> (xt)
+    }
+    """)
+    ir.passes.common.ShapeInferencePass()(model)
+    gate, keys = (n for n in model.graph if n.op_type == "Softmax")
+    assert is_gating_softmax(gate)
+    assert not is_gating_softmax(keys)

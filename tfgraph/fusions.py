@@ -1,12 +1,13 @@
 """Count fusion candidates in a graph, fused or not, per layer, with the reason for each miss.
 
-A *candidate* is a place where a fused kernel could run:
-Which ops are fused kernels is each target's fact (:attr:`tfgraph.targets.Target.fused_ops`).
+A *candidate* is a place where a fused kernel could run (which ops are fused kernels is each
+target's fact, :attr:`tfgraph.targets.Target.fused_ops`):
 
 - ``attention``: every fused attention op, plus every ``Softmax`` left in the graph (each one is
-  an unfused attention core: scores → softmax → ·V). A standard ``Attention`` that the
-  recognition pass could not take over (it carries a miss reason) counts as missed, not fused:
-  it was not lowered for the target.
+  an unfused attention core: scores → softmax → ·V), except a gate's softmax over a projection
+  (a mixture-of-experts router: :func:`tfgraph.passes.fuse_attention.is_gating_softmax`).
+  A standard ``Attention`` that the recognition pass could not take over (it carries a miss
+  reason) counts as missed, not fused: it was not lowered for the target.
 - ``norm``: every normalization op, plus every decomposed norm left in the graph, found by its
   ``ReduceMean`` of a square (``Pow(x, 2)`` or ``Mul(x, x)``: the variance of LayerNorm, the mean
   square of RMSNorm; one per norm).
@@ -26,6 +27,7 @@ from collections import Counter
 
 import onnx_ir as ir
 
+from tfgraph.passes.fuse_attention import is_gating_softmax
 from tfgraph.passes.fuse_norms import is_norm_candidate
 from tfgraph.passes.provenance import module_name
 from tfgraph.passes.rewrite_utils import EXCLUDED_KEY, FUSED_AS_KEY, MISS_REASON_KEY
@@ -39,7 +41,7 @@ def _unfused_candidates(kind: str, model: ir.Model) -> set[int]:
             for n in model.graph
             if n.domain in ("", "ai.onnx")
             and (
-                n.op_type == "Softmax"
+                (n.op_type == "Softmax" and not is_gating_softmax(n))
                 or (n.op_type == "Attention" and MISS_REASON_KEY in n.metadata_props)
             )
         }
