@@ -262,6 +262,62 @@ class RepeatKVRule(pattern.RewriteRuleClassBase):
         return spec.make(op, *inputs)
 
 
+_FP16_LOWEST = -65504.0
+
+
+def _is_fill(value: float | None) -> bool:
+    """−inf, or a dtype's lowest finite value: what masked scores are set to."""
+    if value is None:
+        return False
+    return value == float("-inf") or value <= -3.0e38 or value == _FP16_LOWEST
+
+
+class SelectionMaskRule(pattern.RewriteRuleClassBase):
+    """Scores masked by selection become scores plus an additive mask, which the core rules
+    and the bias classifier take like any other::
+
+        Softmax(Where(keep, s, fill))  →  Softmax(Add(s, Where(keep, 0, fill)))
+        Softmax(Where(drop, fill, s))  →  Softmax(Add(s, Where(drop, fill, 0)))
+
+    (``scores.masked_fill(mask == 0, -inf)``, ``torch.where(mask, scores, finfo.min)``).
+    ``fill`` must be −inf or the dtype's lowest value, so ``s + fill`` is ``fill`` where it
+    counts. When ``s`` is already ``Add(t, bias)``, the mask joins the bias:
+    ``Add(t, Add(bias, mask))``. Rejections: a fill that is not a constant scalar; a finite
+    fill above the lowest value (−10000, say: adding it is not selecting).
+    """
+
+    def __init__(self, fill_first: bool) -> None:
+        super().__init__(f"SelectionMask{'FillFirst' if fill_first else ''}")
+        self._fill_first = fill_first
+
+    def pattern(self, op, cond, s, fill):
+        picked = op.Where(cond, fill, s) if self._fill_first else op.Where(cond, s, fill)
+        return op.Softmax(picked, _outputs=["probs"])
+
+    def check(self, context, s, fill, **_):
+        result = pattern.MatchResult()
+        value = scalar(fill)
+        if value is None:
+            return result.fail("the masked scores' fill is not a constant scalar", fill)
+        if not _is_fill(value):
+            return result.fail(f"the fill {value:g} is not -inf or the dtype's lowest", fill)
+        if scalar(s) is not None or s.dtype is None:
+            return result.fail("the selected scores are a constant", s)
+        return result
+
+    def rewrite(self, op, cond, s, fill, probs, **_):
+        zero = op.Constant(value=ir.tensor(0.0, dtype=s.dtype))
+        mask = op.Where(cond, fill, zero) if self._fill_first else op.Where(cond, zero, fill)
+        add = s.producer()
+        if add is not None and add.op_type == "Add" and add.domain in ("", "ai.onnx"):
+            scores = op.Add(add.inputs[0], op.Add(add.inputs[1], mask))
+        else:
+            scores = op.Add(s, mask)
+        axis = probs.producer().attributes.get_int("axis", -1)
+        return op.Softmax(scores, axis=axis)
+
+
+MASK_RULES = [SelectionMaskRule.rule(False), SelectionMaskRule.rule(True)]
 CORE_RULES = [
     *(AttentionRule.rule(b, g) for b in (True, False) for g in (True, False)),
     BatchedHeadsAttentionRule.rule(),

@@ -50,6 +50,8 @@ def is_gating_softmax(node: ir.Node) -> bool:
 class FuseAttentionPass(ir.passes.InPlacePass):
     """Fuse every attention core into one ``tfgraph.Attention``.
 
+    0. Scores masked by selection (``Where(keep, s, −inf)``, ``masked_fill``) become scores
+       plus an additive mask (:class:`.attention_rules.SelectionMaskRule`).
     1. ``MatMul(Softmax(scale·Q·Kᵀ [+ bias]), V)`` in any of its exported forms becomes
        ``tfgraph.Attention(Q, Transpose(Kᵀ), V[, bias])``; so does a standard ONNX
        ``Attention`` (SDPA exported at opset ≥ 23), to be lowered for the profile like the rest.
@@ -63,6 +65,9 @@ class FuseAttentionPass(ir.passes.InPlacePass):
     """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        masked = apply_rules(model, RewriteRuleSet(attention_rules.MASK_RULES))  # → additive
+        if masked:  # the score sums the mask rules rebuilt are dead: they block the core rules
+            common.RemoveUnusedNodesPass()(model)
         count = apply_rules(model, RewriteRuleSet(attention_rules.CORE_RULES))
         count += apply_rules(model, RewriteRuleSet(onnx_attention_rules.RULES))
         if count:
@@ -79,4 +84,4 @@ class FuseAttentionPass(ir.passes.InPlacePass):
             elif node.op_type == "Attention" and node.domain in ("", "ai.onnx"):
                 mark_missed(node, diagnose(model, onnx_attention_rules.RULES, node, depth=0))
         logger.info("fused %d attention cores", count)
-        return ir.passes.PassResult(model, modified=bool(count))
+        return ir.passes.PassResult(model, modified=bool(count or masked))

@@ -239,3 +239,52 @@ class MoEGPT(GPT):
 def moe_gpt():
     torch.manual_seed(0)
     return MoEGPT().eval()
+
+
+# --- scores masked by selection ----------------------------------------------------------------
+class SelectAttn(nn.Module):
+    """Explicit attention whose causal mask selects instead of adding (``style``):
+
+    - ``masked_fill``: ``scores.masked_fill(mask == 0, -inf)`` (mask 1 = attend);
+    - ``where_min``: ``torch.where(keep, scores, finfo.min)``;
+    - ``bias_and_select``: an ALiBi-like additive bias, then ``masked_fill`` (both at once).
+    """
+
+    def __init__(self, d, h, style):
+        super().__init__()
+        self.h, self.hs, self.style = h, d // h, style
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.register_buffer("slopes", torch.tensor([2.0 ** -(i + 1) for i in range(h)]))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.h, self.hs).transpose(1, 2) for t in (q, k, v))
+        scores = q @ k.transpose(-2, -1) / self.hs**0.5  # (B, nh, T, T)
+        pos = torch.arange(T)
+        keep = pos[None, :] <= pos[:, None]  # (T, T) causal
+        if self.style == "bias_and_select":
+            scores = scores + self.slopes[:, None, None] * (pos[None, :] - pos[:, None])
+        if self.style == "where_min":
+            scores = torch.where(keep, scores, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores.masked_fill(keep.to(torch.int64) == 0, float("-inf"))
+        y = torch.softmax(scores, dim=-1) @ v
+        return self.o(y.transpose(1, 2).reshape(B, T, C))
+
+
+class SelectBlock(Block):
+    def __init__(self, d, h, style):
+        super().__init__(d, h)
+        self.attn = SelectAttn(d, h, style)
+
+
+class SelectGPT(GPT):
+    def __init__(self, style, vocab=64, d=32, h=4, layers=2, n_pos=64):
+        super().__init__(vocab, d, h, layers, None, n_pos)
+        self.blocks = nn.ModuleList(SelectBlock(d, h, style) for _ in range(layers))
+
+
+def select_gpt(style: str):
+    torch.manual_seed(0)
+    return SelectGPT(style).eval()

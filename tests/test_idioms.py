@@ -148,3 +148,40 @@ def test_a_softmax_over_keys_is_still_a_candidate():
     gate, keys = (n for n in model.graph if n.op_type == "Softmax")
     assert is_gating_softmax(gate)
     assert not is_gating_softmax(keys)
+
+
+@pytest.mark.parametrize("style", ["masked_fill", "where_min", "bias_and_select"])
+def test_selection_masks_fuse_and_cache(style, tmp_path):
+    """``masked_fill(mask == 0, -inf)`` / ``where(keep, scores, min)`` before the softmax (also
+    on top of an additive bias) fuse, are classified causal, and KV-cache."""
+    source = from_module(idiom_models.select_gpt(style), origin=f"idiom:select_gpt:{style}")
+    result = tfgraph.export(source, tmp_path / "art", kv_cache=True)
+    attention = result.report["fusions"]["attention"]
+    assert (attention["fused"], attention["total"]) == (2, 2), attention["missed"]
+    assert result.passed and result.report["parity"]["decode"]["passed"]
+    model = ir.load(tmp_path / "art" / "model.onnx")
+    gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == 2 and all(n.attributes["causal"].value == 1 for n in gqa)
+    decoder = CachedDecoder(Session(tmp_path / "art"))
+    assert compare_greedy(source, decoder, PROMPTS, 6).passed
+
+
+def test_an_additive_minus_10000_is_not_a_selection():
+    """Rejection: ``Where(keep, s, -10000)`` is not turned into an additive mask (adding
+    −10000 is not selecting); the reason names the fill."""
+    from onnxscript.rewriter import RewriteRuleSet
+
+    from tfgraph.passes.attention_rules import MASK_RULES
+    from tfgraph.passes.rewrite_utils import apply_rules
+
+    model = ir.from_onnx_text("""
+    <ir_version: 10, opset_import: ["" : 20]>
+    g (float[2, 3] s, bool[2, 3] keep) => (float[2, 3] p) {
+        fill = Constant <value = float {-10000.0}> ()
+        m = Where (keep, s, fill)
+        p = Softmax <axis: int = -1> (m)
+    }
+    """)
+    assert apply_rules(model, RewriteRuleSet(MASK_RULES)) == 0
+    minus_inf = ir.from_onnx_text(ir.to_onnx_text(model).replace("-10000", "-inf"))
+    assert apply_rules(minus_inf, RewriteRuleSet(MASK_RULES)) == 1
