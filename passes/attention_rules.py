@@ -13,8 +13,10 @@ Core form (every exporter form seen: explicit math, SDPA's decomposition, HF eag
     Kᵀ ─► [Mul(·, c_k)] ┘                    (HF: Where(IsNaN(p), 0, p) after it) ──────────┤
     V ──────────────────────────────────────────────────────────────────────────── MatMul ─► Y
 
-``scale = c_q · c_k · (1/c or c)`` (1 when there is none: T5). K is ``Transpose(Kᵀ)``; the
-layout rules below cancel it against the transposes that produced Kᵀ, and absorb the
+``scale = c_q · c_k · (1/c or c)`` (1 when there is none: T5). Soft-capped scores
+(``cap · tanh(scores / cap)`` after the scale, before the bias: Gemma 2) give ``softcap``.
+K is ``Transpose(Kᵀ)``; the layout rules below cancel it against the transposes that produced
+Kᵀ, and absorb the
 ``repeat_interleave`` that expands KV heads for GQA/MQA.
 
 Rejections (``check`` reasons): Softmax not over the last axis; scale factors not constant
@@ -48,7 +50,7 @@ class AttentionRule(pattern.RewriteRuleClassBase):
         super().__init__(name)
         self._with_bias, self._nan_guard = with_bias, nan_guard
 
-    def pattern(self, op, q, c_q, kt, c_k, extra, c, bias, v, zero):
+    def pattern(self, op, q, c_q, kt, c_k, extra, c, cap_in, cap_out, bias, v, zero):
         qs = pattern.OrValue([op.Mul(q, c_q), q], tag_var="q_scaled", tag_values=[True, False])
         kts = pattern.OrValue([op.Mul(kt, c_k), kt], tag_var="k_scaled", tag_values=[True, False])
         scores = op.MatMul(qs, kts)
@@ -60,6 +62,15 @@ class AttentionRule(pattern.RewriteRuleClassBase):
             tag_var="scale_op",
             tag_values=["div", "mul", "none"],
         )
+        scores = pattern.OrValue(  # soft-capping (Gemma 2): cap · tanh(scores / cap)
+            [
+                op.Mul(op.Tanh(op.Div(scores, cap_in)), cap_out),
+                op.Mul(op.Tanh(op.Mul(scores, cap_in)), cap_out),
+                scores,
+            ],
+            tag_var="softcap_op",
+            tag_values=["div", "mul", "none"],
+        )
         if self._with_bias:
             scores = op.Add(scores, bias)
         probs = op.Softmax(scores, _outputs=["probs"])
@@ -67,8 +78,19 @@ class AttentionRule(pattern.RewriteRuleClassBase):
             probs = op.Where(op.IsNaN(probs), zero, probs)
         return op.MatMul(probs, v)
 
-    def check(self, context, q, kt, v, probs, q_scaled, k_scaled, scale_op, has_extra, **kw):
+    def check(
+        self, context, q, kt, v, probs, q_scaled, k_scaled, scale_op, has_extra, softcap_op, **kw
+    ):
         result = pattern.MatchResult()
+        self._softcap = 0.0
+        if softcap_op != "none":
+            inner, outer = scalar(kw["cap_in"]), scalar(kw["cap_out"])
+            if inner is None or outer is None or outer <= 0:
+                return result.fail("the soft-cap is not a positive constant scalar", kw["cap_out"])
+            want = outer if softcap_op == "div" else 1.0 / outer
+            if abs(inner - want) > 1e-6 * abs(want):
+                return result.fail("tanh's input is not scaled by 1/cap of its output", q)
+            self._softcap = float(outer)
         if has_extra and (q_scaled or k_scaled):
             return result.fail("an extra score term with Q or K pre-scaled", q)
         axis = probs.producer().attributes.get_int("axis", -1)
@@ -110,6 +132,7 @@ class AttentionRule(pattern.RewriteRuleClassBase):
             kv_num_heads=kt.shape[1],
             scale=float(self._scale),
             bias_kind="additive" if bias is not None else "none",
+            softcap=self._softcap,
         )
         return spec.make(op, *inputs)
 

@@ -10,7 +10,8 @@ reads them (``AttentionOp.read(node)``). Nothing else spells their attributes.
   ``top_left`` (iff j ≤ i); ``window`` (0: none; else key j also masked when
   (i + S − T) − j ≥ window); ``bias_kind``: ``none``, ``additive``, ``alibi``, ``relative``,
   ``padding``; ``cached``: K and V are ``Concat(past, new, axis=2)`` made by the KV-cache pass
-  (a target with an appending kernel takes past and new apart).
+  (a target with an appending kernel takes past and new apart); ``softcap`` (0: none; else
+  the scaled scores become ``softcap · tanh(scores / softcap)`` before the mask and bias).
 - ``tfgraph.LayerNorm(x[, γ[, β]])`` and ``tfgraph.RMSNorm(x[, γ])`` over the last axis, with
   ``epsilon``.
 - ``tfgraph.Gelu(x)`` with ``approximate`` ``none`` (erf) or ``tanh``.
@@ -70,6 +71,7 @@ class AttentionOp(_Canonical):
     window: int = 0
     bias_kind: str = "none"
     cached: bool = False
+    softcap: float = 0.0
 
     @property
     def group(self) -> int:
@@ -101,6 +103,7 @@ class AttentionOp(_Canonical):
             window=attrs.get_int("window", 0),
             bias_kind=attrs.get_string("bias_kind", "none"),
             cached=bool(attrs.get_int("cached", 0)),
+            softcap=attrs.get_float("softcap", 0.0),
         )
 
 

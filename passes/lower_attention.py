@@ -326,6 +326,8 @@ class AttentionBuilder:
             "scale": spec.scale,
             "causal": int(spec.causal),
         }
+        if spec.softcap:
+            attrs["softcap"] = spec.softcap  # measured: tanh before the mask, as canonical
         if window:
             attrs["local_window_size"] = window  # measured: same semantics as our window
         inputs = [
@@ -366,6 +368,8 @@ class AttentionBuilder:
             "scale": spec.scale,
             "causal": 1,
         }
+        if spec.softcap:
+            attrs["softcap"] = spec.softcap
         if spec.window:
             attrs["local_window_size"] = spec.window
         inputs = [
@@ -419,6 +423,8 @@ class AttentionBuilder:
             mask = self.full_mask(bias, spec, causal=spec.causal, window=spec.window)
         inputs = [self.q, self.k, v] + ([mask] if mask is not None else [])
         attrs = {"scale": spec.scale, "is_causal": int(native)}
+        if spec.softcap:
+            attrs["softcap"] = spec.softcap
         return self.tape.op("Attention", inputs, attrs)
 
     def decomposed(self, v: ir.Value, bias: ir.Value | None, spec: AttentionOp) -> ir.Value:
@@ -429,6 +435,11 @@ class AttentionBuilder:
             q = tape.op("Mul", [q, self.scalar("scale", spec.scale)])
         k = tape.op("Transpose", [self.expand_heads(self.k, spec, "k")], {"perm": [0, 1, 3, 2]})
         scores = tape.op("MatMul", [q, k])  # (B, Hq, T, S)
+        if spec.softcap:
+            inner = tape.op("Mul", [scores, self.scalar("inv_softcap", 1.0 / spec.softcap)])
+            scores = tape.op(
+                "Mul", [tape.op("Tanh", [inner]), self.scalar("softcap", spec.softcap)]
+            )
         mask = self.causal_window_mask(spec, causal=spec.causal, window=spec.window)
         if mask is not None and bias is not None:
             mask = tape.op("Add", [bias, mask])

@@ -288,3 +288,58 @@ class SelectGPT(GPT):
 def select_gpt(style: str):
     torch.manual_seed(0)
     return SelectGPT(style).eval()
+
+
+# --- soft-capped scores (Gemma 2) --------------------------------------------------------------
+class SoftcapAttn(nn.Module):
+    """``cap · tanh(scale·Q·Kᵀ / cap)``, then a causal mask, with a sliding window of
+    ``window`` keys when given (Gemma 2 alternates windowed and global layers)."""
+
+    def __init__(self, d, h, kv, cap, window):
+        super().__init__()
+        self.h, self.kv, self.hs, self.cap, self.window = h, kv, d // h, cap, window
+        self.q = nn.Linear(d, d, bias=False)
+        self.k = nn.Linear(d, kv * self.hs, bias=False)
+        self.v = nn.Linear(d, kv * self.hs, bias=False)
+        self.o = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q = self.q(x).view(B, T, self.h, self.hs).transpose(1, 2) * self.hs**-0.5
+        k = self.k(x).view(B, T, self.kv, self.hs).transpose(1, 2)
+        v = self.v(x).view(B, T, self.kv, self.hs).transpose(1, 2)
+        k = k.repeat_interleave(self.h // self.kv, dim=1)  # (B, nh, T, hs)
+        v = v.repeat_interleave(self.h // self.kv, dim=1)
+        scores = torch.tanh((q @ k.transpose(-2, -1)) / self.cap) * self.cap
+        pos = torch.arange(T)
+        behind = pos[:, None] - pos[None, :]
+        masked = behind < 0
+        if self.window:
+            masked = masked | (behind >= self.window)
+        scores = scores + torch.where(masked, torch.finfo(scores.dtype).min, 0.0)
+        y = torch.softmax(scores, dim=-1) @ v
+        return self.o(y.transpose(1, 2).reshape(B, T, C))
+
+
+class SoftcapBlock(Block):
+    def __init__(self, d, h, window):
+        super().__init__(d, h)
+        self.attn = SoftcapAttn(d, h, kv=2, cap=5.0, window=window)
+
+
+class SoftcapGPT(GPT):
+    """4 layers: windowed (3 keys) and global in turn, head size 8, GQA 4:2."""
+
+    def __init__(self, vocab=64, d=32, h=4, layers=4, n_pos=64):
+        super().__init__(vocab, d, h, layers, None, n_pos)
+        windows = [3 if i % 2 == 0 else 0 for i in range(layers)]
+        self.blocks = nn.ModuleList(SoftcapBlock(d, h, w) for w in windows)
+
+
+def softcap_gpt():
+    torch.manual_seed(0)
+    model = SoftcapGPT().eval()
+    with torch.no_grad():  # scores large enough for the cap to matter
+        for block in model.blocks:
+            block.attn.q.weight.mul_(4.0)
+    return model

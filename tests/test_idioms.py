@@ -185,3 +185,58 @@ def test_an_additive_minus_10000_is_not_a_selection():
     assert apply_rules(model, RewriteRuleSet(MASK_RULES)) == 0
     minus_inf = ir.from_onnx_text(ir.to_onnx_text(model).replace("-10000", "-inf"))
     assert apply_rules(minus_inf, RewriteRuleSet(MASK_RULES)) == 1
+
+
+@pytest.mark.parametrize("target", ["ort", "onnx", "tensorrt"])
+def test_softcapped_scores_with_alternating_windows_fuse_and_cache(target, tmp_path):
+    """Gemma 2's ``cap · tanh(scores / cap)`` before the mask, windowed and global layers in
+    turn: fused into ``softcap`` (GroupQueryAttention's and Attention-23's attribute, or tanh in
+    the standard ops), cached, greedy tokens equal to eager."""
+    source = from_module(idiom_models.softcap_gpt(), origin="idiom:softcap_gpt")
+    result = tfgraph.export(source, tmp_path / "art", profile=target, kv_cache=True)
+    attention = result.report["fusions"]["attention"]
+    assert (attention["fused"], attention["total"]) == (4, 4), attention["missed"]
+    assert result.passed and result.report["parity"]["decode"]["passed"]
+    model = ir.load(tmp_path / "art" / "model.onnx")
+    if target == "ort":
+        gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+        assert [n.attributes["softcap"].value for n in gqa] == [5.0] * 4
+        windows = [n.attributes.get_int("local_window_size", -1) for n in gqa]
+        assert windows == [3, -1, 3, -1]
+    decoder = CachedDecoder(Session(tmp_path / "art"))
+    assert compare_greedy(source, decoder, PROMPTS, 6).passed
+
+
+def test_a_tanh_not_scaled_by_its_cap_is_not_a_softcap():
+    """Rejection: ``5 · tanh(scores / 4)`` is not a soft-cap; attention stays unfused, and the
+    report says why."""
+    from tfgraph.fusions import count_fusions
+    from tfgraph.pipeline import run_pipeline
+    from tfgraph.trace import trace
+
+    model = idiom_models.softcap_gpt()
+    for block in model.blocks:  # tanh(s / 4) · 5
+        block.attn.forward = _broken_cap(block.attn)
+    traced = trace(from_module(model, origin="idiom:broken_cap"))
+    run_pipeline(traced, "default")
+    attention = count_fusions(traced)["attention"]
+    assert attention["fused"] == 0 and attention["total"] == 4
+    reasons = {m["reason"] for m in attention["missed"]}
+    assert reasons == {"tanh's input is not scaled by 1/cap of its output"}, reasons
+
+
+def _broken_cap(attn):
+    import torch
+
+    def forward(x):
+        B, T, C = x.shape
+        q = attn.q(x).view(B, T, attn.h, attn.hs).transpose(1, 2) * attn.hs**-0.5
+        k = attn.k(x).view(B, T, attn.kv, attn.hs).transpose(1, 2)
+        v = attn.v(x).view(B, T, attn.kv, attn.hs).transpose(1, 2)
+        k = k.repeat_interleave(attn.h // attn.kv, dim=1)
+        v = v.repeat_interleave(attn.h // attn.kv, dim=1)
+        scores = torch.tanh((q @ k.transpose(-2, -1)) / 4.0) * 5.0
+        y = torch.softmax(scores, dim=-1) @ v
+        return attn.o(y.transpose(1, 2).reshape(B, T, C))
+
+    return forward

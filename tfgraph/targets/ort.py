@@ -71,6 +71,9 @@ def lower_attention(case: AttentionCase) -> Lowered:
         return Lowered(build.gqa_past(cached, case.bias, spec), "GroupQueryAttention (past)")
     if gqa_ok and case.self_attention and (spec.causal or spec.window or case.bias is not None):
         return Lowered(build.gqa(case.v, case.bias, spec), "GroupQueryAttention")
+    if spec.softcap:  # MultiHeadAttention has no softcap: the standard ops, reported
+        reason = "MultiHeadAttention has no softcap, and GroupQueryAttention does not apply here"
+        return Lowered(build.decomposed(case.v, case.bias, spec), "decomposed", reason)
     mask = build.full_mask(case.bias, spec, causal=spec.causal, window=spec.window)
     return Lowered(build.mha(case.v, mask, spec), "MultiHeadAttention")
 
