@@ -177,7 +177,7 @@ class Session:
                 )
             chosen.append(PROVIDERS[name])
         options = ort.SessionOptions()
-        options.log_severity_level = 3
+        options.log_severity_level = 4  # errors come back as one line (_run)
         if not optimize:
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         if threads:
@@ -308,7 +308,7 @@ class Session:
                 binding.bind_ortvalue_output(port.name, cache.values[past])  # appended in place
             else:
                 binding.bind_output(port.name, "cpu")
-        self._session.run_with_iobinding(binding)
+        self._run(lambda: self._session.run_with_iobinding(binding))
         values = binding.get_outputs()
         outputs = {p.key: v for p, v in zip(self.signature.outputs, values, strict=True)}
         if shared:
@@ -337,10 +337,24 @@ class Session:
                 binding.bind_cpu_input(name, np.ascontiguousarray(value))
             for name in self.output_names:
                 binding.bind_output(name, "cpu")
-            self._session.run_with_iobinding(binding)
+            self._run(lambda: self._session.run_with_iobinding(binding))
             return dict(zip(self.output_names, binding.get_outputs(), strict=True))
-        outputs = self._session.run(None, feeds)
+        outputs = self._run(lambda: self._session.run(None, feeds))
         return dict(zip(self.output_names, outputs, strict=True))
+
+    def _run(self, run):
+        """ONNX Runtime's own refusals (an index outside a table, a shape its kernel rejects)
+        as one line that names the model, not a traceback."""
+        try:
+            return run()
+        except Exception as exc:
+            if type(exc).__module__.split(".")[0] != "onnxruntime":
+                raise
+            hint = " (token ids must be below the vocabulary size)" if "Gather" in str(exc) else ""
+            raise TfgraphError(
+                f"ONNX Runtime could not run '{self.path}': {first_line(exc)}; check the "
+                f"inputs{hint}"
+            ) from exc
 
     def check_input(self, name: str, value: object) -> np.ndarray:
         """``value`` as the numpy array input ``name`` takes: dtype cast within its kind; rank,

@@ -343,3 +343,15 @@ def softcap_gpt():
         for block in model.blocks:
             block.attn.q.weight.mul_(4.0)
     return model
+
+
+def short_gpt():
+    """A zoo decoder with 16 learned positions: fewer than the default parity shapes' 33."""
+    from tfgraph.models.config import ModelConfig
+    from tfgraph.models.presets import build
+
+    return build(
+        ModelConfig(
+            family="decoder", vocab_size=64, d_model=32, n_layers=1, n_heads=2, max_seq_len=16
+        )
+    )

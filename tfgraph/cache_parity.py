@@ -67,7 +67,11 @@ def check_cache_parity(
         got, _ = decoder.step(tokens, decoder.empty_cache(batch, tokens.shape[1]), mask, extra)
         row = compare(name, got, _eager_logits(source, inputs, name), tolerance)
         cases.append({"phase": "prefill", "batch": batch, "sequence": tokens.shape[1], **row})
-    inputs = source.inputs(DECODE_BATCH, DECODE_PROMPT + DECODE_STEPS + 2, seed=seed + 7)
+    length = DECODE_PROMPT + DECODE_STEPS + 2
+    limit = source.info.get("max_positions")
+    if limit:  # within the model's positions (the prompt shrinks to fit)
+        length = min(length, limit)
+    inputs = source.inputs(DECODE_BATCH, length, seed=seed + 7)
     tokens, extra = _split(source, decoder, inputs)
     prompt = min(DECODE_PROMPT, tokens.shape[1] - DECODE_STEPS)
     cache = decoder.empty_cache(DECODE_BATCH, prompt + DECODE_STEPS)

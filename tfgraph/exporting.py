@@ -80,6 +80,7 @@ def export(
     check_target(out_dir)  # before any slow work
     if opset is None:
         opset = target.opset
+    check_opset(opset)
     timings: dict[str, float] = {}
 
     def step(name: str, fn, *args, **kwargs):
@@ -154,6 +155,7 @@ def export(
             encoder=encoder,
         )
         write_json(stage / "manifest.json", manifest)  # the runner reads it
+        parity_shapes = _within(parity_shapes, source.info.get("max_positions"))
         parity = step(
             "parity",
             check_cache_parity if kv_cache else check_parity,
@@ -177,6 +179,29 @@ def export(
         }
         write_json(stage / "report.json", report)
     return ExportResult(out_dir, manifest, report)
+
+
+def _within(shapes, max_positions: int | None):
+    """Parity shapes inside the model's position limit (a model with 16 learned positions is
+    checked at 16, not at the default 33)."""
+    if not max_positions:
+        return shapes
+    return tuple((batch, min(seq, max_positions)) for batch, seq in shapes)
+
+
+MIN_OPSET = 18  # torch.onnx's dynamo exporter emits nothing older
+
+
+def check_opset(opset: int) -> None:
+    """Refuse an opset the exporter cannot write (instead of a silent conversion)."""
+    import onnx
+
+    newest = onnx.defs.onnx_opset_version()
+    if not MIN_OPSET <= opset <= newest:
+        raise TfgraphError(
+            f"--opset {opset} is not supported: choose {MIN_OPSET} to {newest} "
+            f"(torch.onnx's exporter starts at {MIN_OPSET}; this onnx knows up to {newest})"
+        )
 
 
 def _trace(source: ModelSource, opset: int):
