@@ -349,7 +349,12 @@ def _from_hf_dir(
     cls = getattr(transformers, arch, None) if arch else None
     if cls is None:
         cls = transformers.AutoModel
-    model = _load_hf_weights(cls, path, trust_remote_code, attn_implementation)
+    # Mixture-of-experts layers: the library's default ``grouped_mm`` experts do not trace
+    # (torch.onnx: "No ONNX function found for transformers.grouped_mm_fallback"); the eager
+    # one loops over the experts hit (data-dependent); batched_mm gathers each token's experts
+    # and traces. All three compute the same function.
+    experts = {"experts_implementation": "batched_mm"} if _has_experts(config) else {}
+    model = _load_hf_weights(cls, path, trust_remote_code, attn_implementation, experts)
     vocab = config.vocab_size
     is_lm = (arch or "").endswith(("LMHeadModel", "ForCausalLM"))
     if config.is_encoder_decoder:
@@ -382,6 +387,14 @@ def _from_hf_dir(
             "hf_architecture": arch,
             "model_type": config.model_type,
             "attn_implementation": getattr(model.config, "_attn_implementation", None),
+            **(
+                {
+                    "experts_implementation": "batched_mm",
+                    "experts_note": "grouped_mm does not trace, nor eager (a loop over hit experts)",
+                }
+                if experts
+                else {}
+            ),
         }
     )
     limit = max_positions(config)
@@ -406,12 +419,23 @@ def _refuse_remote_code(path: Path, trust_remote_code: bool) -> None:
         )
 
 
-def _load_hf_weights(cls, path: Path, trust_remote_code: bool, attn_implementation: str | None):
+def _has_experts(config) -> bool:
+    """A mixture-of-experts config whose experts implementation can be chosen."""
+    return hasattr(config, "_experts_implementation") and any(
+        getattr(config, a, None)
+        for a in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+    )
+
+
+def _load_hf_weights(
+    cls, path: Path, trust_remote_code: bool, attn_implementation: str | None, experts: dict
+):
     """``cls.from_pretrained`` from local files only. safetensors are preferred; a
     ``pytorch_model.bin`` loads through transformers' ``torch.load(weights_only=True)``, so a
     pickle that would run code is refused, not executed."""
     logger.info("loading %s from %s", cls.__name__, path)
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    extra.update(experts)
     safetensors = any(path.glob("*.safetensors"))
     if not safetensors:
         logger.info("no safetensors in %s: loading pytorch_model.bin with weights_only", path)
