@@ -390,7 +390,7 @@ def _from_hf_dir(
             **(
                 {
                     "experts_implementation": "batched_mm",
-                    "experts_note": "grouped_mm does not trace, nor eager (a loop over hit experts)",
+                    "experts_note": "grouped_mm does not trace, nor eager (loops over experts)",
                 }
                 if experts
                 else {}
