@@ -31,8 +31,16 @@ RMS_NORMALIZATION = (10, 15)  # first TensorRT whose parser takes RMSNormalizati
 FUSED_AS = "MatMul-Softmax-MatMul (TensorRT fuses it)"
 
 
+SOFTCAP_MISS = (
+    "soft-capped scores put a tanh between the MatMuls, which TensorRT's MHA fusion is not "
+    "known to take (not verified here)"
+)
+
+
 def lower_attention(case: AttentionCase) -> Lowered:
     y = case.build.decomposed(case.v, case.bias, case.spec)
+    if case.spec.softcap:
+        return Lowered(y, "decomposed", missed=SOFTCAP_MISS)
     return Lowered(y, "decomposed", fused_as=FUSED_AS)
 
 
