@@ -50,9 +50,6 @@ class _Canonical:
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
 
-    def matches(self, node: ir.Node) -> bool:
-        return is_canonical(node, self.OP)
-
 
 def _attr_value(value):
     return int(value) if isinstance(value, bool) else value
@@ -141,6 +138,3 @@ class GeluOp(_Canonical):
     @classmethod
     def read(cls, node: ir.Node) -> GeluOp:
         return cls(approximate=node.attributes.get_string("approximate", "none"))
-
-
-CANONICAL_OPS = {c.OP: c for c in (AttentionOp, LayerNormOp, RMSNormOp, GeluOp)}

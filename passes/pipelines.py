@@ -82,8 +82,6 @@ PIPELINES: dict[str, Callable[..., list[ir.passes.PassBase]]] = {
     "cleanup": _cleanup,
     "default": _default,
 }
-# pipelines that take options (the others fuse nothing a KV cache could attach to)
-_WITH_OPTIONS = {"default": _default}
 
 
 def build_pipeline(
@@ -91,13 +89,13 @@ def build_pipeline(
 ) -> list[ir.passes.PassBase]:
     """A fresh list of pass instances for ``target`` (a :class:`tfgraph.targets.Target` or a
     name); ``KeyError`` for an unknown pipeline or target, ``ValueError`` for options the
-    pipeline cannot take."""
+    pipeline cannot take (only ``default`` fuses attention a KV cache can attach to)."""
     options = options or PipelineOptions()
     if name not in PIPELINES:
         raise KeyError(name)
     target = _target(target)
-    if name in _WITH_OPTIONS and PIPELINES[name] is _WITH_OPTIONS[name]:
-        return _WITH_OPTIONS[name](target, options)
+    if name == "default":
+        return _default(target, options)
     if options.kv_cache:
         raise ValueError(f"the KV cache needs fused attention; pipeline '{name}' fuses none")
     return PIPELINES[name](target)

@@ -30,10 +30,6 @@ from .canonical import AttentionOp, is_canonical
 
 logger = logging.getLogger(__name__)
 
-PAST_LENGTH = contract.PAST_LENGTH_NAME
-BUFFER_DIM = contract.BUFFER_DIM
-SHARED_KEY = contract.KV_LAYOUT_KEY  # model metadata: "shared" when this pass applied
-
 
 def _is_length_shape(node: ir.Node) -> bool:
     return (
@@ -83,19 +79,23 @@ class ShareKVBufferPass(ir.passes.InPlacePass):
                     logger.info("KV cache stays copying: %s is read by %s", past.name, node.op_type)
                     return ir.passes.PassResult(model, modified=False)
         length = ir.Value(
-            name=PAST_LENGTH, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([1])
+            name=contract.PAST_LENGTH_NAME,
+            type=ir.TensorType(ir.DataType.INT64),
+            shape=ir.Shape([1]),
         )
         graph.inputs.append(length)
-        contract.set_role(model, PAST_LENGTH, contract.PAST_LENGTH)
+        contract.set_role(model, contract.PAST_LENGTH_NAME, contract.PAST_LENGTH)
         for node in shapes:
             node.outputs[0].replace_all_uses_with(length)
             graph.remove(node, safe=True)
         for past in pasts:
-            past.shape = ir.Shape([*past.shape[:2], BUFFER_DIM, *past.shape[3:]])
+            past.shape = ir.Shape([*past.shape[:2], contract.BUFFER_DIM, *past.shape[3:]])
         for node in set(gqa):
             for present in node.outputs[1:3]:
                 if present.shape is not None and len(present.shape) == 4:
-                    present.shape = ir.Shape([*present.shape[:2], BUFFER_DIM, present.shape[3]])
-        model.metadata_props[SHARED_KEY] = "shared"
+                    present.shape = ir.Shape(
+                        [*present.shape[:2], contract.BUFFER_DIM, present.shape[3]]
+                    )
+        model.metadata_props[contract.KV_LAYOUT_KEY] = "shared"  # the layout, for the manifest
         logger.info("KV cache: %d buffers shared by past and present", len(pasts))
         return ir.passes.PassResult(model, modified=True)

@@ -98,22 +98,23 @@ class CachedDecoder:
             self.encoder_inputs = [p.name for p in self.encoder.signature.inputs]
         self.max_positions = session.max_positions  # None: the artifact states no limit
 
+    def _all_inputs(self) -> list:
+        """The step graph's inputs and, for a split encoder-decoder, the encoder's."""
+        encoder = self.encoder.signature.inputs if self.encoder is not None else ()
+        return [*self.session.signature.inputs, *encoder]
+
     @property
     def seq2seq(self) -> bool:
         """An encoder-decoder artifact: prompts feed the encoder, the decoder starts afresh."""
-        ports = [*self.session.signature.inputs]
-        if self.encoder is not None:
-            ports += self.encoder.signature.inputs
-        return self.encoder is not None or any(p.role == contract.ENCODER_TOKEN_IDS for p in ports)
+        return self.encoder is not None or any(
+            p.role == contract.ENCODER_TOKEN_IDS for p in self._all_inputs()
+        )
 
     def encoder_feeds(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
         """Encoder-decoder generation: the left-padded prompts and their padding mask, by the
         names the encoder (and the step graph) give the encoder's tokens and mask."""
-        ports = [*self.session.signature.inputs]
-        if self.encoder is not None:
-            ports += self.encoder.signature.inputs
         feeds = {}
-        for port in ports:
+        for port in self._all_inputs():
             if port.role == contract.ENCODER_TOKEN_IDS:
                 feeds[port.name] = ids
             elif port.role == contract.ENCODER_ATTENTION_MASK:

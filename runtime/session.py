@@ -197,7 +197,6 @@ class Session:
         self.output_names = [o.name for o in self._session.get_outputs()]
         self._input_types = {i.name: i.type for i in self._session.get_inputs()}
         self._input_shapes = {i.name: i.shape for i in self._session.get_inputs()}
-        self._output_types = {o.name: o.type for o in self._session.get_outputs()}
         self.signature = self._read_signature()
         self._device = "cuda" if chosen[0] == PROVIDERS["cuda"] else "cpu"
         self._optimize = optimize
@@ -221,30 +220,17 @@ class Session:
             stated = contract.signature_from_manifest(self.manifest, self.path.name)
             if stated is not None:
                 return stated
+
+        def triples(values):
+            return [
+                (v.name, v.type, [d if isinstance(d, int) else str(d) for d in v.shape])
+                for v in values
+            ]
+
         meta = self._session.get_modelmeta().custom_metadata_map
-        roles = contract.read_roles(meta)
-        if not roles:
-            dtypes = {i.name: i.type for i in self._session.get_inputs()}
-            roles = {
-                **contract.infer_input_roles(self.input_names, dtypes),
-                **contract.infer_output_roles(self.output_names),
-            }
-
-        def ports(values, default):
-            out = []
-            for v in values:
-                role, layer = roles.get(v.name, (default, None))
-                shape = [d if isinstance(d, int) else str(d) for d in v.shape]
-                out.append(contract.Port(v.name, role, layer, v.type, shape))
-            return tuple(out)
-
-        inputs = ports(self._session.get_inputs(), contract.INPUT)
-        outputs = ports(self._session.get_outputs(), contract.OUTPUT)
-        layout = None
-        if any(p.role in _PAST_ROLES for p in inputs):
-            shared = meta.get(contract.KV_LAYOUT_KEY) == "shared"
-            layout = {"kind": "shared" if shared else "concat"}
-        return contract.Signature(inputs, outputs, layout)
+        return contract.build_signature(
+            triples(self._session.get_inputs()), triples(self._session.get_outputs()), meta
+        )
 
     @property
     def ort_session(self):

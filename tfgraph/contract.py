@@ -36,7 +36,7 @@ place; ``past_length`` says how many positions are filled).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -60,22 +60,7 @@ HIDDEN_STATES = "hidden_states"
 PRESENT_KEY, PRESENT_VALUE = "present_key", "present_value"
 OUTPUT = "output"
 
-INPUT_ROLES = (
-    TOKEN_IDS,
-    ATTENTION_MASK,
-    POSITION_IDS,
-    ENCODER_TOKEN_IDS,
-    ENCODER_ATTENTION_MASK,
-    INPUT,
-    PAST_KEY,
-    PAST_VALUE,
-    PAST_LENGTH,
-    CROSS_KEY,
-    CROSS_VALUE,
-)
-OUTPUT_ROLES = (LOGITS, HIDDEN_STATES, PRESENT_KEY, PRESENT_VALUE, CROSS_KEY, CROSS_VALUE, OUTPUT)
 GENERIC_ROLES = frozenset({INPUT, OUTPUT})
-LAYER_ROLES = frozenset({PAST_KEY, PAST_VALUE, PRESENT_KEY, PRESENT_VALUE, CROSS_KEY, CROSS_VALUE})
 PRESENT_OF = {PAST_KEY: PRESENT_KEY, PAST_VALUE: PRESENT_VALUE}
 
 # Names the exporter gives to the tensors it adds (the roles above say what they are).
@@ -162,9 +147,6 @@ class Signature:
     def inputs_with(self, *roles: str) -> list[Port]:
         return [p for p in self.inputs if p.role in roles]
 
-    def outputs_with(self, *roles: str) -> list[Port]:
-        return [p for p in self.outputs if p.role in roles]
-
     @property
     def cache_layers(self) -> list[int]:
         return sorted({p.layer for p in self.inputs if p.role in (PAST_KEY, PAST_VALUE)})
@@ -219,10 +201,6 @@ def drop_roles(model: ir.Model, names: Iterable[str]) -> None:
     write_roles(model, roles)
 
 
-def role_of(model: ir.Model, name: str) -> tuple[str, int | None] | None:
-    return read_roles(model.metadata_props).get(name)
-
-
 def names_with_role(model: ir.Model, *roles: str) -> list[str]:
     """Graph inputs and outputs of ``model`` that have one of ``roles``, in graph order (roles
     inferred for a graph that states none)."""
@@ -275,16 +253,15 @@ def describe_value(value: ir.Value) -> dict:
     return {"name": value.name, "dtype": dtype, "shape": shape}
 
 
-def kv_layout_of(model: ir.Model) -> dict | None:
-    """The KV layout of a graph with past inputs (``None`` without a cache)."""
-    roles = read_roles(model.metadata_props)
-    pasts = [n for n, (r, _) in roles.items() if r in PRESENT_OF]
-    present = {(r, layer): n for n, (r, layer) in roles.items() if r in PRESENT_OF.values()}
-    graph_inputs = {v.name for v in model.graph.inputs}
-    pasts = [n for n in pasts if n in graph_inputs]
+def kv_layout(metadata: Mapping[str, str], input_names: Iterable[str]) -> dict | None:
+    """The KV layout a graph's metadata states for its past inputs (``None`` without a cache)."""
+    roles = read_roles(metadata)
+    names = set(input_names)
+    pasts = [n for n, (r, _) in roles.items() if r in PRESENT_OF and n in names]
     if not pasts:
         return None
-    shared = model.metadata_props.get(KV_LAYOUT_KEY) == "shared"
+    present = {(r, layer): n for n, (r, layer) in roles.items() if r in PRESENT_OF.values()}
+    shared = metadata.get(KV_LAYOUT_KEY) == "shared"
     aliases = {}
     for name in pasts:
         role, layer = roles[name]
@@ -300,26 +277,38 @@ def kv_layout_of(model: ir.Model) -> dict | None:
     }
 
 
-def signature_of(model: ir.Model) -> Signature:
-    """The graph's inputs and outputs with the roles its metadata states; a graph without
-    stated roles (not written by tfgraph) gets the inferred ones."""
-    stated = read_roles(model.metadata_props)
+def build_signature(
+    inputs: Sequence[tuple[str, str | None, list | None]],
+    outputs: Sequence[tuple[str, str | None, list | None]],
+    metadata: Mapping[str, str],
+) -> Signature:
+    """A signature from ``(name, dtype, shape)`` triples and the graph's metadata: the roles it
+    states, else (a graph not written by tfgraph) the inferred ones."""
+    stated = read_roles(metadata)
     if not stated:
-        dtypes = {v.name: str(v.dtype).lower() for v in model.graph.inputs}
         stated = {
-            **infer_input_roles([v.name for v in model.graph.inputs], dtypes),
-            **infer_output_roles([v.name for v in model.graph.outputs]),
+            **infer_input_roles([n for n, _, _ in inputs], {n: str(d) for n, d, _ in inputs}),
+            **infer_output_roles([n for n, _, _ in outputs]),
         }
 
-    def port(value, default: str) -> Port:
-        role, layer = stated.get(value.name, (default, None))
-        d = describe_value(value)
-        return Port(value.name, role, layer, d["dtype"], d["shape"])
+    def ports(values, default: str) -> tuple[Port, ...]:
+        return tuple(
+            Port(name, *stated.get(name, (default, None)), dtype, shape)
+            for name, dtype, shape in values
+        )
 
-    return Signature(
-        tuple(port(v, INPUT) for v in model.graph.inputs),
-        tuple(port(v, OUTPUT) for v in model.graph.outputs),
-        kv_layout_of(model),
+    layout = kv_layout(metadata, [n for n, _, _ in inputs])
+    return Signature(ports(inputs, INPUT), ports(outputs, OUTPUT), layout)
+
+
+def signature_of(model: ir.Model) -> Signature:
+    """The signature of an ``onnx_ir`` model (roles from its metadata)."""
+
+    def triples(values):
+        return [(d["name"], d["dtype"], d["shape"]) for d in map(describe_value, values)]
+
+    return build_signature(
+        triples(model.graph.inputs), triples(model.graph.outputs), model.metadata_props
     )
 
 
