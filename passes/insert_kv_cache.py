@@ -477,8 +477,9 @@ def _name_cross_kv(model: ir.Model, analysis: _Analysis) -> None:
     """Name the K and V of each cross-attention (queries from the decoder's tokens, keys and
     values from the encoder only) by decoder layer, so that :func:`.split_encoder.split_encoder`
     can cut the graph there. Decoder layer i is the one whose self-attention (cached layer i)
-    precedes it; an encoder's own self-attention is not a cross-attention and stays inside."""
-    entries: list[list] = []
+    precedes it (where decoder layers do not have one each, they are numbered in graph order);
+    an encoder's own self-attention is not a cross-attention and stays inside."""
+    found: list[tuple[int, ir.Value, ir.Value]] = []  # (decoder layer, K, V)
     layer = -1
     cached = set(map(id, analysis.layers))
     for node in model.graph:
@@ -496,7 +497,12 @@ def _name_cross_kv(model: ir.Model, analysis: _Analysis) -> None:
             x.is_graph_input() or x.is_graph_output() or x.const_value is not None for x in (k, v)
         ):
             continue
-        i = layer if layer >= 0 and all(e[2] != layer for e in entries) else len(entries) // 2
+        found.append((layer, k, v))
+    layers = [layer for layer, _, _ in found]
+    if any(i < 0 for i in layers) or len(set(layers)) != len(layers):
+        layers = list(range(len(found)))  # not one per decoder layer: numbered in graph order
+    entries = []
+    for i, (_, k, v) in zip(layers, found, strict=True):
         for role, value in ((contract.CROSS_KEY, k), (contract.CROSS_VALUE, v)):
             value.name = contract.tensor_name(role, i)
             entries.append([value.name, role, i])
