@@ -185,6 +185,36 @@ class _Analysis:
                 raise KVCacheError(f"{_module(node)}: K's head count or head size is not static")
 
 
+def _shapes_from_tokens(model: ir.Model, seq: str) -> None:
+    """``Shape(attention_mask)`` → ``Shape(token_ids)`` where the two agree on every axis read.
+
+    Before the cache both have T positions, and torch.export takes a shared dim from either
+    (GPT-2's ``input_ids.view(-1, T)`` may read T off the mask); after it the mask spans
+    past + new, so a token op that read T off the mask would get L. Read from the tokens,
+    the length is T for token ops and becomes L in the machinery, like any token shape.
+    """
+    by_name = {v.name: v for v in model.graph.inputs}
+    tokens = [
+        by_name[n] for n in contract.names_with_role(model, contract.TOKEN_IDS) if n in by_name
+    ]
+    tokens = [t for t in tokens if _has(t, seq)]
+    masks = set(contract.names_with_role(model, contract.ATTENTION_MASK))
+    if not tokens:
+        return
+    token = tokens[0]
+    for node in model.graph:
+        if node.op_type != "Shape" or node.domain not in ("", "ai.onnx"):
+            continue
+        src = node.inputs[0]
+        if src is None or src.name not in masks or src.shape is None:
+            continue
+        rank = len(src.shape)
+        start = node.attributes.get_int("start", 0)
+        end = node.attributes.get_int("end", rank)
+        if len(token.shape) == rank and _dims(src)[start:end] == _dims(token)[start:end]:
+            node.replace_input_with(0, token)
+
+
 def _dims_or_none(value: ir.Value, seq: str) -> bool:
     return value.shape is None or seq in _dims(value)
 
@@ -396,6 +426,7 @@ class InsertKVCachePass(ir.passes.InPlacePass):
             return ir.passes.PassResult(model, modified=False)
         seq = sequence_symbol(model)
         common.ShapeInferencePass()(model)  # shapes of values the fusion passes created
+        _shapes_from_tokens(model, seq)
         analysis = _Analysis(model, seq)
         analysis.check()
         junction_keys = _key_axes(analysis)

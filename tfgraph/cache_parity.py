@@ -7,7 +7,9 @@
   cannot hide or fake an error); each step's logits against eager full recompute of the whole
   prefix. Batch 2.
 
-Both use :func:`tfgraph.parity.compare` and the same tolerance as the uncached parity.
+Both use :func:`tfgraph.parity.compare` and the same tolerance as the uncached parity. A cached
+graph is causal, so positions before a row's first token (left padding) are not compared
+(:func:`tfgraph.parity.defined_positions`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 
 from tfgraph.runtime import CachedDecoder, open_runner
 
-from .parity import FP32, PARITY_SHAPES, Tolerance, compare, runner_info
+from .parity import FP32, PARITY_SHAPES, Tolerance, compare, defined_positions, runner_info
 from .sources import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -65,7 +67,8 @@ def check_cache_parity(
         tokens, extra = _split(source, decoder, inputs)
         mask = _mask(decoder, inputs, tokens.shape[1])
         got, _ = decoder.step(tokens, decoder.empty_cache(batch, tokens.shape[1]), mask, extra)
-        row = compare(name, got, _eager_logits(source, inputs, name), tolerance)
+        keep = defined_positions(mask)
+        row = compare(name, got, _eager_logits(source, inputs, name), tolerance, keep)
         cases.append({"phase": "prefill", "batch": batch, "sequence": tokens.shape[1], **row})
     length = DECODE_PROMPT + DECODE_STEPS + 2
     limit = source.info.get("max_positions")
@@ -84,7 +87,7 @@ def check_cache_parity(
         if decoder.mask_input is not None:
             prefix[decoder.mask_input] = inputs[decoder.mask_input][:, :end]
         want = _eager_logits(source, prefix, name)[:, start:end]
-        row = compare(name, got, want, tolerance)
+        row = compare(name, got, want, tolerance, defined_positions(mask, start))
         phase = "prefill" if step == 0 else "decode"
         cases.append(
             {"phase": phase, "batch": DECODE_BATCH, "past": start, "new": end - start, **row}

@@ -3,6 +3,11 @@
 An output passes when every element satisfies ``|ort − eager| ≤ atol + rtol·|eager|``.
 ``max_rel_err`` is ``max|ort − eager| / max|eager|``: the error relative to the output's scale
 (an element-wise ratio explodes on outputs near zero and says nothing).
+
+Positions before a row's first token (left padding: ``attention_mask`` 0 up to there) are
+not compared: every key they may attend to is padding, so what they return is undefined (HF's
+eager attention averages over the pads, a fused kernel may return anything finite).
+``excluded_positions`` counts them.
 """
 
 from __future__ import annotations
@@ -34,10 +39,30 @@ class Tolerance:
 FP32 = Tolerance()
 
 
-def compare(name: str, got: np.ndarray, want: np.ndarray, tol: Tolerance) -> dict:
-    """Error figures of one output against its reference."""
+def defined_positions(mask: np.ndarray | None, start: int = 0) -> np.ndarray | None:
+    """(batch, positions ≥ ``start``) booleans: True from each row's first token on, False
+    over the leading padding (``mask`` is a (batch, past + new) ``attention_mask``)."""
+    if mask is None or np.ndim(mask) != 2:
+        return None
+    return (np.cumsum(np.asarray(mask) != 0, axis=1) > 0)[:, start:]
+
+
+def compare(
+    name: str,
+    got: np.ndarray,
+    want: np.ndarray,
+    tol: Tolerance,
+    keep: np.ndarray | None = None,
+) -> dict:
+    """Error figures of one output against its reference; ``keep`` (batch, sequence) selects
+    the positions compared when the output's leading axes are those."""
     got = np.asarray(got, dtype=np.float64)
     want = np.asarray(want, dtype=np.float64)
+    excluded = 0
+    if keep is not None and got.shape == want.shape and got.shape[:2] == keep.shape:
+        if not keep.all():
+            excluded = int((~keep).sum())
+            got, want = got[keep], want[keep]
     if got.shape != want.shape:
         return {
             "name": name,
@@ -58,6 +83,7 @@ def compare(name: str, got: np.ndarray, want: np.ndarray, tol: Tolerance) -> dic
         "max_rel_err": max_abs / scale if scale > 0 else max_abs,
         "tolerance": tol.as_dict(),
         "passed": passed,
+        **({"excluded_positions": excluded} if excluded else {}),
     }
 
 
@@ -77,8 +103,9 @@ def check_parity(
         inputs = source.inputs(batch, seq, seed=seed + i)
         want = source.eager(inputs)
         got = session.run(inputs)
+        keep = defined_positions(_mask_of(source, session, inputs))
         for name in source.output_names:
-            row = compare(name, got[name], want[name].float().numpy(), tolerance)
+            row = compare(name, got[name], want[name].float().numpy(), tolerance, keep)
             cases.append({"batch": batch, "sequence": seq, **row})
             logger.info(
                 "parity %s b=%d s=%d: max_abs=%.3g passed=%s",
@@ -107,6 +134,19 @@ def check_parity(
         "shapes": [list(s) for s in shapes],
         "runner": runner_info(session),
     }
+
+
+def _mask_of(source: ModelSource, runner: Runner, inputs: dict) -> np.ndarray | None:
+    """The ``attention_mask`` of a causal LM (``source.info["causal_lm"]``): its leading pads
+    see nothing. Other models compare every position."""
+    from tfgraph import contract
+
+    if not source.info.get("causal_lm"):
+        return None
+    for port in runner.signature.inputs_with(contract.ATTENTION_MASK):
+        if port.name in inputs:
+            return inputs[port.name].numpy()
+    return None
 
 
 def runner_info(runner: Runner) -> dict:

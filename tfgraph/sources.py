@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -81,7 +80,9 @@ def load_source(
     if spec in PRESETS:
         return _from_preset(spec)
     if os.path.isdir(spec):
-        return _from_hf_dir(
+        from .hf_source import from_hf_dir
+
+        return from_hf_dir(
             Path(spec), trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
         )
     if ":" in spec and not os.path.exists(spec):
@@ -268,190 +269,3 @@ def _like(example: dict[str, torch.Tensor], *, sequence: bool):
         return out
 
     return make_like, axes
-
-
-# --- Hugging Face directories ---------------------------------------------------------------
-
-
-class _HFWrapper(nn.Module):
-    """Tensors in, logits (or the last hidden state) out; no cache, no dicts.
-
-    torch.export needs named forward arguments, so each input signature has its subclass.
-    """
-
-    def __init__(self, model: nn.Module, output: str) -> None:
-        super().__init__()
-        self.model = model
-        self.output_names = (output,)
-        self._output = output
-        self._no_cache = (
-            {"use_cache": False}
-            if "use_cache" in inspect.signature(model.forward).parameters
-            else {}
-        )
-
-    def _run(self, **kwargs: torch.Tensor) -> torch.Tensor:
-        return getattr(self.model(**kwargs, **self._no_cache, return_dict=True), self._output)
-
-
-class _HFTokens(_HFWrapper):
-    input_names = ("input_ids",)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self._run(input_ids=input_ids)
-
-
-class _HFTokensMask(_HFWrapper):
-    input_names = ("input_ids", "attention_mask")
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self._run(input_ids=input_ids, attention_mask=attention_mask)
-
-
-class _HFSeq2Seq(_HFWrapper):
-    input_names = ("input_ids", "decoder_input_ids")
-
-    def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor) -> torch.Tensor:
-        return self._run(input_ids=input_ids, decoder_input_ids=decoder_input_ids)
-
-
-def _from_hf_dir(
-    path: Path, *, trust_remote_code: bool, attn_implementation: str | None
-) -> ModelSource:
-    if not (path / "config.json").is_file():
-        raise TfgraphError(
-            f"directory '{path}' holds no model: expected config.json and weights from "
-            "save_pretrained()"
-        )
-    weights = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")]
-    if not weights:
-        raise TfgraphError(
-            f"directory '{path}' has config.json but no weights (*.safetensors or "
-            "pytorch_model.bin)"
-        )
-    _refuse_remote_code(path, trust_remote_code)  # before transformers reads anything
-    try:
-        import transformers
-    except ImportError as exc:
-        raise TfgraphError(
-            "loading a Hugging Face directory needs transformers: pip install 'tfgraph[hf]'"
-        ) from exc
-    transformers.utils.logging.disable_progress_bar()
-    try:
-        config = transformers.AutoConfig.from_pretrained(
-            path, local_files_only=True, trust_remote_code=trust_remote_code
-        )
-    except Exception as exc:  # a config transformers cannot read is the user's input
-        raise TfgraphError(
-            f"cannot read '{path / 'config.json'}': {first_line(exc, named=True)}"
-        ) from exc
-    arch = (config.architectures or [None])[0]
-    cls = getattr(transformers, arch, None) if arch else None
-    if cls is None:
-        cls = transformers.AutoModel
-    # Mixture-of-experts layers: the library's default ``grouped_mm`` experts do not trace
-    # (torch.onnx: "No ONNX function found for transformers.grouped_mm_fallback"); the eager
-    # one loops over the experts hit (data-dependent); batched_mm gathers each token's experts
-    # and traces. All three compute the same function.
-    experts = {"experts_implementation": "batched_mm"} if _has_experts(config) else {}
-    model = _load_hf_weights(cls, path, trust_remote_code, attn_implementation, experts)
-    vocab = config.vocab_size
-    is_lm = (arch or "").endswith(("LMHeadModel", "ForCausalLM"))
-    if config.is_encoder_decoder:
-        wrapper_cls: type[_HFWrapper] = _HFSeq2Seq
-    elif not is_lm and "attention_mask" in inspect.signature(model.forward).parameters:
-        wrapper_cls = _HFTokensMask
-    else:
-        wrapper_cls = _HFTokens
-    names = wrapper_cls.input_names
-    axes = {n: {0: "batch", 1: "sequence"} for n in names}
-    if config.is_encoder_decoder:
-        axes["decoder_input_ids"] = {0: "batch", 1: "decoder_sequence"}
-    has_logits = is_lm or (arch is not None and not arch.endswith("Model"))
-    output = "logits" if has_logits else "last_hidden_state"
-
-    def make(batch, seq, generator):
-        out = {}
-        for n in names:
-            length = max(1, seq - 2) if n == "decoder_input_ids" else seq
-            if n == "attention_mask":
-                out[n] = torch.ones(batch, length, dtype=torch.int64)
-            else:
-                out[n] = torch.randint(0, vocab, (batch, length), generator=generator)
-        return out
-
-    wrapper = wrapper_cls(model, output).eval()
-    source = ModelSource(wrapper, names, (output,), axes, make, f"hf:{path}")
-    source.info.update(
-        {
-            "hf_architecture": arch,
-            "model_type": config.model_type,
-            "attn_implementation": getattr(model.config, "_attn_implementation", None),
-            **(
-                {
-                    "experts_implementation": "batched_mm",
-                    "experts_note": "grouped_mm does not trace, nor eager (loops over experts)",
-                }
-                if experts
-                else {}
-            ),
-        }
-    )
-    limit = max_positions(config)
-    if limit is not None:
-        source.info["max_positions"] = limit
-    return source
-
-
-def _refuse_remote_code(path: Path, trust_remote_code: bool) -> None:
-    """Read config.json as plain JSON: a directory that ships its own code (``auto_map``) is
-    refused unless the user trusts it, before any library could import that code."""
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TfgraphError(f"cannot read '{path / 'config.json'}': {exc}") from exc
-    if not isinstance(config, dict):
-        raise TfgraphError(f"'{path / 'config.json'}' is not a model config (not a JSON object)")
-    if config.get("auto_map") and not trust_remote_code:
-        raise TfgraphError(
-            f"'{path}' needs its own Python code (auto_map in config.json); read it, then pass "
-            "--trust-remote-code to run it"
-        )
-
-
-def _has_experts(config) -> bool:
-    """A mixture-of-experts config whose experts implementation can be chosen."""
-    return hasattr(config, "_experts_implementation") and any(
-        getattr(config, a, None)
-        for a in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-    )
-
-
-def _load_hf_weights(
-    cls, path: Path, trust_remote_code: bool, attn_implementation: str | None, experts: dict
-):
-    """``cls.from_pretrained`` from local files only. safetensors are preferred; a
-    ``pytorch_model.bin`` loads through transformers' ``torch.load(weights_only=True)``, so a
-    pickle that would run code is refused, not executed."""
-    logger.info("loading %s from %s", cls.__name__, path)
-    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    extra.update(experts)
-    safetensors = any(path.glob("*.safetensors"))
-    if not safetensors:
-        logger.info("no safetensors in %s: loading pytorch_model.bin with weights_only", path)
-    if "weights_only" in inspect.signature(cls.from_pretrained).parameters:
-        extra["weights_only"] = True  # the default of transformers 5; said, not assumed
-    try:
-        model = cls.from_pretrained(
-            path,
-            local_files_only=True,
-            trust_remote_code=trust_remote_code,
-            use_safetensors=safetensors,  # never the pickle when safetensors are there
-            **extra,
-        )
-    except Exception as exc:  # unreadable or unsafe weights are the user's input
-        raise TfgraphError(
-            f"cannot load the model in '{path}': {first_line(exc, named=True)}; it must be "
-            "save_pretrained() output (safetensors, or a plain-tensor pytorch_model.bin)"
-        ) from exc
-    return model.eval()

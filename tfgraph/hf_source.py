@@ -1,0 +1,497 @@
+"""Hugging Face model directories (``save_pretrained`` output) as a :class:`ModelSource`.
+
+What the graph takes is read off the model, not a registry of architectures:
+
+- the **main input** is the model's ``main_input_name``: token ids (``input_ids``), speech
+  features (``input_features``: mel bins × frames), raw audio (``input_values``) or an image
+  (``pixel_values``: channels × height × width). Sizes come from the config (vocabulary from
+  the input embedding, ``num_mel_bins``, ``num_channels``, ``image_size``); an axis is dynamic
+  when the model runs at two different lengths of it (Whisper's frames are fixed, Speech2Text's
+  are not), else it keeps the size that ran;
+- **sequence-to-sequence** models (``config.is_encoder_decoder``) add ``decoder_input_ids``;
+- the **output** is ``logits`` when a forward pass returns them, else ``last_hidden_state``:
+  decided from what the model returns, not from its class name (``MarianMTModel`` is an LM);
+- **causal LMs** take ``attention_mask`` and derive ``position_ids`` from it as Hugging Face's
+  ``generate`` does (``cumsum − 1``, 1 on the pads), so a left-padded batch decodes exactly as
+  ``model.generate(input_ids, attention_mask=…)``; their parity inputs left-pad every row after
+  the first.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import TfgraphError, first_line
+from .sources import ModelSource, max_positions
+
+logger = logging.getLogger(__name__)
+
+_LM_SUFFIXES = ("LMHeadModel", "ForCausalLM")
+AXIS_PROBES = (2, 5)  # batch, sequence of the probe that decides the output and dynamic axes
+
+
+class _HFWrapper(nn.Module):
+    """Tensors in, logits (or the last hidden state) out; no cache, no dicts.
+
+    torch.export needs named forward arguments, so each input signature has its subclass.
+    """
+
+    input_names: tuple[str, ...] = ()
+
+    def __init__(self, model: nn.Module, output: str = "logits") -> None:
+        super().__init__()
+        self.model = model
+        self.output_names = (output,)
+        self._output = output
+        params = inspect.signature(model.forward).parameters
+        self._no_cache = {"use_cache": False} if "use_cache" in params else {}
+        self._positions = "position_ids" in params
+
+    def _run(self, **kwargs: torch.Tensor):
+        out = self.model(**kwargs, **self._no_cache, return_dict=True)
+        return out if self._output is None else getattr(out, self._output)
+
+
+class _HFTokens(_HFWrapper):
+    input_names = ("input_ids",)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._run(input_ids=input_ids)
+
+
+class _HFTokensMask(_HFWrapper):
+    input_names = ("input_ids", "attention_mask")
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self._run(input_ids=input_ids, attention_mask=attention_mask)
+
+
+class _HFCausalLM(_HFWrapper):
+    """Positions from the padding mask, as ``generate`` computes them for left padding."""
+
+    input_names = ("input_ids", "attention_mask")
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        if not self._positions:  # BLOOM: ALiBi from the mask itself
+            return self._run(input_ids=input_ids, attention_mask=attention_mask)
+        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+        return self._run(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions)
+
+
+class _HFSeq2Seq(_HFWrapper):
+    input_names = ("input_ids", "decoder_input_ids")
+
+    def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor) -> torch.Tensor:
+        return self._run(input_ids=input_ids, decoder_input_ids=decoder_input_ids)
+
+
+class _HFSpeechSeq2Seq(_HFWrapper):
+    input_names = ("input_features", "decoder_input_ids")
+
+    def forward(
+        self, input_features: torch.Tensor, decoder_input_ids: torch.Tensor
+    ) -> torch.Tensor:
+        return self._run(input_features=input_features, decoder_input_ids=decoder_input_ids)
+
+
+class _HFFeatures(_HFWrapper):
+    input_names = ("input_features",)
+
+    def forward(self, input_features: torch.Tensor) -> torch.Tensor:
+        return self._run(input_features=input_features)
+
+
+class _HFAudio(_HFWrapper):
+    input_names = ("input_values",)
+
+    def forward(self, input_values: torch.Tensor) -> torch.Tensor:
+        return self._run(input_values=input_values)
+
+
+class _HFPixels(_HFWrapper):
+    input_names = ("pixel_values",)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self._run(pixel_values=pixel_values)
+
+
+_ENCODER_ONLY = {
+    "input_ids": None,  # _HFTokens or _HFTokensMask
+    "input_features": _HFFeatures,
+    "input_values": _HFAudio,
+    "pixel_values": _HFPixels,
+}
+_SEQ2SEQ = {"input_ids": _HFSeq2Seq, "input_features": _HFSpeechSeq2Seq}
+
+
+# --- the main input -------------------------------------------------------------------------
+
+# make(batch, length, generator) of one input; ``length`` is its dynamic axis' size
+_Make = Callable[[int, int, torch.Generator], torch.Tensor]
+
+
+class _MainInput:
+    """How to build the main input: ``make(batch, seq, generator)``, its dynamic axes, and
+    how a parity sequence length maps onto its length axis."""
+
+    def __init__(self, name: str, make: _Make, axis: int | None, base: int, symbol: str):
+        self.name, self._make, self.axis, self.base, self.symbol = name, make, axis, base, symbol
+
+    def length(self, seq: int) -> int:
+        return seq if self.name == "input_ids" else self.base + (seq if self.axis else 0)
+
+    def make(self, batch: int, seq: int, generator: torch.Generator) -> torch.Tensor:
+        return self._make(batch, self.length(seq), generator)
+
+    def axes(self) -> dict[int, str]:
+        return {0: "batch", **({self.axis: self.symbol} if self.axis is not None else {})}
+
+
+def vocabulary(model: nn.Module, config, *, decoder: bool = False) -> int:
+    """Token ids are drawn below this: the input embedding's rows (what the model really
+    takes), else the config's ``vocab_size`` (its text config's for multimodal configs)."""
+    try:
+        emb = model.get_decoder().get_input_embeddings() if decoder else None
+    except (AttributeError, NotImplementedError, TypeError):
+        emb = None
+    try:
+        emb = emb or model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        emb = None
+    if isinstance(emb, nn.Embedding):
+        return emb.num_embeddings
+    for cfg in (config, _text_config(config)):
+        vocab = getattr(cfg, "vocab_size", None)
+        if isinstance(vocab, int) and vocab > 0:
+            return vocab
+    raise TfgraphError(
+        f"cannot tell the vocabulary of {type(model).__name__}: its config has no vocab_size and "
+        "the model no nn.Embedding input; add vocab_size to config.json"
+    )
+
+
+def _text_config(config):
+    get = getattr(config, "get_text_config", None)
+    try:
+        return get() if callable(get) else config
+    except Exception:  # a config without a text part
+        return config
+
+
+def _float_maker(shape_at: Callable[[int, int], tuple[int, ...]]) -> _Make:
+    def make(batch, length, generator):
+        return torch.randn(shape_at(batch, length), generator=generator)
+
+    return make
+
+
+def _image_size(config) -> tuple[int, int] | None:
+    size = getattr(config, "image_size", None)
+    if isinstance(size, int) and size > 0:
+        return size, size
+    if isinstance(size, (list, tuple)) and len(size) == 2:
+        return int(size[0]), int(size[1])
+    return None
+
+
+def _candidates(model: nn.Module, config, main: str) -> list[tuple[_Make, int | None, int]]:
+    """(make, length axis, base length) layouts to try for a non-token main input, the most
+    specific first."""
+    if main == "pixel_values":
+        size = _image_size(config)
+        if size is None:
+            raise TfgraphError(
+                f"{type(model).__name__} takes pixel_values but its config states no image_size; "
+                "add image_size to config.json"
+            )
+        channels = getattr(config, "num_channels", 3) or 3
+        return [(_float_maker(lambda b, _n: (b, channels, *size)), None, 0)]
+    if main == "input_values":  # raw audio (batch, samples)
+        return [(_float_maker(lambda b, n: (b, n)), 1, base) for base in (1600, 4000, 16000)]
+    if main == "input_features":
+        found = []
+        mel = getattr(config, "num_mel_bins", None)
+        fixed = getattr(config, "max_source_positions", None)
+        if mel:
+            if fixed:  # Whisper: frames = 2 × max_source_positions exactly
+                found.append((_float_maker(lambda b, n: (b, mel, n)), 2, 2 * fixed))
+            found += [(_float_maker(lambda b, n: (b, mel, n)), 2, base) for base in (64, 200)]
+        per_channel = getattr(config, "input_feat_per_channel", None)
+        features = (
+            per_channel * (getattr(config, "input_channels", 1) or 1)
+            if per_channel
+            else getattr(config, "feature_size", None)
+        )
+        if features:  # Speech2Text and the like: (batch, frames, features)
+            found += [(_float_maker(lambda b, n: (b, n, features)), 1, base) for base in (64, 200)]
+        if found:
+            return found
+        raise TfgraphError(
+            f"{type(model).__name__} takes input_features but its config states neither "
+            "num_mel_bins nor input_feat_per_channel/feature_size"
+        )
+    raise TfgraphError(
+        f"{type(model).__name__}'s main input '{main}' is not one tfgraph can make "
+        "(input_ids, input_features, input_values, pixel_values); wrap the model in a module "
+        "with the tfgraph input protocol"
+    )
+
+
+# --- loading ----------------------------------------------------------------------------------
+
+
+def from_hf_dir(
+    path: Path, *, trust_remote_code: bool, attn_implementation: str | None
+) -> ModelSource:
+    if not (path / "config.json").is_file():
+        raise TfgraphError(
+            f"directory '{path}' holds no model: expected config.json and weights from "
+            "save_pretrained()"
+        )
+    weights = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")]
+    if not weights:
+        raise TfgraphError(
+            f"directory '{path}' has config.json but no weights (*.safetensors or "
+            "pytorch_model.bin)"
+        )
+    _refuse_remote_code(path, trust_remote_code)  # before transformers reads anything
+    try:
+        import transformers
+    except ImportError as exc:
+        raise TfgraphError(
+            "loading a Hugging Face directory needs transformers: pip install 'tfgraph[hf]'"
+        ) from exc
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        config = transformers.AutoConfig.from_pretrained(
+            path, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except Exception as exc:  # a config transformers cannot read is the user's input
+        raise TfgraphError(
+            f"cannot read '{path / 'config.json'}': {first_line(exc, named=True)}"
+        ) from exc
+    arch = (config.architectures or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    if cls is None:
+        cls = transformers.AutoModel
+    # Mixture-of-experts layers: the library's default ``grouped_mm`` experts do not trace
+    # (torch.onnx: "No ONNX function found for transformers.grouped_mm_fallback"); the eager
+    # one loops over the experts hit (data-dependent); batched_mm gathers each token's experts
+    # and traces. All three compute the same function.
+    experts = {"experts_implementation": "batched_mm"} if _has_experts(config) else {}
+    model = _load_hf_weights(cls, path, trust_remote_code, attn_implementation, experts)
+    source = hf_source(model, origin=f"hf:{path}")
+    source.info.update(
+        {
+            "hf_architecture": arch,
+            **(
+                {
+                    "experts_implementation": "batched_mm",
+                    "experts_note": "grouped_mm does not trace, nor eager (loops over experts)",
+                }
+                if experts
+                else {}
+            ),
+        }
+    )
+    return source
+
+
+def hf_source(model: nn.Module, *, origin: str) -> ModelSource:
+    """A loaded Hugging Face ``PreTrainedModel`` as a source (see the module docstring)."""
+    model = model.eval()
+    config = model.config
+    main = getattr(model, "main_input_name", "input_ids") or "input_ids"
+    seq2seq = bool(getattr(config, "is_encoder_decoder", False))
+    params = inspect.signature(model.forward).parameters
+    if seq2seq and main not in _SEQ2SEQ:
+        raise TfgraphError(
+            f"{type(model).__name__}: an encoder-decoder whose encoder takes '{main}' is not "
+            "supported (input_ids, input_features are)"
+        )
+    tokens = main == "input_ids" or seq2seq
+    token_vocab = vocabulary(model, config, decoder=seq2seq) if tokens else 0
+    if main == "input_ids":
+        encoder_vocab = vocabulary(model, config) if seq2seq else token_vocab
+
+        def make_ids(batch, length, generator):
+            return torch.randint(0, encoder_vocab, (batch, length), generator=generator)
+
+        main_input = _MainInput(main, make_ids, 1, 0, "sequence")
+    else:
+        main_input = _probe_layout(model, config, main, seq2seq, token_vocab)
+    output, causal_lm = _output_kind(model, main_input, seq2seq, token_vocab, params)
+    if seq2seq:
+        wrapper_cls = _SEQ2SEQ[main]
+    elif causal_lm and "attention_mask" in params:
+        wrapper_cls = _HFCausalLM
+    elif main == "input_ids":
+        wrapper_cls = _HFTokensMask if "attention_mask" in params else _HFTokens
+    else:
+        wrapper_cls = _ENCODER_ONLY[main]
+    names = wrapper_cls.input_names
+    axes = {main: main_input.axes()}
+    if "attention_mask" in names:
+        axes["attention_mask"] = {0: "batch", 1: "sequence"}
+    if seq2seq:
+        axes["decoder_input_ids"] = {0: "batch", 1: "decoder_sequence"}
+
+    def make(batch, seq, generator):
+        out = {main: main_input.make(batch, seq, generator)}
+        if "attention_mask" in names:
+            mask = torch.ones(batch, seq, dtype=torch.int64)
+            if causal_lm:  # rows after the first are left-padded: the padding path is proven
+                mask[1:, : seq // 3] = 0
+            out["attention_mask"] = mask
+        if seq2seq:
+            length = max(1, seq - 2)
+            out["decoder_input_ids"] = torch.randint(
+                0, token_vocab, (batch, length), generator=generator
+            )
+        return out
+
+    wrapper = wrapper_cls(model, output).eval()
+    source = ModelSource(wrapper, names, (output,), axes, make, origin)
+    source.info.update(
+        {
+            "model_type": config.model_type,
+            "main_input": main,
+            "attn_implementation": getattr(config, "_attn_implementation", None),
+            **({"causal_lm": True} if causal_lm else {}),
+        }
+    )
+    limit = max_positions(config)
+    if limit is not None:
+        source.info["max_positions"] = limit
+    return source
+
+
+def _probe_layout(model, config, main: str, seq2seq: bool, vocab: int) -> _MainInput:
+    """The first candidate layout the model runs on; dynamic along its length axis when it
+    also runs at a longer length."""
+    errors = []
+    generator = torch.Generator().manual_seed(0)
+    for make, axis, base in _candidates(model, config, main):
+        try:
+            _forward(model, {main: make(2, base, generator)}, seq2seq, vocab)
+        except Exception as exc:  # this layout does not fit the model; try the next
+            errors.append(first_line(exc, named=True))
+            continue
+        symbol = "frames" if main == "input_features" else "samples"
+        if axis is not None:
+            try:
+                _forward(model, {main: make(2, base + 8, generator)}, seq2seq, vocab)
+            except Exception as exc:  # a fixed length (Whisper's 2 × max_source_positions)
+                logger.info("%s: %s has a fixed length %d (%s)", main, symbol, base, exc)
+                axis = None
+        return _MainInput(main, make, axis, base, symbol)
+    raise TfgraphError(
+        f"{type(model).__name__} runs on no {main} layout its config suggests "
+        f"({'; '.join(errors[:2])}); wrap it in a module with the tfgraph input protocol"
+    )
+
+
+def _forward(model, inputs: dict, seq2seq: bool, vocab: int):
+    if seq2seq:
+        batch = next(iter(inputs.values())).shape[0]
+        inputs = {**inputs, "decoder_input_ids": torch.randint(0, vocab, (batch, 3))}
+    with torch.no_grad():
+        return model(**inputs, return_dict=True)
+
+
+def _output_kind(model, main_input: _MainInput, seq2seq, vocab, params) -> tuple[str, bool]:
+    """(``logits`` or ``last_hidden_state``, whether the model is a causal LM), from a forward
+    pass: a model returning logits over a token input without an encoder is a causal LM when
+    its class says so (…ForCausalLM, …LMHeadModel) or the auto mapping lists it."""
+    batch, seq = AXIS_PROBES
+    generator = torch.Generator().manual_seed(0)
+    try:
+        probe = {main_input.name: main_input.make(batch, seq, generator)}
+        out = _forward(model, probe, seq2seq, vocab)
+    except Exception as exc:
+        raise TfgraphError(
+            f"{type(model).__name__} fails on inputs derived from its config "
+            f"({first_line(exc, named=True)})"
+        ) from exc
+    logits = getattr(out, "logits", None) is not None
+    if not logits and getattr(out, "last_hidden_state", None) is None:
+        raise TfgraphError(
+            f"{type(model).__name__} returns neither logits nor last_hidden_state "
+            f"({type(out).__name__}); wrap it in a module that returns tensors"
+        )
+    causal = (
+        logits
+        and not seq2seq
+        and main_input.name == "input_ids"
+        and (type(model).__name__.endswith(_LM_SUFFIXES) or _in_causal_mapping(model))
+    )
+    return ("logits" if logits else "last_hidden_state"), bool(causal)
+
+
+def _in_causal_mapping(model) -> bool:
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return False
+    return type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+def _refuse_remote_code(path: Path, trust_remote_code: bool) -> None:
+    """Read config.json as plain JSON: a directory that ships its own code (``auto_map``) is
+    refused unless the user trusts it, before any library could import that code."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TfgraphError(f"cannot read '{path / 'config.json'}': {exc}") from exc
+    if not isinstance(config, dict):
+        raise TfgraphError(f"'{path / 'config.json'}' is not a model config (not a JSON object)")
+    if config.get("auto_map") and not trust_remote_code:
+        raise TfgraphError(
+            f"'{path}' needs its own Python code (auto_map in config.json); read it, then pass "
+            "--trust-remote-code to run it"
+        )
+
+
+def _has_experts(config) -> bool:
+    """A mixture-of-experts config whose experts implementation can be chosen."""
+    return hasattr(config, "_experts_implementation") and any(
+        getattr(config, a, None)
+        for a in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+    )
+
+
+def _load_hf_weights(
+    cls, path: Path, trust_remote_code: bool, attn_implementation: str | None, experts: dict
+):
+    """``cls.from_pretrained`` from local files only. safetensors are preferred; a
+    ``pytorch_model.bin`` loads through transformers' ``torch.load(weights_only=True)``, so a
+    pickle that would run code is refused, not executed."""
+    logger.info("loading %s from %s", cls.__name__, path)
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    extra.update(experts)
+    safetensors = any(path.glob("*.safetensors"))
+    if not safetensors:
+        logger.info("no safetensors in %s: loading pytorch_model.bin with weights_only", path)
+    if "weights_only" in inspect.signature(cls.from_pretrained).parameters:
+        extra["weights_only"] = True  # the default of transformers 5; said, not assumed
+    try:
+        model = cls.from_pretrained(
+            path,
+            local_files_only=True,
+            trust_remote_code=trust_remote_code,
+            use_safetensors=safetensors,  # never the pickle when safetensors are there
+            **extra,
+        )
+    except Exception as exc:  # unreadable or unsafe weights are the user's input
+        raise TfgraphError(
+            f"cannot load the model in '{path}': {first_line(exc, named=True)}; it must be "
+            "save_pretrained() output (safetensors, or a plain-tensor pytorch_model.bin)"
+        ) from exc
+    return model.eval()
