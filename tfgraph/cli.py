@@ -173,15 +173,30 @@ def _cmd_run(args) -> int:
     from tfgraph.runtime import open_runner
 
     session = open_runner(args.path, providers=args.provider)
-    ids = np.array([_parse_ids(args.input_ids, "--input-ids")], dtype=np.int64)
     signature = session.signature
-    seq2seq = signature.input(contract.ENCODER_TOKEN_IDS) is not None
-    tokens = ids
-    if seq2seq:  # --input-ids feed the encoder; the decoder starts from --decoder-input-ids
-        dec = args.decoder_input_ids or "0"
-        tokens = np.array([_parse_ids(dec, "--decoder-input-ids")], dtype=np.int64)
-    feeds: dict[str, np.ndarray] = {}
+    feeds = _load_inputs(args.inputs, signature)
+    batch = next(iter(feeds.values())).shape[0] if feeds else 1
+    # encoder-decoder: --input-ids (or --inputs) feed the encoder, the decoder's tokens come
+    # from --decoder-input-ids (default "0")
+    seq2seq = signature.input(contract.ENCODER_TOKEN_IDS) is not None or (
+        args.decoder_input_ids is not None
+    )
+
+    def ids_of(text: str | None, flag: str) -> np.ndarray | None:
+        return None if text is None else np.array([_parse_ids(text, flag)] * batch, np.int64)
+
+    ids = ids_of(args.input_ids, "--input-ids")
+    tokens = ids_of(args.decoder_input_ids or "0", "--decoder-input-ids") if seq2seq else ids
     for port in signature.inputs:
+        if port.role in (contract.TOKEN_IDS, contract.ENCODER_TOKEN_IDS) and port.name not in feeds:
+            if (tokens if port.role == contract.TOKEN_IDS else ids) is None:
+                raise TfgraphError(
+                    'give the tokens: --input-ids "1 2 3" (an encoder-decoder: also '
+                    "--decoder-input-ids)"
+                )
+    for port in signature.inputs:
+        if port.name in feeds:
+            continue
         if port.role == contract.TOKEN_IDS:
             feeds[port.name] = tokens
         elif port.role == contract.ENCODER_TOKEN_IDS:
@@ -193,14 +208,19 @@ def _cmd_run(args) -> int:
         elif port.role == contract.PAST_LENGTH:  # a shared-buffer cached artifact
             feeds[port.name] = np.zeros(1, np.int64)
         elif port.role in (contract.PAST_KEY, contract.PAST_VALUE):  # start from no past
-            feeds[port.name] = np.zeros((1, port.shape[1], 0, port.shape[3]), np.float32)
+            feeds[port.name] = np.zeros((batch, port.shape[1], 0, port.shape[3]), np.float32)
         else:
-            raise TfgraphError(f"the model takes input '{port.name}', which `run` cannot fill")
+            raise TfgraphError(
+                f"the model takes input '{port.name}', which `run` cannot fill: give it with "
+                "--inputs FILE.npz (arrays named by input)"
+            )
     outputs = session.run(feeds)
     rows = []
     for name, value in outputs.items():
         row = [name, str(value.dtype), str(tuple(value.shape))]
-        if value.ndim == 3:  # (B, T, vocab): the next-token prediction of the last position
+        port = next((p for p in signature.outputs if p.name == name), None)
+        if value.ndim == 3 and port is not None and port.role == contract.LOGITS:
+            # (B, T, vocab): the next-token prediction of the last position
             last = value[0, -1]
             top = np.argsort(last)[::-1][:5]
             row.append("next token top-5: " + " ".join(f"{t}({last[t]:.2f})" for t in top))
@@ -227,14 +247,19 @@ def _cmd_generate(args) -> int:
         prompts = [tokenizer(t)["input_ids"] for t in args.text]
     elif args.input_ids:
         prompts = [_parse_ids(t, "--input-ids") for t in args.input_ids]
+    elif args.inputs and decoder.seq2seq:  # a speech encoder-decoder: features feed the encoder
+        prompts = []
     else:
         raise TfgraphError('give a prompt: --input-ids "1 2 3" (or --text with a tokenizer)')
-    extra = {}
-    if decoder.seq2seq:  # encoder-decoder: prompts feed the encoder
+    extra = _load_inputs(args.inputs, decoder.session.signature, decoder.encoder)
+    if decoder.seq2seq and not prompts:
+        batch = next(iter(extra.values())).shape[0]
+        prompts = [[args.decoder_start_token_id]] * batch
+    elif decoder.seq2seq:  # encoder-decoder: prompts feed the encoder
         from tfgraph.runtime.generate import left_pad
 
         ids, mask = left_pad(prompts, args.pad_token_id)
-        extra = decoder.encoder_feeds(ids, mask)
+        extra = {**extra, **decoder.encoder_feeds(ids, mask)}
         prompts = [[args.decoder_start_token_id]] * len(prompts)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
@@ -262,6 +287,44 @@ def _cmd_generate(args) -> int:
     total = sum(len(t) for t in result.tokens)
     print(f"{total} tokens in {seconds:.2f} s ({total / seconds:.1f} tokens/s)", file=sys.stderr)
     return 0
+
+
+def _load_inputs(path: str | None, *signatures) -> dict:
+    """``--inputs FILE.npz``: arrays named by the inputs of the artifact's graphs (speech
+    features, pixel values …), checked against their dtypes and ranks."""
+    import numpy as np
+
+    if path is None:
+        return {}
+    try:
+        with np.load(path) as archive:
+            arrays = {name: archive[name] for name in archive.files}
+    except (OSError, ValueError) as exc:
+        raise TfgraphError(f"cannot read --inputs '{path}': {first_line(exc)}") from exc
+    ports = {}
+    for signature in signatures:
+        if signature is None:
+            continue
+        signature = getattr(signature, "signature", signature)  # a runner, or its signature
+        ports.update({p.name: p for p in signature.inputs})
+    for name, value in arrays.items():
+        port = ports.get(name)
+        if port is None:
+            raise TfgraphError(
+                f"--inputs '{path}' has '{name}', which is not an input of the model (inputs: "
+                f"{', '.join(ports)})"
+            )
+        if port.shape is not None and value.ndim != len(port.shape):
+            raise TfgraphError(
+                f"--inputs '{name}' has rank {value.ndim}; the model takes {list(port.shape)}"
+            )
+        want = np.float32 if (port.dtype or "float").startswith("float") else np.int64
+        if np.dtype(value.dtype).kind != np.dtype(want).kind:
+            raise TfgraphError(f"--inputs '{name}' is {value.dtype}; the model takes {port.dtype}")
+        arrays[name] = value.astype(want)
+    if not arrays:
+        raise TfgraphError(f"--inputs '{path}' holds no arrays")
+    return arrays
 
 
 def _load_tokenizer(path: str):
@@ -525,8 +588,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run an artifact on token ids with ONNX Runtime")
     p.add_argument("path", help="artifact directory or .onnx file")
-    p.add_argument("--input-ids", required=True, help='token ids, e.g. "1 2 3"')
+    p.add_argument("--input-ids", help='token ids, e.g. "1 2 3"')
     p.add_argument("--decoder-input-ids", help="decoder token ids (encoder-decoder models)")
+    p.add_argument(
+        "--inputs",
+        metavar="FILE.npz",
+        help="inputs that are not token ids (input_features, pixel_values …), named by input",
+    )
     p.add_argument(
         "--provider",
         action="append",
@@ -545,6 +613,11 @@ def build_parser() -> argparse.ArgumentParser:
         help='prompt token ids, e.g. "1 2 3"; repeat for a batch (left-padded)',
     )
     p.add_argument("--text", action="append", help="prompt text (the artifact's tokenizer)")
+    p.add_argument(
+        "--inputs",
+        metavar="FILE.npz",
+        help="encoder inputs that are not token ids (a speech model's input_features), by name",
+    )
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy")
     p.add_argument("--temperature", type=float, default=1.0)
