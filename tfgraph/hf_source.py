@@ -206,11 +206,9 @@ def _candidates(model: nn.Module, config, main: str) -> list[tuple[_Make, int | 
     specific first."""
     if main == "pixel_values":
         size = _image_size(config)
-        if size is None:
-            raise TfgraphError(
-                f"{type(model).__name__} takes pixel_values but its config states no image_size; "
-                "add image_size to config.json"
-            )
+        if size is None:  # a ConvNet takes any size: the common 224 × 224
+            logger.warning("%s states no image_size: 224 × 224 images", type(model).__name__)
+            size = (224, 224)
         channels = getattr(config, "num_channels", 3) or 3
         return [(_float_maker(lambda b, _n: (b, channels, *size)), None, 0)]
     if main == "input_values":  # raw audio (batch, samples)

@@ -1,0 +1,475 @@
+"""The coverage matrix: every architecture of the installed transformers that can be made tiny
+from its config, exported the way a user would, and measured.
+
+For each model type in transformers' auto mappings (causal LMs, sequence-to-sequence LMs,
+speech encoder-decoders, text encoders, vision and speech encoders):
+
+1. a tiny config (:func:`tiny_config`: 2 layers, width 64, 4 heads, vocabulary 512 …, set only
+   where the default config has the attribute, then rebuilt so derived fields follow), random
+   weights, ``save_pretrained`` into a temporary directory;
+2. ``export`` with the default pipeline: status, attention and norm fused/total with every miss
+   reason, parity;
+3. decoders (causal and seq2seq LMs): ``export --kv-cache``, then 32 greedy tokens for two
+   left-padded prompts with :func:`tfgraph.runtime.generate` against Hugging Face
+   ``model.generate`` (no processors: a plain greedy config).
+
+Each architecture runs in its own process (bounded memory, a timeout, a crash is a row); the
+JSON is written after every row, so a run resumes where it stopped. ``python -m tfgraph
+coverage --out docs`` writes ``docs/coverage.json`` and ``docs/COVERAGE.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("causal-lm", "seq2seq-lm", "speech-seq2seq", "encoder", "vision", "speech-encoder")
+# the order a model type is claimed in: encoder-decoders before their decoder-only heads
+# (WhisperForCausalLM, BartForCausalLM), text encoders before their causal-LM heads
+_CLAIM_ORDER = ("speech-seq2seq", "seq2seq-lm", "encoder", "causal-lm", "vision", "speech-encoder")
+_MAPPINGS = {  # kind: transformers auto mapping (model_type → class name)
+    "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "seq2seq-lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "speech-seq2seq": "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+    "encoder": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "vision": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "speech-encoder": "MODEL_FOR_CTC_MAPPING_NAMES",
+}
+DECODER_KINDS = ("causal-lm", "seq2seq-lm", "speech-seq2seq")
+NEW_TOKENS = 32
+NO_ATTENTION = "no attention"  # exported, but not a transformer (a ConvNet, a state-space LM)
+TIMEOUT_S = 420  # one architecture, both exports and generation
+PROMPTS = ([5, 17, 42], [7, 3, 99, 150, 23, 11, 64])
+
+# Attributes set where the default config has them (tiny and consistent: 4 heads × 16 = 64).
+TINY = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "n_embd": 64,
+    "d_model": 64,
+    "embed_dim": 64,
+    "dim": 64,
+    "num_hidden_layers": 2,
+    "n_layer": 2,
+    "n_layers": 2,
+    "num_layers": 2,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "num_decoder_layers": 2,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "n_heads": 4,
+    "num_heads": 4,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "d_kv": 16,
+    "intermediate_size": 128,
+    "ffn_dim": 128,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "d_ff": 128,
+    "n_inner": 128,
+    "hidden_dim": 128,
+    "max_position_embeddings": 256,
+    "n_positions": 256,
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "image_size": 32,
+    "patch_size": 8,
+    "num_mel_bins": 16,
+    "max_source_positions": 64,
+    "max_target_positions": 128,
+}
+
+
+def architectures(only: Iterable[str] | None = None) -> list[tuple[str, str, str]]:
+    """(model_type, kind, class name) for every architecture of the installed transformers;
+    a model type counts once, in the first kind of :data:`_CLAIM_ORDER` that lists it (text
+    encoders that also have a causal-LM head count as encoders, Whisper as a speech
+    encoder-decoder)."""
+    from transformers.models.auto import modeling_auto
+
+    seen: dict[str, tuple[str, str, str]] = {}
+    for kind in _CLAIM_ORDER:
+        for model_type, cls in getattr(modeling_auto, _MAPPINGS[kind]).items():
+            if model_type in seen:
+                continue
+            if isinstance(cls, (tuple, list)):
+                cls = cls[0]
+            seen[model_type] = (model_type, kind, cls)
+    rows = sorted(seen.values(), key=lambda r: (KINDS.index(r[1]), r[0]))
+    if only:
+        wanted = set(only)
+        rows = [r for r in rows if r[0] in wanted]
+    return rows
+
+
+def tiny_config(model_type: str):
+    import transformers
+
+    default = transformers.AutoConfig.for_model(model_type)
+    overrides = {k: v for k, v in TINY.items() if hasattr(default, k)}
+    if default.is_encoder_decoder or model_type in ("whisper",):
+        overrides.setdefault("decoder_start_token_id", 1)
+    overrides.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return transformers.AutoConfig.for_model(model_type, **overrides)
+
+
+# --- one architecture (in its own process) ----------------------------------------------------
+
+
+def measure(model_type: str, kind: str, cls_name: str, work: Path) -> dict:
+    """The row of one architecture; every failure is caught and stated with its message."""
+    import torch
+    import transformers
+
+    import tfgraph
+    from tfgraph.errors import first_line
+
+    row: dict = {"model_type": model_type, "kind": kind, "class": cls_name}
+    try:
+        config = tiny_config(model_type)
+        torch.manual_seed(0)
+        model = getattr(transformers, cls_name)(config).eval()
+        model.save_pretrained(work / "hf")
+    except Exception as exc:  # the architecture cannot be built tiny from its config
+        row.update(status="not built", reason=first_line(exc, named=True))
+        return row
+    row["parameters"] = sum(p.numel() for p in model.parameters())
+    start = time.perf_counter()
+    try:
+        result = tfgraph.export(str(work / "hf"), work / "plain")
+    except Exception as exc:  # a trace failure is the row's finding
+        row.update(status=_failure(exc), reason=first_line(exc, named=True))
+        return row
+    row["export_s"] = round(time.perf_counter() - start, 1)
+    _fill(row, result.report)
+    row["status"] = "exported" if row["attention"][1] else NO_ATTENTION
+    if kind not in DECODER_KINDS or not row["attention"][1]:
+        return row
+    try:
+        cached = tfgraph.export(str(work / "hf"), work / "cached", kv_cache=True)
+    except Exception as exc:
+        row.update(kv_cache=False, kv_reason=first_line(exc, named=True))
+        return row
+    row["kv_cache"] = True
+    row["kv_parity"] = bool(cached.report["parity"]["passed"])
+    try:
+        row.update(_greedy_vs_hf(work, model, kind))
+    except Exception as exc:
+        row.update(tokens_equal=False, tokens_reason=first_line(exc, named=True))
+    return row
+
+
+def _failure(exc: Exception) -> str:
+    text = str(exc).lower()
+    if any(word in text for word in ("trace", "tracing", "torch.export", "onnx")):
+        return "trace failed"
+    return "export failed"
+
+
+def _fill(row: dict, report: dict) -> None:
+    fusions = report["fusions"]
+    for family in ("attention", "norm"):
+        entry = fusions.get(family, {})
+        row[family] = [entry.get("fused", 0), entry.get("total", 0)]
+        missed = entry.get("missed", [])
+        if missed:
+            row[f"{family}_missed"] = sorted(
+                {m.get("reason", str(m)) if isinstance(m, dict) else str(m) for m in missed}
+            )
+    parity = report["parity"]
+    row["parity"] = bool(parity["passed"])
+    row["max_abs_err"] = max(o["max_abs_err"] for o in parity["outputs"])
+    row["main_input"] = report["source"].get("main_input")
+    if report["source"].get("attn_fallback"):
+        row["attn_fallback"] = report["source"]["attn_fallback"]
+
+
+def _greedy_vs_hf(work: Path, model, kind: str) -> dict:
+    import numpy as np
+    import torch
+    import transformers
+
+    from tfgraph.runtime import CachedDecoder, GenerationConfig, Session, generate
+    from tfgraph.runtime.generate import left_pad
+
+    decoder = CachedDecoder(Session(work / "cached"))
+    hf_config = transformers.GenerationConfig(
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        num_beams=1,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    ours = GenerationConfig(max_new_tokens=NEW_TOKENS, pad_token_id=0)
+    if kind == "causal-lm":
+        prompts = [list(p) for p in PROMPTS]
+        got = generate(decoder, prompts, ours).tokens
+        ids, mask = left_pad(prompts, 0)
+        with torch.no_grad():
+            out = model.generate(
+                torch.from_numpy(ids),
+                attention_mask=torch.from_numpy(mask),
+                generation_config=hf_config,
+            )
+        want = out[:, ids.shape[1] :].tolist()
+    else:
+        start = model.config.decoder_start_token_id
+        start = 0 if start is None else int(start)
+        hf_config.decoder_start_token_id = start
+        if kind == "speech-seq2seq":
+            main = decoder.encoder_inputs[0]
+            port = next(p for p in decoder.encoder.signature.inputs if p.name == main)
+            dims = [2 if d == "batch" else (d if isinstance(d, int) else 40) for d in port.shape]
+            features = np.random.default_rng(0).standard_normal(dims).astype(np.float32)
+            extra = {main: features}
+            hf_inputs = {main: torch.from_numpy(features)}
+        else:
+            ids, mask = left_pad([list(p) for p in PROMPTS], 0)
+            extra = decoder.encoder_feeds(ids, mask)
+            hf_inputs = {"input_ids": torch.from_numpy(ids)}
+            if "attention_mask" in extra:
+                hf_inputs["attention_mask"] = torch.from_numpy(mask)
+        got = generate(decoder, [[start], [start]], ours, extra=extra).tokens
+        with torch.no_grad():
+            out = model.generate(**hf_inputs, generation_config=hf_config)
+        want = out[:, 1:].tolist()
+    equal = got == want
+    result = {"tokens_equal": equal}
+    if not equal:
+        first = next(
+            (
+                i
+                for i in range(NEW_TOKENS)
+                if any(g[i] != w[i] for g, w in zip(got, want, strict=True))
+            ),
+            None,
+        )
+        result["tokens_reason"] = f"first different token at step {first}"
+    return result
+
+
+def _worker(argv: list[str]) -> int:
+    model_type, kind, cls_name, out = argv
+    logging.basicConfig(level=logging.ERROR)
+    with tempfile.TemporaryDirectory(prefix=f"cov-{model_type}-") as tmp:
+        row = measure(model_type, kind, cls_name, Path(tmp))
+    Path(out).write_text(json.dumps(row))
+    return 0
+
+
+# --- the whole matrix ---------------------------------------------------------------------------
+
+
+def run_one(model_type: str, kind: str, cls_name: str, timeout: float = TIMEOUT_S) -> dict:
+    """One architecture in a fresh process; a timeout or a crash is a row too."""
+    with tempfile.TemporaryDirectory(prefix="cov-row-") as tmp:
+        out = Path(tmp) / "row.json"
+        cmd = [sys.executable, "-m", "tfgraph.coverage", model_type, kind, cls_name, str(out)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+        start = time.perf_counter()
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            return {
+                "model_type": model_type,
+                "kind": kind,
+                "class": cls_name,
+                "status": "timeout",
+                "reason": f"over {timeout:.0f} s",
+            }
+        if out.is_file():
+            row = json.loads(out.read_text())
+        else:
+            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            row = {
+                "model_type": model_type,
+                "kind": kind,
+                "class": cls_name,
+                "status": "crashed",
+                "reason": f"exit {done.returncode}: {tail[:300]}",
+            }
+        row["seconds"] = round(time.perf_counter() - start, 1)
+        return row
+
+
+def run(
+    out_dir: Path,
+    *,
+    only: Iterable[str] | None = None,
+    jobs: int = 1,
+    limit: int | None = None,
+    progress: Callable[[dict, int, int], None] | None = None,
+    fresh: bool = False,
+) -> dict:
+    """Measure every architecture (or ``only`` these model types), ``jobs`` at a time; rows
+    already in ``out_dir/coverage.json`` are kept unless ``fresh``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "coverage.json"
+    data = json.loads(path.read_text()) if path.is_file() and not fresh else {}
+    rows = {r["model_type"]: r for r in data.get("rows", [])}
+    todo = [a for a in architectures(only) if a[0] not in rows]
+    if limit is not None:
+        todo = todo[:limit]
+    data["meta"] = environment()
+    total = len(todo)
+
+    def one(arch):
+        return run_one(*arch)
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for i, row in enumerate(pool.map(one, todo), 1):
+            rows[row["model_type"]] = row
+            data["rows"] = sorted(
+                rows.values(), key=lambda r: (KINDS.index(r["kind"]), r["model_type"])
+            )
+            data["summary"] = summarize(data["rows"])
+            path.write_text(json.dumps(data, indent=1))
+            (out_dir / "COVERAGE.md").write_text(markdown(data))
+            if progress is not None:
+                progress(row, i, total)
+    if "rows" not in data:
+        data["rows"], data["summary"] = [], summarize([])
+        path.write_text(json.dumps(data, indent=1))
+        (out_dir / "COVERAGE.md").write_text(markdown(data))
+    return data
+
+
+def environment() -> dict:
+    import onnxruntime
+    import torch
+    import transformers
+
+    import tfgraph
+
+    return {
+        "command": "python -m tfgraph coverage --out docs",
+        "date": time.strftime("%Y-%m-%d"),
+        "tfgraph": tfgraph.__version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def complete(row: dict) -> bool:
+    """Exported, every attention layer fused, parity, and (decoders) cached with tokens equal."""
+    if row.get("status") != "exported" or not row.get("parity"):
+        return False
+    fused, total = row.get("attention", [0, 0])
+    if fused != total:
+        return False
+    if row["kind"] in DECODER_KINDS:
+        return bool(row.get("kv_cache") and row.get("kv_parity") and row.get("tokens_equal"))
+    return True
+
+
+def summarize(rows: list[dict]) -> dict:
+    traced = [r for r in rows if r.get("status") == "exported"]
+    return {
+        "architectures": len(rows),
+        "built": sum(r.get("status") != "not built" for r in rows),
+        "traced": len(traced),
+        "complete": sum(complete(r) for r in rows),
+        "attention_fully_fused": sum(
+            r.get("attention", [0, 0])[0] == r.get("attention", [0, 1])[1] for r in traced
+        ),
+        "parity": sum(bool(r.get("parity")) for r in traced),
+        "decoders_traced": sum(r["kind"] in DECODER_KINDS for r in traced),
+        "tokens_equal": sum(bool(r.get("tokens_equal")) for r in traced),
+        "by_status": _count(r.get("status", "?") for r in rows),
+    }
+
+
+def _count(values: Iterable[str]) -> dict:
+    out: dict[str, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
+def markdown(data: dict) -> str:
+    meta, summary, rows = data.get("meta", {}), data.get("summary", {}), data.get("rows", [])
+    traced = summary.get("traced", 0)
+    statuses = ", ".join(f"{k} {v}" for k, v in sorted(summary.get("by_status", {}).items()))
+    lines = [
+        "# Coverage: every architecture of the installed transformers, measured",
+        "",
+        f"`{meta.get('command', 'python -m tfgraph coverage --out docs')}`, {meta.get('date')}: "
+        f"tfgraph {meta.get('tfgraph')}, transformers {meta.get('transformers')}, "
+        f"torch {meta.get('torch')}, onnxruntime {meta.get('onnxruntime')}, "
+        f"Python {meta.get('python')}. Tiny random-init configs (2 layers, width 64), "
+        "see `tfgraph/coverage.py`.",
+        "",
+        f"- architectures tried: **{summary.get('architectures', 0)}**; built tiny from their "
+        f"config: {summary.get('built', 0)}; traced and exported: **{traced}**",
+        f"- complete (every attention layer fused, parity, and for decoders a KV cache whose "
+        f"{NEW_TOKENS} greedy tokens equal Hugging Face `generate`): "
+        f"**{summary.get('complete', 0)}** of {traced} traced "
+        f"({100 * summary.get('complete', 0) / max(traced, 1):.0f}%)",
+        f"- attention fully fused: {summary.get('attention_fully_fused', 0)} of {traced}; parity: "
+        f"{summary.get('parity', 0)} of {traced}; decoders with equal tokens: "
+        f"{summary.get('tokens_equal', 0)} of {summary.get('decoders_traced', 0)}",
+        f"- by status: {statuses}",
+        "",
+        "| model type | kind | class | status | attention | norm | parity | KV cache "
+        "| tokens = HF | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        decoder = r["kind"] in DECODER_KINDS
+        notes = [
+            r.get("reason"),
+            *(r.get("attention_missed") or []),
+            r.get("kv_reason"),
+            r.get("tokens_reason"),
+        ]
+        if r.get("attn_fallback"):
+            notes.append(f"attention: {r['attn_fallback']} (sdpa did not trace)")
+        lines.append(
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
+                r["model_type"],
+                r["kind"],
+                r.get("class", ""),
+                r.get("status", "?"),
+                _frac(r.get("attention")),
+                _frac(r.get("norm")),
+                _yes(r.get("parity")) if r.get("status") == "exported" else "",
+                _yes(r.get("kv_parity")) if decoder and "kv_cache" in r else "",
+                _yes(r.get("tokens_equal")) if decoder and "tokens_equal" in r else "",
+                "; ".join(str(n).replace("|", "\\|")[:200] for n in notes if n),
+            )
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _frac(pair) -> str:
+    return f"{pair[0]}/{pair[1]}" if pair else ""
+
+
+def _yes(value) -> str:
+    return "yes" if value else "no"
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(sys.argv[1:]))
