@@ -37,11 +37,14 @@ def padding_mask(attention_mask: torch.Tensor, dtype=torch.float32) -> torch.Ten
 class Attention(nn.Module):
     """Queries from ``x``; keys and values from ``x`` (self) or from ``context`` (cross)."""
 
-    def __init__(self, cfg: ModelConfig, *, cross: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, *, cross: bool = False, causal: bool = False) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         self.scale_scores = cfg.scale_scores
         self.attn_impl = cfg.attn_impl
+        self.mask_style, self.softcap = cfg.mask_style, cfg.softcap
+        # SDPA's is_causal in causal self-attention: the stack then builds no causal mask
+        self.is_causal = causal and not cross and cfg.mask_style == "is-causal"
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         self.q_proj = nn.Linear(cfg.d_model, q_dim, bias=cfg.bias)  # W_Q
         self.k_proj = nn.Linear(cfg.d_model, kv_dim, bias=cfg.bias)  # W_K
@@ -72,7 +75,10 @@ class Attention(nn.Module):
             v = v.repeat_interleave(group, dim=1)  # (B, nh, S, hs)
         if self.attn_impl == "sdpa":
             scale = 1 / math.sqrt(hs) if self.scale_scores else 1.0
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            if self.is_causal:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
             # The fused CPU kernel lays y out as (B, T, nh, hs) while the decomposition that
             # torch.onnx traces lays it out as (B, nh, T, hs): copying to the standard layout
             # keeps the reshape below valid in both (else a learned bias, as T5's, fails export).
@@ -83,8 +89,19 @@ class Attention(nn.Module):
                 scores = scores + self.rel_keys(q, S)  # q_i · r_{i−j} W_K^R
             if self.scale_scores:
                 scores = scores / math.sqrt(hs)
+            if self.softcap is not None:
+                scores = self.softcap * torch.tanh(scores / self.softcap)
             if mask is not None:
-                scores = scores + mask
+                scores = self._apply_mask(scores, mask)
             y = self.softmax(scores) @ v  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, nh * hs)  # (B, T, nh·hs): concatenate the heads
         return self.o_proj(y)
+
+    def _apply_mask(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.mask_style == "add":
+            return scores + mask
+        blocked = torch.isinf(mask)  # the −∞ entries select; any finite bias is still added
+        scores = scores + mask.masked_fill(blocked, 0.0)
+        if self.mask_style == "select-fill":
+            return scores.masked_fill(blocked, float("-inf"))
+        return torch.where(~blocked, scores, torch.finfo(scores.dtype).min)

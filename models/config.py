@@ -9,6 +9,26 @@ POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "t5", "shaw", "none")
 NORMS = ("layernorm", "layernorm-seed", "rmsnorm")
 FFNS = ("relu", "gelu", "gelu-tanh", "swiglu", "geglu")
 ATTN_IMPLS = ("explicit", "sdpa")
+# How the mask reaches the scores: added (−∞ entries), selected (``masked_fill(blocked, −∞)`` /
+# ``where(keep, scores, finfo.min)``, any finite bias still added), or SDPA's ``is_causal``.
+MASK_STYLES = ("add", "select-fill", "select-where", "is-causal")
+# Operand orders of a norm's products (x normalized by r = rsqrt(ms) or s = sqrt(ms), weight w)
+NORM_ORDERS = (
+    "default",
+    "x*r*w",
+    "w*x*r",
+    "x*w*r",
+    "r*x*w",
+    "r*w*x",
+    "w*r*x",
+    "w*(x*r)",
+    "x*(w*r)",
+    "(w*r)*x",
+    "w*x/s",
+    "x*w/s",
+    "x/s*w",
+    "w*(x/s)",
+)
 
 
 @dataclass(frozen=True)
@@ -46,6 +66,9 @@ class ModelConfig:
     num_labels: int = 2  # encoder classifier head
     scale_scores: bool = True  # divide scores by √d_k (T5 folds it into its init: False)
     attn_impl: str = "explicit"  # explicit Q·Kᵀ/√d_k math | sdpa
+    mask_style: str = "add"  # add | select-fill | select-where | is-causal (MASK_STYLES)
+    softcap: float | None = None  # Gemma 2: scores = cap·tanh(scores / cap) before the mask
+    norm_order: str = "default"  # the products of LayerNorm / RMSNorm in this order
 
     @property
     def kv_heads(self) -> int:
@@ -85,6 +108,8 @@ class ModelConfig:
             ("ffn", FFNS),
             ("attn_impl", ATTN_IMPLS),
             ("norm_placement", ("pre", "post")),
+            ("mask_style", MASK_STYLES),
+            ("norm_order", NORM_ORDERS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {allowed}")
@@ -109,3 +134,19 @@ class ModelConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be ≥ 1")
+        if self.mask_style.startswith("select") and self.attn_impl != "explicit":
+            raise ValueError("a selection mask is written in explicit attention (attn_impl)")
+        if self.mask_style == "is-causal" and (
+            self.attn_impl != "sdpa"
+            or self.family == "encoder"
+            or self.positions in ("alibi", "t5")
+            or self.sliding_window is not None
+        ):
+            raise ValueError(
+                "is_causal is SDPA's causal mask alone: it needs attn_impl='sdpa', a causal "
+                "stack, and no ALiBi/T5 bias or sliding window"
+            )
+        if self.softcap is not None and (self.softcap <= 0 or self.attn_impl != "explicit"):
+            raise ValueError("softcap must be > 0, in explicit attention (SDPA cannot cap)")
+        if self.norm_order != "default" and self.norm == "layernorm-seed":
+            raise ValueError("norm_order applies to layernorm and rmsnorm, not layernorm-seed")

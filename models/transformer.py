@@ -62,11 +62,11 @@ class Block(nn.Module):
     cross-attention over the encoder output (``memory``) between the two.
     """
 
-    def __init__(self, cfg: ModelConfig, *, cross: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, *, cross: bool = False, causal: bool = False) -> None:
         super().__init__()
         self.post_ln = cfg.norm_placement == "post"
         self.ln_1 = make_norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, causal=causal)
         self.ln_cross = make_norm(cfg) if cross else None
         self.cross_attn = Attention(cfg, cross=True) if cross else None
         self.ln_2 = make_norm(cfg)
@@ -87,10 +87,10 @@ class Block(nn.Module):
 class ParallelBlock(nn.Module):
     """PaLM's layer: attention and FFN read the same normalized input, ``x + Attn(h) + FFN(h)``."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, *, causal: bool = False) -> None:
         super().__init__()
         self.ln_1 = make_norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, causal=causal)
         self.mlp = make_ffn(cfg)
 
     def forward(self, x, mask=None, rope=None, memory=None, memory_mask=None) -> torch.Tensor:
@@ -105,6 +105,7 @@ class TransformerStack(nn.Module):
     def __init__(self, cfg: ModelConfig, *, causal: bool, cross: bool = False) -> None:
         super().__init__()
         self.causal, self.window = causal, cfg.sliding_window
+        self.is_causal = causal and cfg.mask_style == "is-causal"  # SDPA masks by itself
         self.rotary = RotaryEmbedding(cfg) if cfg.positions == "rope" else None
         self.position_bias = None
         if cfg.positions == "alibi":
@@ -112,9 +113,10 @@ class TransformerStack(nn.Module):
         elif cfg.positions == "t5":
             self.position_bias = T5RelativeBias(cfg, bidirectional=not causal)
         if cfg.parallel_block:
-            self.blocks = nn.ModuleList(ParallelBlock(cfg) for _ in range(cfg.n_layers))
+            blocks = (ParallelBlock(cfg, causal=causal) for _ in range(cfg.n_layers))
         else:
-            self.blocks = nn.ModuleList(Block(cfg, cross=cross) for _ in range(cfg.n_layers))
+            blocks = (Block(cfg, cross=cross, causal=causal) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(blocks)
         self.ln_f = make_norm(cfg) if cfg.final_norm else nn.Identity()
 
     def forward(
@@ -126,7 +128,7 @@ class TransformerStack(nn.Module):
     ) -> torch.Tensor:
         T, device = x.shape[1], x.device
         mask = None  # additive, broadcast to (B, nh, T, T)
-        if self.causal:
+        if self.causal and not self.is_causal:
             mask = causal_mask(T, device, window=self.window, dtype=x.dtype)  # (T, T)
         if self.position_bias is not None:
             bias = self.position_bias(T, T, device).to(x.dtype)  # (1, nh, T, T)

@@ -4,7 +4,8 @@
   (every profile, KV cache and greedy generation included);
 - a deliberately broken lowering is caught, and the failure prints the config and the seed;
 - Hypothesis shrinks a failure to a minimal config, and leaves no ``.hypothesis`` directory;
-- the strategy reaches every family, position scheme, norm, FFN, attention implementation.
+- the strategy reaches every family, position scheme, norm, FFN, attention implementation,
+  mask style (added, selected, SDPA's is_causal), soft-capping and norm operand order.
 """
 
 import dataclasses
@@ -21,10 +22,20 @@ from tfgraph.fuzz import (
     ParityFailure,
     check_case,
     expected_candidates,
+    fusion_problems,
     fuzz_cases,
     run_fuzz,
 )
-from tfgraph.models.config import ATTN_IMPLS, FAMILIES, FFNS, NORMS, POSITIONS, ModelConfig
+from tfgraph.models.config import (
+    ATTN_IMPLS,
+    FAMILIES,
+    FFNS,
+    MASK_STYLES,
+    NORM_ORDERS,
+    NORMS,
+    POSITIONS,
+    ModelConfig,
+)
 from tfgraph.models.presets import PRESETS
 from tfgraph.passes import lower_attention
 
@@ -147,6 +158,7 @@ def test_expected_candidates_match_the_presets(name):
 def test_strategy_covers_the_model_space():
     seen: dict[str, set] = {k: set() for k in ("family", "positions", "norm", "ffn", "impl")}
     seen.update({k: set() for k in ("placement", "heads", "head_dim", "window", "padding")})
+    seen.update({k: set() for k in ("mask_style", "softcap", "norm_order")})
 
     @settings(max_examples=400, database=None, suppress_health_check=list(HealthCheck))
     @hypothesis_seed(0)
@@ -165,6 +177,9 @@ def test_strategy_covers_the_model_space():
         seen["head_dim"].add(cfg.head_dim % 8 == 0)
         seen["window"].add(cfg.sliding_window is not None)
         seen["padding"].add(case.padding)
+        seen["mask_style"].add(cfg.mask_style)
+        seen["softcap"].add(cfg.softcap is not None)
+        seen["norm_order"].add(cfg.norm_order)
         if cfg.positions == "rope":
             seen["positions"].add("rope-partial" if cfg.rotary_dim < cfg.head_dim else "rope")
             seen["positions"].add("rope-ntk" if cfg.rope_ntk_factor != 1.0 else "rope")
@@ -176,3 +191,42 @@ def test_strategy_covers_the_model_space():
     assert seen["placement"] == {"pre", "post", "parallel"}
     assert seen["heads"] == {"MHA", "GQA", "MQA"} and seen["head_dim"] == {True, False}
     assert seen["window"] == {True, False} and seen["padding"] == set(PADDINGS)
+    # the idioms of issue 14: is_causal, selection masks, soft-capping, norm operand orders
+    assert seen["mask_style"] == set(MASK_STYLES) and seen["softcap"] == {True, False}
+    assert seen["norm_order"] == set(NORM_ORDERS)
+
+
+def test_new_forms_pass_every_check(tmp_path):
+    """One case with the issue-14 forms at once: a selection mask over ALiBi, soft-capped
+    scores, a sliding window and a hand-ordered RMSNorm, on every profile and cached."""
+    cfg = ModelConfig(
+        d_model=32,
+        n_heads=4,
+        n_layers=2,
+        vocab_size=64,
+        max_seq_len=64,
+        positions="alibi",
+        mask_style="select-where",
+        softcap=20.0,
+        sliding_window=4,
+        norm="rmsnorm",
+        norm_order="w*x*r",
+    )
+    timings = check_case(FuzzCase(config=cfg, padding="left"), tmp_path)
+    assert timings  # every stage ran (a failure raises)
+
+
+def test_softcap_misses_count_only_when_stated():
+    cfg = ModelConfig(d_model=32, n_heads=4, n_layers=2, softcap=20.0)
+    want = expected_candidates(cfg)
+    stated = {"reason": "soft-capped scores put a tanh between the MatMuls, …"}
+    fusions = {
+        "attention": {"fused": 1, "total": 2, "missed": [stated]},
+        "norm": {"fused": want["norm"], "total": want["norm"], "missed": []},
+    }
+    assert fusion_problems(cfg, fusions) == []
+    fusions["attention"]["missed"] = [{"reason": "expected Add, got Where"}]
+    assert fusion_problems(cfg, fusions)  # any other miss is a problem
+    uncapped = ModelConfig(d_model=32, n_heads=4, n_layers=2)
+    fusions["attention"]["missed"] = [stated]
+    assert fusion_problems(uncapped, fusions)  # and a softcap miss without a softcap too

@@ -186,3 +186,63 @@ def test_unknown_preset_and_bad_configs():
         ModelConfig(positions="xpos")
     with pytest.raises(ValueError, match="pre-LN"):
         replace(PRESETS["palm-tiny"], norm_placement="post")
+
+
+# --- the idioms a config can write (issue 14): same function, other graph -----------------
+_BASE = {"d_model": 32, "n_heads": 4, "n_layers": 2, "vocab_size": 64, "max_seq_len": 64}
+_SAME_FUNCTION = [
+    ({"attn_impl": "sdpa", "positions": "rope", "mask_style": "is-causal"}, "mask_style"),
+    ({"positions": "alibi", "mask_style": "select-fill"}, "mask_style"),
+    ({"sliding_window": 3, "mask_style": "select-where"}, "mask_style"),
+    ({"norm": "rmsnorm", "norm_order": "w*x*r"}, "norm_order"),
+    ({"norm_order": "x/s*w"}, "norm_order"),
+    ({"family": "encoder-decoder", "attn_impl": "sdpa", "mask_style": "is-causal"}, "mask_style"),
+]
+
+
+@pytest.mark.parametrize(("fields", "form"), _SAME_FUNCTION)
+def test_idioms_compute_the_default_function(fields, form):
+    written = ModelConfig(**_BASE, **fields)
+    default = replace(written, **{form: ModelConfig.__dataclass_fields__[form].default})
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    outs = []
+    for cfg in (written, default):
+        model = build(cfg, seed=0).eval()
+        inputs = model.example_inputs(2, 9, torch.Generator().manual_seed(1))
+        inputs[model.input_names[0]] = ids
+        with torch.no_grad():
+            outs.append(model(*(inputs[n] for n in model.input_names)))
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-5)
+
+
+def test_softcap_bounds_the_scores():
+    """The softmax sees cap·tanh(scores/cap) (finite entries within ±cap), then the mask."""
+    cfg = ModelConfig(**_BASE, softcap=0.5)
+    model = build(cfg).eval()
+    seen = []
+    model.decoder.blocks[0].attn.softmax.register_forward_hook(
+        lambda module, args, out: seen.append(args[0])
+    )
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        capped = model(ids)
+        uncapped = build(replace(cfg, softcap=None)).eval()(ids)
+    finite = seen[0][torch.isfinite(seen[0])]
+    assert finite.abs().max() <= 0.5 and torch.isinf(seen[0]).any()  # capped, then masked
+    assert not torch.allclose(capped, uncapped)
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"mask_style": "select-fill", "attn_impl": "sdpa"}, "explicit attention"),
+        ({"mask_style": "is-causal"}, "is_causal"),
+        ({"mask_style": "is-causal", "attn_impl": "sdpa", "positions": "alibi"}, "is_causal"),
+        ({"softcap": 5.0, "attn_impl": "sdpa"}, "softcap"),
+        ({"norm_order": "w*x*r", "norm": "layernorm-seed"}, "norm_order"),
+        ({"norm_order": "x*y"}, "norm_order"),
+    ],
+)
+def test_idiom_fields_are_validated(fields, needle):
+    with pytest.raises(ValueError, match=needle):
+        ModelConfig(**_BASE, **fields)
