@@ -91,6 +91,12 @@ class AttentionRule(pattern.RewriteRuleClassBase):
             if abs(inner - want) > 1e-6 * abs(want):
                 return result.fail("tanh's input is not scaled by 1/cap of its output", q)
             self._softcap = float(outer)
+            if has_extra:  # the canonical op caps Q·Kᵀ alone and adds its bias after the cap
+                return result.fail(
+                    "an extra score term (Shaw's q·r) inside the soft-cap: the capped op adds "
+                    "its bias after the tanh",
+                    q,
+                )
         if has_extra and (q_scaled or k_scaled):
             return result.fail("an extra score term with Q or K pre-scaled", q)
         axis = probs.producer().attributes.get_int("axis", -1)

@@ -20,10 +20,11 @@ _THROUGH = frozenset({"Add", "Sub", "Mul", "Div", "Cast", "Identity", "Neg", "Ta
 
 def is_gating_softmax(node: ir.Node) -> bool:
     """A ``Softmax`` over a projection, not over attention scores: a mixture-of-experts
-    router's ``softmax(x · W_router)`` (or any gate). Its input comes, through elementwise ops,
-    from a ``MatMul``/``Gemm`` by a constant 2-D weight, and its axis has a static size (the
-    experts), where attention scores come from ``Q · Kᵀ`` of two activations over keys.
-    Such a softmax is not an attention candidate: not fused, not reported missed."""
+    router's ``softmax(x · W_router)`` (or any gate). Its input comes, through elementwise ops
+    (and the values of a ``TopK``), from a ``MatMul``/``Gemm`` by a constant 2-D weight, and
+    its axis has a static size (the experts), where attention scores come from ``Q · Kᵀ`` of
+    two activations over keys. Such a softmax is not an attention candidate: not fused, not
+    reported missed."""
     value = node.inputs[0]
     if value is None or value.shape is None or not value.shape:
         return False
@@ -36,6 +37,9 @@ def is_gating_softmax(node: ir.Node) -> bool:
         if producer.op_type in ("MatMul", "Gemm"):
             weight = constant(producer.inputs[1])
             return weight is not None and weight.ndim == 2
+        if producer.op_type == "TopK":  # a softmax over the top-k experts' logits (Aria)
+            value = producer.inputs[0]
+            continue
         if producer.op_type not in _THROUGH:
             return False
         data = [i for i in producer.inputs if i is not None and constant(i) is None]

@@ -207,8 +207,9 @@ def every_norm_order():
 class MoE(nn.Module):
     """A top-2 router over 4 experts: ``softmax(x · W_router)`` is a gate, not attention."""
 
-    def __init__(self, d: int, experts: int = 4, top: int = 2) -> None:
+    def __init__(self, d: int, experts: int = 4, top: int = 2, topk_first: bool = False) -> None:
         super().__init__()
+        self.topk_first = topk_first  # Aria: softmax over the top-k logits only
         self.router = nn.Linear(d, experts, bias=False)
         self.experts = nn.ModuleList(
             nn.Sequential(nn.Linear(d, 2 * d), nn.ReLU(), nn.Linear(2 * d, d))
@@ -217,28 +218,32 @@ class MoE(nn.Module):
         self.top = top
 
     def forward(self, x):
-        probs = torch.softmax(self.router(x), dim=-1)  # (B, T, E)
-        weight, index = probs.topk(self.top, dim=-1)
-        gate = torch.zeros_like(probs).scatter(-1, index, weight)  # dense: traceable
+        logits = self.router(x)  # (B, T, E)
+        if self.topk_first:
+            top, index = logits.topk(self.top, dim=-1)
+            weight = torch.softmax(top, dim=-1)  # (B, T, k)
+        else:
+            weight, index = torch.softmax(logits, dim=-1).topk(self.top, dim=-1)
+        gate = torch.zeros_like(logits).scatter(-1, index, weight)  # dense: traceable
         outs = torch.stack([e(x) for e in self.experts], dim=-1)  # (B, T, d, E)
         return (outs * gate.unsqueeze(-2)).sum(-1)
 
 
 class MoEBlock(Block):
-    def __init__(self, d, h):
+    def __init__(self, d, h, topk_first=False):
         super().__init__(d, h)
-        self.mlp = MoE(d)
+        self.mlp = MoE(d, topk_first=topk_first)
 
 
 class MoEGPT(GPT):
-    def __init__(self, vocab=64, d=32, h=4, layers=2, n_pos=64):
+    def __init__(self, vocab=64, d=32, h=4, layers=2, n_pos=64, topk_first=False):
         super().__init__(vocab, d, h, layers, None, n_pos)
-        self.blocks = nn.ModuleList(MoEBlock(d, h) for _ in range(layers))
+        self.blocks = nn.ModuleList(MoEBlock(d, h, topk_first) for _ in range(layers))
 
 
-def moe_gpt():
+def moe_gpt(topk_first: bool = False):
     torch.manual_seed(0)
-    return MoEGPT().eval()
+    return MoEGPT(topk_first=topk_first).eval()
 
 
 # --- scores masked by selection ----------------------------------------------------------------

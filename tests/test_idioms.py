@@ -114,10 +114,12 @@ def test_a_bias_reading_a_fused_ops_values_is_not_evaluated():
     assert node.metadata_props["tfgraph.bias_classified"] == "additive (causal mask split off)"
 
 
-def test_router_softmax_is_not_an_attention_candidate(tmp_path):
-    """A mixture-of-experts router's softmax over experts is a gate: the report counts the 2
-    attention layers only (2/2, not 2/4), and the decoder is KV-cached."""
-    source = from_module(idiom_models.moe_gpt(), origin="idiom:moe_gpt")
+@pytest.mark.parametrize("topk_first", [False, True])
+def test_router_softmax_is_not_an_attention_candidate(topk_first, tmp_path):
+    """A mixture-of-experts router's softmax over experts (or, as Aria writes it, over the
+    top-k experts' logits) is a gate: the report counts the 2 attention layers only (2/2, not
+    2/4), and the decoder is KV-cached."""
+    source = from_module(idiom_models.moe_gpt(topk_first), origin="idiom:moe_gpt")
     result = tfgraph.export(source, tmp_path / "art", kv_cache=True)
     attention = result.report["fusions"]["attention"]
     assert (attention["fused"], attention["total"], attention["missed"]) == (2, 2, [])
@@ -228,6 +230,33 @@ def test_a_tanh_not_scaled_by_its_cap_is_not_a_softcap():
     assert attention["fused"] == 0 and attention["total"] == 4
     reasons = {m["reason"] for m in attention["missed"]}
     assert reasons == {"tanh's input is not scaled by 1/cap of its output"}, reasons
+
+
+def test_a_term_inside_the_cap_is_not_taken_as_the_bias(tmp_path):
+    """Rejection: Shaw's q·r inside ``cap · tanh((q·k + q·r) / cap)`` cannot become the fused
+    op's bias (added after the cap; the fuzzer found the 2e-4 parity drift): not fused, the
+    reason reported, parity kept by the standard ops."""
+    from tfgraph.models import ModelConfig, build
+
+    cfg = ModelConfig(
+        d_model=32,
+        n_heads=4,
+        n_layers=2,
+        vocab_size=64,
+        max_seq_len=64,
+        positions="shaw",
+        softcap=20.0,
+        scale_scores=False,
+    )
+    result = tfgraph.export(from_module(build(cfg), origin="zoo:shaw-softcap"), tmp_path / "a")
+    attention = result.report["fusions"]["attention"]
+    assert (attention["fused"], attention["total"]) == (0, 2)
+    reasons = {m["reason"] for m in attention["missed"]}
+    assert reasons == {
+        "an extra score term (Shaw's q·r) inside the soft-cap: the capped op adds its bias "
+        "after the tanh"
+    }, reasons
+    assert result.passed
 
 
 def _broken_cap(attn):
