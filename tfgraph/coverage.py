@@ -97,13 +97,16 @@ TINY = {
     "max_source_positions": 64,
     "max_target_positions": 128,
     # widths derived from the head size elsewhere (DeepSeek's MLA, CodeGen's rotary part)
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 16,  # = head_dim: MLA's rotary part
+    "qk_nope_head_dim": 16,
     "v_head_dim": 16,
     "kv_lora_rank": 16,
     "q_lora_rank": 32,
     "rotary_dim": 8,
     "n_shared_experts": 1,
+    "n_group": 1,  # DeepSeek's grouped routing over the (now 4) experts
+    "topk_group": 1,
+    "attention_types": [[["global", "local"], 1]],  # GPT-Neo: one global + one local layer
 }
 EAGER_FAILED = "eager failed"  # the tiny model does not run on inputs from its own config
 
@@ -135,6 +138,8 @@ def tiny_config(model_type: str, kind: str = ""):
 
     default = transformers.AutoConfig.for_model(model_type)
     overrides = {k: v for k, v in TINY.items() if _has(default, k)}
+    if "kv_lora_rank" in overrides and "num_key_value_heads" in overrides:
+        overrides["num_key_value_heads"] = overrides["num_attention_heads"]  # MLA: K/V per head
     if default.is_encoder_decoder:
         overrides.setdefault("decoder_start_token_id", 1)
     if kind == "causal-lm":  # BERT-style decoders (bert-generation) are causal only so
