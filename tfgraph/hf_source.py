@@ -397,9 +397,12 @@ def _probe_layout(model, config, main: str, seq2seq: bool, vocab: int) -> _MainI
 
 
 def _forward(model, inputs: dict, seq2seq: bool, vocab: int):
+    """One forward pass without a cache, as the wrapper runs the model."""
     if seq2seq:
         batch = next(iter(inputs.values())).shape[0]
         inputs = {**inputs, "decoder_input_ids": torch.randint(0, vocab, (batch, 3))}
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        inputs = {**inputs, "use_cache": False}
     with torch.no_grad():
         return model(**inputs, return_dict=True)
 
