@@ -253,6 +253,16 @@ def _greedy_vs_hf(work: Path, model, kind: str) -> dict:
         num_beams=1,
         pad_token_id=0,
         eos_token_id=None,
+        # plain greedy: none of the model's own processors (BART forces EOS last, Whisper
+        # suppresses tokens); unset fields would be taken from model.generation_config
+        forced_eos_token_id=None,
+        forced_bos_token_id=None,
+        suppress_tokens=None,
+        begin_suppress_tokens=None,
+        no_repeat_ngram_size=0,
+        repetition_penalty=1.0,
+        bad_words_ids=None,
+        forced_decoder_ids=None,
     )
     ours = GenerationConfig(max_new_tokens=NEW_TOKENS, pad_token_id=0)
     if kind == "causal-lm":
@@ -305,6 +315,9 @@ def _hf_generate(model, **kwargs):
     """Hugging Face's side; its own failure is said as such (not tfgraph's)."""
     import torch
 
+    # the model's own generation_config fills fields left at their defaults (BART's
+    # forced_eos_token_id): replace it, so that only the plain greedy config applies
+    model.generation_config = kwargs.pop("generation_config")
     try:
         with torch.no_grad():
             return model.generate(**kwargs)
@@ -380,21 +393,19 @@ def run(
     def one(arch):
         return run_one(*arch)
 
+    def write() -> None:
+        order = sorted(rows.values(), key=lambda r: (KINDS.index(r["kind"]), r["model_type"]))
+        data["rows"], data["summary"] = order, summarize(order)
+        path.write_text(json.dumps(data, indent=1))
+        (out_dir / "COVERAGE.md").write_text(markdown(data))
+
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         for i, row in enumerate(pool.map(one, todo), 1):
             rows[row["model_type"]] = row
-            data["rows"] = sorted(
-                rows.values(), key=lambda r: (KINDS.index(r["kind"]), r["model_type"])
-            )
-            data["summary"] = summarize(data["rows"])
-            path.write_text(json.dumps(data, indent=1))
-            (out_dir / "COVERAGE.md").write_text(markdown(data))
+            write()
             if progress is not None:
                 progress(row, i, total)
-    if "rows" not in data:
-        data["rows"], data["summary"] = [], summarize([])
-        path.write_text(json.dumps(data, indent=1))
-        (out_dir / "COVERAGE.md").write_text(markdown(data))
+    write()
     return data
 
 
