@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import numpy as np
 import onnx_ir as ir
@@ -183,6 +184,22 @@ class _Analysis:
                     )
             if not all(isinstance(d, int) for d in _dims(k)[1::2]):
                 raise KVCacheError(f"{_module(node)}: K's head count or head size is not static")
+
+
+def _flattened(dim, seq: str) -> bool:
+    """A dim that is an expression of the sequence symbol (``batch*sequence``)."""
+    return (
+        isinstance(dim, str) and dim != seq and re.search(rf"\b{re.escape(seq)}\b", dim) is not None
+    )
+
+
+def _at_total(dim, seq: str):
+    """A clone's dim: the sequence symbol becomes the total length; an expression of it
+    (``batch*sequence``, JetMoE's flattened tokens) becomes unknown, not a stale claim that
+    ONNX Runtime would plan buffers by."""
+    if dim == seq:
+        return TOTAL_DIM
+    return None if _flattened(dim, seq) else dim
 
 
 def _shapes_from_tokens(model: ir.Model, seq: str) -> None:
@@ -374,7 +391,7 @@ class _Rewriter:
         for old, new in zip(node.outputs, clone.outputs, strict=True):
             new.type = old.type
             if old.shape is not None:
-                new.shape = ir.Shape([TOTAL_DIM if d == self.a.seq else d for d in _dims(old)])
+                new.shape = ir.Shape([_at_total(d, self.a.seq) for d in _dims(old)])
             if old.name:
                 new.name = f"{old.name}__total"
             self.memo[old] = new
@@ -469,6 +486,11 @@ class InsertKVCachePass(ir.passes.InPlacePass):
                 if _is_attention(node) and index == BIAS_SLOT:
                     key_axes = [len(dims) - 1]  # keys stay at L
                 axes = [i for i, d in enumerate(dims) if d == seq and i not in key_axes]
+                if not axes and not key_axes and any(_flattened(d, seq) for d in dims):
+                    # the tokens flattened into one axis (JetMoE's (batch·T, experts) router
+                    # buffer): no axis to slice, and its T-length original is what the token
+                    # op read before the cache (cache parity checks it)
+                    continue
                 rewriter.pending.clear()
                 new = rewriter.last_rows(value, axes)
                 graph.insert_before(node, rewriter.pending)

@@ -334,7 +334,10 @@ class Session:
         try:
             return run()
         except Exception as exc:
-            if type(exc).__module__.split(".")[0] != "onnxruntime":
+            # its own exception types, or a plain RuntimeError ("Error in execution: …") from
+            # run_with_iobinding
+            ours = type(exc).__module__.split(".")[0] == "onnxruntime"
+            if not ours and not (type(exc) is RuntimeError and "Error in execution" in str(exc)):
                 raise
             hint = " (token ids must be below the vocabulary size)" if "Gather" in str(exc) else ""
             raise TfgraphError(
