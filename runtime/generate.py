@@ -151,7 +151,9 @@ class CachedDecoder:
         mask: np.ndarray | None = None,
         extra: dict[str, np.ndarray] | None = None,
     ) -> tuple[np.ndarray, KVCache]:
-        """Run the new ``tokens`` (batch, T) on ``cache``; returns (logits, next cache)."""
+        """Run the new ``tokens`` (batch, T) on ``cache``; returns (logits, next cache).
+        ``mask``: the padding mask over past + new positions, when the model takes one;
+        ``None`` means nothing is padded."""
         new = tokens.shape[1]
         self.check_positions(cache.length + new, f"past {cache.length} + {new} new tokens")
         if cache.capacity is not None and cache.length + new > cache.capacity:
@@ -161,8 +163,13 @@ class CachedDecoder:
             )
         feeds = {(contract.TOKEN_IDS, None): np.asarray(tokens, np.int64)}
         if self.mask_input is not None:
-            if mask is None:
-                raise TfgraphError(f"the model needs '{self.mask_input}' over past + new tokens")
+            if mask is None:  # nothing padded
+                mask = np.ones((tokens.shape[0], cache.length + new), np.int64)
+            elif np.shape(mask) != (tokens.shape[0], cache.length + new):
+                raise TfgraphError(
+                    f"'{self.mask_input}' is {tuple(np.shape(mask))}; it spans past + new "
+                    f"tokens: ({tokens.shape[0]}, {cache.length + new})"
+                )
             feeds[(contract.ATTENTION_MASK, None)] = np.asarray(mask, np.int64)
         for name in self.extra_inputs:
             if extra is None or name not in extra:
