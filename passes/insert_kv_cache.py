@@ -182,8 +182,11 @@ class _Analysis:
                     raise KVCacheError(
                         f"{_module(node)}: {name} is not (batch, heads, sequence, head_dim)"
                     )
-            if not all(isinstance(d, int) for d in _dims(k)[1::2]):
-                raise KVCacheError(f"{_module(node)}: K's head count or head size is not static")
+            for name, value in (("K", k), ("V", v)):
+                if not all(isinstance(d, int) for d in _dims(value)[1::2]):
+                    raise KVCacheError(
+                        f"{_module(node)}: {name}'s head count or head size is not static"
+                    )
 
 
 def _flattened(dim, seq: str) -> bool:
@@ -450,8 +453,8 @@ class InsertKVCachePass(ir.passes.InPlacePass):
         pasts = []
         for i, node in enumerate(analysis.layers):
             k, v = node.inputs[1], node.inputs[2]
-            batch, heads, _, size = _dims(k)
             for role, value in ((contract.PAST_KEY, k), (contract.PAST_VALUE, v)):
+                batch, heads, _, size = _dims(value)  # V's heads may be narrower (MLA)
                 past = ir.Value(
                     name=contract.tensor_name(role, i),
                     type=value.type,

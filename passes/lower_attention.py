@@ -83,6 +83,11 @@ class AttentionCase:
         return _dim(self.q, 3)
 
     @property
+    def v_head_size(self):
+        """V's head size: DeepSeek's MLA has V heads narrower than Q/K's."""
+        return _dim(self.v, 3)
+
+    @property
     def self_attention(self) -> bool:
         """S == T is proved by the shapes (equal ints or the same symbolic dim)."""
         return _same_dim(self.q, self.k, 2)

@@ -215,7 +215,7 @@ def _failure(exc: Exception) -> str:
     if "fails on inputs derived from its config" in str(exc):
         return EAGER_FAILED
     text = str(exc).lower()
-    if any(word in text for word in ("trace", "tracing", "torch.export", "onnx")):
+    if "tracing" in text or "torch.export" in text or "cannot trace" in text:
         return "trace failed"
     return "export failed"
 
@@ -407,7 +407,7 @@ def run(
     todo = [a for a in architectures(only) if a[0] not in rows]
     if limit is not None:
         todo = todo[:limit]
-    data["meta"] = environment()
+    data["meta"] = {**environment(), "known": len(architectures(only))}
     total = len(todo)
 
     def one(arch):
@@ -496,6 +496,15 @@ def markdown(data: dict) -> str:
         f"Python {meta.get('python')}. Tiny random-init configs (2 layers, width 64), "
         "see `tfgraph/coverage.py`.",
         "",
+        *(
+            [
+                f"**Partial run: {len(rows)} of {meta['known']} architectures measured so far** "
+                "(the command resumes where it stopped; the counts below are of those rows).",
+                "",
+            ]
+            if meta.get("known", len(rows)) > len(rows)
+            else []
+        ),
         f"- architectures tried: **{summary.get('architectures', 0)}**; built tiny from their "
         f"config: {summary.get('built', 0)}; traced and exported: **{traced}**",
         f"- complete (every attention layer fused, parity, and for decoders a KV cache whose "

@@ -65,7 +65,13 @@ def lower_attention(case: AttentionCase) -> Lowered:
     spec, build = case.spec, case.build
     # GroupQueryAttention's CPU kernel needs head_size % 8 == 0 (measured: it refuses
     # Llama-2-70B-tiny's head size 2); MultiHeadAttention with the mask does not.
-    gqa_ok = isinstance(case.head_size, int) and case.head_size % 8 == 0
+    # Its past/present and output also take one head size for Q, K and V (MLA's narrower V
+    # heads are refused at run time: "INVALID_ARGUMENT … GroupQueryAttention").
+    gqa_ok = (
+        isinstance(case.head_size, int)
+        and case.head_size % 8 == 0
+        and case.v_head_size == case.head_size
+    )
     cached = case.cached_kv() if gqa_ok and spec.causal and spec.bottom_right else None
     if cached is not None:
         return Lowered(build.gqa_past(cached, case.bias, spec), "GroupQueryAttention (past)")
