@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tfgraph.models.norms import PRODUCT_ORDERS
+
 
 class Attn(nn.Module):
     def __init__(self, d, h, kv=None):
@@ -145,21 +147,7 @@ def seq2seq():
 # --- norms written in every operand order -----------------------------------------------------
 # x: the input, w: the per-feature scale, r: rsqrt(mean(x²) + ε) (LayerNorm: of the variance),
 # s: sqrt(…) for the division forms; d = x − mean(x) for LayerNorm.
-RMS_ORDERS = {
-    "x*r*w": lambda x, w, r, s: x * r * w,
-    "w*x*r": lambda x, w, r, s: w * x * r,
-    "x*w*r": lambda x, w, r, s: x * w * r,
-    "r*x*w": lambda x, w, r, s: r * x * w,
-    "r*w*x": lambda x, w, r, s: r * w * x,
-    "w*r*x": lambda x, w, r, s: w * r * x,
-    "w*(x*r)": lambda x, w, r, s: w * (x * r),
-    "x*(w*r)": lambda x, w, r, s: x * (w * r),
-    "(w*r)*x": lambda x, w, r, s: (w * r) * x,
-    "w*x/s": lambda x, w, r, s: w * x / s,
-    "x*w/s": lambda x, w, r, s: x * w / s,
-    "x/s*w": lambda x, w, r, s: x / s * w,
-    "w*(x/s)": lambda x, w, r, s: w * (x / s),
-}
+RMS_ORDERS = PRODUCT_ORDERS  # the zoo's table (ModelConfig.norm_order): one source
 
 
 class HandNorm(nn.Module):

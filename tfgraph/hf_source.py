@@ -55,8 +55,7 @@ class _HFWrapper(nn.Module):
         self._positions = "position_ids" in params
 
     def _run(self, **kwargs: torch.Tensor):
-        out = self.model(**kwargs, **self._no_cache, return_dict=True)
-        return out if self._output is None else getattr(out, self._output)
+        return getattr(self.model(**kwargs, **self._no_cache, return_dict=True), self._output)
 
 
 class _HFTokens(_HFWrapper):
