@@ -34,7 +34,7 @@ from .manifest import build_manifest
 from .parity import FP32, PARITY_SHAPES, Tolerance, check_parity
 from .pipeline import check_model, run_pipeline
 from .sources import ModelSource, load_source
-from .trace import trace
+from .trace import TraceCache, trace
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +71,12 @@ def export(
     kv_cache: bool = False,
     progress: Callable[[str], None] = _no_progress,
     target: str | Target | None = None,
+    trace_cache: TraceCache | None = None,
 ) -> ExportResult:
     """Export ``model`` (a MODEL string as the CLI takes it, or a :class:`ModelSource`) for
     target ``profile`` (a :class:`tfgraph.targets.Target` or a registered name such as
-    ``ort``, ``onnx``, ``tensorrt@10.14``); ``target`` is the same, and wins when given."""
+    ``ort``, ``onnx``, ``tensorrt@10.14``); ``target`` is the same, and wins when given.
+    ``trace_cache`` reuses an earlier export's trace of the same source and opset."""
     out_dir = Path(out_dir)
     target = get_target(target if target is not None else profile)
     check_target(out_dir)  # before any slow work
@@ -101,8 +103,13 @@ def export(
             trust_remote_code=trust_remote_code,
             attn_implementation=attn_implementation,
         )
+    def traced(source: ModelSource):
+        if trace_cache is None:
+            return _trace(source, opset)
+        return trace_cache.get(source, opset, _trace)
+
     try:
-        graph = step("trace", _trace, source, opset)
+        graph = step("trace", traced, source)
     except TfgraphError:
         # Some Hugging Face attention back-ends do not trace with dynamic shapes (T5 with sdpa
         # in transformers 5); the eager implementation computes the same function. Retry with
@@ -117,7 +124,7 @@ def export(
             model, trust_remote_code=trust_remote_code, attn_implementation="eager"
         )
         source.info["attn_fallback"] = "eager"
-        graph = step("trace", _trace, source, opset)
+        graph = step("trace", traced, source)
     with staged_directory(out_dir) as stage:
         records = step(
             "passes",

@@ -58,6 +58,7 @@ from tfgraph.targets import get_target
 
 from .generation_parity import compare_greedy, encoder_inputs
 from .sources import ModelSource, from_module
+from .trace import TraceCache
 
 logger = logging.getLogger(__name__)
 
@@ -430,6 +431,7 @@ class CaseContext:
     workdir: Path
     reproduce: str = ""
     timings: dict[str, float] = field(default_factory=dict)
+    traces: TraceCache = field(default_factory=TraceCache)  # one trace per opset, not per export
 
     @contextmanager
     def stage(self, case: FuzzCase, name: str) -> Iterator[None]:
@@ -456,10 +458,19 @@ def describe_exception(exc: BaseException) -> str:
     return text
 
 
-def _export(source: ModelSource, case: FuzzCase, out: Path, profile: str, kv_cache: bool):
+def _export(
+    source: ModelSource, case: FuzzCase, ctx: CaseContext, out: Path, profile: str, kv_cache: bool
+):
     from .exporting import export
 
-    return export(source, out, profile=profile, kv_cache=kv_cache, parity_shapes=case.parity_shapes)
+    return export(
+        source,
+        out,
+        profile=profile,
+        kv_cache=kv_cache,
+        parity_shapes=case.parity_shapes,
+        trace_cache=ctx.traces,
+    )
 
 
 def _check_report(case: FuzzCase, ctx: CaseContext, stage: str, report: dict) -> None:
@@ -474,7 +485,7 @@ def check_export(source: ModelSource, case: FuzzCase, ctx: CaseContext, profile:
     """Uncached export at ``profile``: parity and complete fusions."""
     stage = f"export profile={profile}"
     with ctx.stage(case, stage):
-        result = _export(source, case, ctx.workdir / profile, profile, kv_cache=False)
+        result = _export(source, case, ctx, ctx.workdir / profile, profile, kv_cache=False)
     _check_report(case, ctx, stage, result.report)
 
 
@@ -497,7 +508,7 @@ def check_cached(source: ModelSource, case: FuzzCase, ctx: CaseContext, profile:
     stage = f"export --kv-cache profile={profile}"
     out = ctx.workdir / f"{profile}-kv"
     with ctx.stage(case, stage):
-        result = _export(source, case, out, profile, kv_cache=True)
+        result = _export(source, case, ctx, out, profile, kv_cache=True)
     _check_report(case, ctx, stage, result.report)
     stage = f"generate profile={profile}"
     with ctx.stage(case, stage):

@@ -105,3 +105,26 @@ def _optimize(model: ir.Model) -> None:
         common.NameFixPass(),
     )
     passes(model)
+
+
+class TraceCache:
+    """Traces of unchanged sources, by opset, for exporting one model to several targets (the
+    fuzzer and the coverage run do): tracing is most of an export's time. Every :meth:`get`
+    returns a fresh copy, since the passes rewrite the graph in place. A source whose module
+    changes between exports must not go through the same cache."""
+
+    def __init__(self) -> None:
+        self._protos: dict[tuple[int, int], tuple[ModelSource, object]] = {}
+        self.hits = 0
+
+    def get(self, source: ModelSource, opset: int, trace_fn=None) -> ir.Model:
+        key = (id(source), opset)
+        if key in self._protos:
+            self.hits += 1
+            logger.info("reusing the trace of %s at opset %d", source.origin, opset)
+        else:
+            model = (trace_fn or trace)(source, opset)
+            # the source is held so that its id stays its own
+            self._protos[key] = (source, ir.serde.serialize_model(model))
+            return model
+        return ir.serde.deserialize_model(self._protos[key][1])
