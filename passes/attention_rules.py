@@ -311,16 +311,23 @@ class SelectionMaskRule(pattern.RewriteRuleClassBase):
     (``scores.masked_fill(mask == 0, -inf)``, ``torch.where(mask, scores, finfo.min)``).
     ``fill`` must be −inf or the dtype's lowest value, so ``s + fill`` is ``fill`` where it
     counts. When ``s`` is already ``Add(t, bias)``, the mask joins the bias:
-    ``Add(t, Add(bias, mask))``. Rejections: a fill that is not a constant scalar; a finite
-    fill above the lowest value (−10000, say: adding it is not selecting).
+    ``Add(t, Add(bias, mask))``; a bias added after the selection (GPT-Neo's padding mask on
+    its causal ``where``) joins it too: ``Softmax(Add(Where(keep, s, fill), b))`` →
+    ``Softmax(Add(s, Add(Where(keep, 0, fill), b)))`` (``fill + b`` where masked, as before:
+    equal to ``s + fill + b`` since ``fill`` absorbs ``s``). Rejections: a fill that is not a
+    constant scalar; a finite fill above the lowest value (−10000, say: adding it is not
+    selecting).
     """
 
-    def __init__(self, fill_first: bool) -> None:
-        super().__init__(f"SelectionMask{'FillFirst' if fill_first else ''}")
-        self._fill_first = fill_first
+    def __init__(self, fill_first: bool, then_bias: str = "") -> None:
+        # then_bias: "" (none), "right" (Add(picked, b)) or "left" (Add(b, picked))
+        super().__init__(f"SelectionMask{'FillFirst' if fill_first else ''}{then_bias.title()}")
+        self._fill_first, self._then_bias = fill_first, then_bias
 
-    def pattern(self, op, cond, s, fill):
+    def pattern(self, op, cond, s, fill, after):
         picked = op.Where(cond, fill, s) if self._fill_first else op.Where(cond, s, fill)
+        if self._then_bias:
+            picked = op.Add(picked, after) if self._then_bias == "right" else op.Add(after, picked)
         return op.Softmax(picked, _outputs=["probs"])
 
     def check(self, context, s, fill, **_):
@@ -334,9 +341,11 @@ class SelectionMaskRule(pattern.RewriteRuleClassBase):
             return result.fail("the selected scores are a constant", s)
         return result
 
-    def rewrite(self, op, cond, s, fill, probs, **_):
+    def rewrite(self, op, cond, s, fill, probs, after=None, **_):
         zero = op.Constant(value=ir.tensor(0.0, dtype=s.dtype))
         mask = op.Where(cond, fill, zero) if self._fill_first else op.Where(cond, zero, fill)
+        if after is not None:
+            mask = op.Add(mask, after)
         add = s.producer()
         if add is not None and add.op_type == "Add" and add.domain in ("", "ai.onnx"):
             scores = op.Add(add.inputs[0], op.Add(add.inputs[1], mask))
@@ -346,7 +355,7 @@ class SelectionMaskRule(pattern.RewriteRuleClassBase):
         return op.Softmax(scores, axis=axis)
 
 
-MASK_RULES = [SelectionMaskRule.rule(False), SelectionMaskRule.rule(True)]
+MASK_RULES = [SelectionMaskRule.rule(f, b) for f in (False, True) for b in ("", "right", "left")]
 CORE_RULES = [
     *(AttentionRule.rule(b, g) for b in (True, False) for g in (True, False)),
     BatchedHeadsAttentionRule.rule(),

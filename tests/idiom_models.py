@@ -240,7 +240,9 @@ class SelectAttn(nn.Module):
 
     - ``masked_fill``: ``scores.masked_fill(mask == 0, -inf)`` (mask 1 = attend);
     - ``where_min``: ``torch.where(keep, scores, finfo.min)``;
-    - ``bias_and_select``: an ALiBi-like additive bias, then ``masked_fill`` (both at once).
+    - ``bias_and_select``: an ALiBi-like additive bias, then ``masked_fill`` (both at once);
+    - ``select_then_bias``: GPT-Neo's order, ``where(keep, scores, finfo.min)`` first, then an
+      additive bias (its padding mask; here ALiBi-like) added to the selected scores.
     """
 
     def __init__(self, d, h, style):
@@ -258,8 +260,10 @@ class SelectAttn(nn.Module):
         keep = pos[None, :] <= pos[:, None]  # (T, T) causal
         if self.style == "bias_and_select":
             scores = scores + self.slopes[:, None, None] * (pos[None, :] - pos[:, None])
-        if self.style == "where_min":
+        if self.style in ("where_min", "select_then_bias"):
             scores = torch.where(keep, scores, torch.finfo(scores.dtype).min)
+            if self.style == "select_then_bias":
+                scores = scores + self.slopes[:, None, None] * (pos[None, :] - pos[:, None])
         else:
             scores = scores.masked_fill(keep.to(torch.int64) == 0, float("-inf"))
         y = torch.softmax(scores, dim=-1) @ v

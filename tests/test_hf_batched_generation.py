@@ -4,7 +4,9 @@ Hugging Face causal LMs export with ``attention_mask`` and derive ``position_ids
 (:mod:`tfgraph.hf_source`), so left pads are masked in the prompt and in the cache. A batch of
 4 prompts of lengths 1–9, left-padded, decodes greedily token for token like
 ``model.generate(input_ids, attention_mask=…)`` for GPT-2, Llama, Mistral (sliding window 4,
-shorter than the prompts) and BLOOM (ALiBi) built from configs. Weights are drawn with a large
+shorter than the prompts), BLOOM (ALiBi) and GPT-Neo (a causal ``where`` on a sliced buffer
+of its maximum length, then the padding mask added; a local layer of window 4) built from
+configs. Weights are drawn with a large
 ``initializer_range`` so that greedy tokens vary (with the default 0.02 GPT-2 repeats one
 token).
 """
@@ -44,9 +46,20 @@ def _hf_generate(model, prompts: list[list[int]]) -> list[list[int]]:
     return out[:, ids.shape[1] :].tolist()
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "bloom"])
+GPT_NEO = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "num_heads": 4,
+    "attention_types": [[["global", "local"], 1]],
+    "window_size": 4,
+    "max_position_embeddings": 64,
+}
+MODELS = {**CONFIGS, "gpt_neo": ("GPTNeoForCausalLM", "GPTNeoConfig", GPT_NEO)}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "bloom", "gpt_neo"])
 def test_padded_batch_equals_hf_generate(name, tmp_path):
-    cls, cfg, kwargs = CONFIGS[name]
+    cls, cfg, kwargs = MODELS[name]
     config = getattr(transformers, cfg)(**{**SMALL, **kwargs, "initializer_range": 0.2})
     torch.manual_seed(0)
     getattr(transformers, cls)(config).eval().save_pretrained(tmp_path / "hf")

@@ -153,10 +153,13 @@ def test_a_softmax_over_keys_is_still_a_candidate():
     assert not is_gating_softmax(keys)
 
 
-@pytest.mark.parametrize("style", ["masked_fill", "where_min", "bias_and_select"])
+@pytest.mark.parametrize(
+    "style", ["masked_fill", "where_min", "bias_and_select", "select_then_bias"]
+)
 def test_selection_masks_fuse_and_cache(style, tmp_path):
     """``masked_fill(mask == 0, -inf)`` / ``where(keep, scores, min)`` before the softmax (also
-    on top of an additive bias) fuse, are classified causal, and KV-cache."""
+    on top of an additive bias, or under one added after the selection) fuse, are classified
+    causal, and KV-cache."""
     source = from_module(idiom_models.select_gpt(style), origin=f"idiom:select_gpt:{style}")
     result = tfgraph.export(source, tmp_path / "art", kv_cache=True)
     attention = result.report["fusions"]["attention"]
@@ -274,3 +277,27 @@ def _broken_cap(attn):
         return attn.o(y.transpose(1, 2).reshape(B, T, C))
 
     return forward
+
+
+def test_min_dims_within_the_position_limit_are_the_sequence():
+    """``Min(N, sequence)`` (a buffer of N rows sliced to the input) is named ``sequence`` when
+    N is at least the model's position limit, and kept when it is below it."""
+    from tfgraph.trace import _bounded_dims
+
+    def model_with(dim: str) -> ir.Model:
+        x = ir.Value(
+            name="x", shape=ir.Shape(["batch", "sequence"]), type=ir.TensorType(ir.DataType.FLOAT)
+        )
+        node = ir.Node("", "Identity", [x])
+        node.outputs[0].shape = ir.Shape(["batch", dim])
+        graph = ir.Graph([x], node.outputs, nodes=[node], opset_imports={"": 20})
+        return ir.Model(graph, ir_version=10)
+
+    for dim, limit, want in (
+        ("Min(256, sequence)", 256, "sequence"),
+        ("Min(sequence, 512)", 256, "sequence"),
+        ("Min(128, sequence)", 256, "Min(128, sequence)"),
+    ):
+        model = model_with(dim)
+        _bounded_dims(model, limit)
+        assert str(model.graph.outputs[0].shape[1]) == want

@@ -103,6 +103,7 @@ def export(
             trust_remote_code=trust_remote_code,
             attn_implementation=attn_implementation,
         )
+
     def traced(source: ModelSource):
         if trace_cache is None:
             return _trace(source, opset)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import re
 import warnings
 
 import onnx_ir as ir
@@ -63,9 +64,40 @@ def trace(source: ModelSource, *, opset: int = DEFAULT_OPSET) -> ir.Model:
     # GQA). Run only the former: recognition and lowering are our passes' job, with reports
     # per layer, and the fused RotaryEmbedding it makes does not run in ONNX Runtime 1.32.
     _optimize(model)
+    _bounded_dims(model, source.info.get("max_positions"))
     model.producer_name = "tfgraph"
     contract.write_roles(model, source.roles())  # what each input and output is, from here on
     return model
+
+
+_MIN_DIM = re.compile(r"^Min\((?:(\d+), (\w+)|(\w+), (\d+))\)$")
+
+
+def _bounded_dims(model: ir.Model, max_positions: int | None) -> None:
+    """Name ``Min(N, sequence)`` dims ``sequence`` when ``N`` is at least the model's
+    position limit. A model that slices a buffer of its maximum length to the input's
+    (GPT-Neo's causal mask ``bias[:, :, :T, :T]``) gets that dim from torch.export; within
+    the limit it is the sequence itself, which later passes must see (the KV-cache pass finds
+    a bias's query axis by it). Only annotations change, never the computation."""
+    if not max_positions:
+        return
+
+    def simpler(dim):
+        if not isinstance(dim, ir.SymbolicDim) or dim.value is None:
+            return dim
+        found = _MIN_DIM.match(dim.value)
+        if found is None:
+            return dim
+        bound = int(found.group(1) or found.group(4))
+        name = found.group(2) or found.group(3)
+        return ir.SymbolicDim(name) if bound >= max_positions else dim
+
+    for value in ir.traversal.RecursiveGraphIterator(model.graph):
+        for out in value.outputs:
+            if out.shape is not None and any(isinstance(d, ir.SymbolicDim) for d in out.shape):
+                dims = [simpler(d) for d in out.shape]
+                if dims != list(out.shape):
+                    out.shape = ir.Shape(dims)
 
 
 # onnxscript's default rewrite rules minus ``SlicesSplit``: its two-output pattern is matched
