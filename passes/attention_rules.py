@@ -45,12 +45,12 @@ class AttentionRule(pattern.RewriteRuleClassBase):
     """One instance per (bias, NaN guard): onnxscript's matcher cannot make the root or an
     optional input an alternative."""
 
-    def __init__(self, with_bias: bool, nan_guard: bool) -> None:
+    def __init__(self, with_bias: bool, nan_guard: bool, sink: bool = False) -> None:
         name = f"Attention{'Bias' if with_bias else ''}{'NanGuard' if nan_guard else ''}"
-        super().__init__(name)
-        self._with_bias, self._nan_guard = with_bias, nan_guard
+        super().__init__(name + ("Sink" if sink else ""))
+        self._with_bias, self._nan_guard, self._sink = with_bias, nan_guard, sink
 
-    def pattern(self, op, q, c_q, kt, c_k, extra, c, cap_in, cap_out, bias, v, zero):
+    def pattern(self, op, q, c_q, kt, c_k, extra, c, cap_in, cap_out, bias, v, zero, sink):
         qs = pattern.OrValue([op.Mul(q, c_q), q], tag_var="q_scaled", tag_values=[True, False])
         kts = pattern.OrValue([op.Mul(kt, c_k), kt], tag_var="k_scaled", tag_values=[True, False])
         scores = op.MatMul(qs, kts)
@@ -73,7 +73,10 @@ class AttentionRule(pattern.RewriteRuleClassBase):
         )
         if self._with_bias:
             scores = op.Add(scores, bias)
-        probs = op.Softmax(scores, _outputs=["probs"])
+        if self._sink:  # attention sinks (:mod:`.sink_rules`)
+            probs = op.SinkSoftmax(scores, sink, _domain=DOMAIN, _outputs=["probs"])
+        else:
+            probs = op.Softmax(scores, _outputs=["probs"])
         if self._nan_guard:
             probs = op.Where(op.IsNaN(probs), zero, probs)
         return op.MatMul(probs, v)
@@ -123,7 +126,7 @@ class AttentionRule(pattern.RewriteRuleClassBase):
         self._scale = scale
         return result
 
-    def rewrite(self, op, q, kt, v, has_extra, bias=None, extra=None, **_):
+    def rewrite(self, op, q, kt, v, has_extra, bias=None, extra=None, sink=None, **_):
         k = op.Transpose(kt, perm=[0, 1, 3, 2])
         b, h, d, s = kt.shape
         k.shape = ir.Shape([b, h, s, d])  # lowering proves S == T from these symbols
@@ -133,6 +136,8 @@ class AttentionRule(pattern.RewriteRuleClassBase):
             scaled = op.Mul(extra, scale)
             bias = scaled if bias is None else op.Add(scaled, bias)
         inputs = [q, k, v] + ([bias] if bias is not None else [])
+        if sink is not None:
+            inputs = [q, k, v, bias, sink]  # an empty bias slot when there is no bias
         spec = AttentionOp(
             num_heads=q.shape[1],
             kv_num_heads=kt.shape[1],
@@ -253,17 +258,15 @@ class RepeatKVRule(pattern.RewriteRuleClassBase):
     query head i reads KV head i // g. Any other target (regrouping S and d, say) is not a
     repeat of x's heads."""
 
-    def __init__(self, with_bias: bool) -> None:
-        super().__init__(f"RepeatKV{'Bias' if with_bias else ''}")
-        self._with_bias = with_bias
-
-    def pattern(self, op, q, k, v, ak, av, ek, ev, rk, rv, bias):
+    def pattern(self, op, q, k, v, ak, av, ek, ev, rk, rv):
         k_exp = op.Expand(op.Unsqueeze(k, ak), ek, _outputs=["k_exp"])
         v_exp = op.Expand(op.Unsqueeze(v, av), ev, _outputs=["v_exp"])
         k_rep = op.Reshape(k_exp, rk, _outputs=["k_rep"])
         v_rep = op.Reshape(v_exp, rv, _outputs=["v_rep"])
-        inputs = [q, k_rep, v_rep] + ([bias] if self._with_bias else [])
-        return op.Attention(*inputs, _domain=DOMAIN, _outputs=["y"])
+        # the bias and sink slots, if any, are kept as they are
+        return op.Attention(
+            q, k_rep, v_rep, _domain=DOMAIN, _allow_other_inputs=True, _outputs=["y"]
+        )
 
     def check(self, context, k, v, ak, av, k_exp, v_exp, k_rep, v_rep, y, **_):
         result = pattern.MatchResult()
@@ -285,10 +288,9 @@ class RepeatKVRule(pattern.RewriteRuleClassBase):
             return result.fail("repeated KV heads do not add up to the query heads", k)
         return result
 
-    def rewrite(self, op, q, k, v, y, bias=None, **_):
+    def rewrite(self, op, q, k, v, y, **_):
         spec = AttentionOp.read(y.producer()).replace(kv_num_heads=k.shape[1])
-        inputs = [q, k, v] + ([bias] if self._with_bias else [])
-        return spec.make(op, *inputs)
+        return spec.make(op, q, k, v, *y.producer().inputs[3:])
 
 
 _FP16_LOWEST = -65504.0
@@ -355,14 +357,43 @@ class SelectionMaskRule(pattern.RewriteRuleClassBase):
         return op.Softmax(scores, axis=axis)
 
 
-MASK_RULES = [SelectionMaskRule.rule(f, b) for f in (False, True) for b in ("", "right", "left")]
+class MaxShiftRule(pattern.RewriteRuleClassBase):
+    """``Softmax(x − ReduceMax(x, -1, keepdims=1))`` → ``Softmax(x)``: subtracting the row max
+    (MiMo-V2-Flash's layers without sinks, "for BF16/FP16 stability") does not change a
+    softmax over the same axis, and every kernel subtracts it itself. Rejections: a max or a
+    softmax over another axis, a max without its axis kept."""
+
+    def pattern(self, op, x, axes):
+        shifted = op.Sub(x, op.ReduceMax(x, axes, _outputs=["row_max"]))
+        return op.Softmax(shifted, _outputs=["probs"])
+
+    def check(self, context, x, axes, row_max, probs, **_):
+        result = pattern.MatchResult()
+        rank = len(x.shape) if x.shape is not None else None
+        last = {-1, rank - 1} if rank else {-1}
+        if int_list(axes) is None or len(int_list(axes)) != 1 or int_list(axes)[0] not in last:
+            return result.fail("the row max is not over the last axis", row_max)
+        if row_max.producer().attributes.get_int("keepdims", 1) != 1:
+            return result.fail("the row max does not keep its axis", row_max)
+        if probs.producer().attributes.get_int("axis", -1) not in last:
+            return result.fail("the softmax is not over the row max's axis", probs)
+        return result
+
+    def rewrite(self, op, x, probs, **_):
+        return op.Softmax(x, axis=probs.producer().attributes.get_int("axis", -1))
+
+
+MASK_RULES = [
+    MaxShiftRule.rule(),
+    *(SelectionMaskRule.rule(f, b) for f in (False, True) for b in ("", "right", "left")),
+]
 CORE_RULES = [
     *(AttentionRule.rule(b, g) for b in (True, False) for g in (True, False)),
+    *(AttentionRule.rule(b, False, sink=True) for b in (True, False)),
     BatchedHeadsAttentionRule.rule(),
 ]
 LAYOUT_RULES = [
     DoubleTransposeRule.rule(),
     SdpaKeyLayoutRule.rule(),
-    RepeatKVRule.rule(True),
-    RepeatKVRule.rule(False),
+    RepeatKVRule.rule(),
 ]

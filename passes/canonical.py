@@ -4,8 +4,12 @@ Recognition rules emit them (``spec.make(op, *inputs)`` inside an onnxscript rew
 analysis passes refine them (``spec.replace(...).write(node)``) and every target's lowering
 reads them (``AttentionOp.read(node)``). Nothing else spells their attributes.
 
-- ``tfgraph.Attention(Q, K, V[, bias])``: Q (B, Hq, T, d); K, V (B, Hkv, S, d), not expanded
-  for GQA/MQA; ``Y = softmax(scale·Q·Kᵀ + causal/window mask + bias) · repeat_interleave(V)``.
+- ``tfgraph.Attention(Q, K, V[, bias[, sink]])``: Q (B, Hq, T, d); K, V (B, Hkv, S, d), not
+  expanded for GQA/MQA; ``Y = softmax(scale·Q·Kᵀ + causal/window mask + bias) ·
+  repeat_interleave(V)``. ``sink`` (Hq,), attention sinks (gpt-oss): one more logit per head in
+  the softmax's denominator, ``p_j = exp(s_j) / (Σ_k exp(s_k) + exp(sink_h))`` (the bias slot
+  is empty when there is a sink and no bias). ``tfgraph.SinkSoftmax(s, sink)`` is that softmax
+  over the last axis, made by the sink rules for the core rules to take.
   ``causal_alignment``: ``bottom_right`` (key j visible from query i iff j ≤ i + S − T) or
   ``top_left`` (iff j ≤ i); ``window`` (0: none; else key j also masked when
   (i + S − T) − j ≥ window); ``bias_kind``: ``none``, ``additive``, ``alibi``, ``relative``,
@@ -102,6 +106,26 @@ class AttentionOp(_Canonical):
             cached=bool(attrs.get_int("cached", 0)),
             softcap=attrs.get_float("softcap", 0.0),
         )
+
+
+SINK_SLOT = 4  # tfgraph.Attention(Q, K, V, bias, sink)
+SINK_SOFTMAX = "SinkSoftmax"
+
+
+def attention_bias(node: ir.Node) -> ir.Value | None:
+    return node.inputs[AttentionOp.BIAS] if len(node.inputs) > AttentionOp.BIAS else None
+
+
+def attention_sink(node: ir.Node) -> ir.Value | None:
+    return node.inputs[SINK_SLOT] if len(node.inputs) > SINK_SLOT else None
+
+
+def drop_attention_bias(node: ir.Node) -> None:
+    """Remove the bias input of a canonical attention, keeping its sink."""
+    if attention_sink(node) is not None:
+        node.replace_input_with(AttentionOp.BIAS, None)
+    else:
+        node.resize_inputs(AttentionOp.BIAS)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ import onnx_ir as ir
 
 from tfgraph.contract import ATTENTION_MASK, ENCODER_ATTENTION_MASK, names_with_role
 
-from .canonical import DOMAIN, AttentionOp
+from .canonical import DOMAIN, AttentionOp, drop_attention_bias
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +271,7 @@ class ClassifyAttentionBiasPass(ir.passes.InPlacePass):
                 bias_kind=attrs["bias_kind"],
             ).write(node)
             if not attrs["keep"]:
-                node.resize_inputs(3)
+                drop_attention_bias(node)
             node.metadata_props[CLASSIFIED_KEY] = attrs["bias_kind"]
             logger.debug("attention %s: %s", node.name, attrs)
             modified = True

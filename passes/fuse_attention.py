@@ -9,7 +9,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 from onnxscript.rewriter import RewriteRuleSet
 
-from . import attention_rules, onnx_attention_rules
+from . import attention_rules, onnx_attention_rules, sink_rules
 from .rewrite_utils import apply_rules, constant, diagnose, mark_missed
 
 logger = logging.getLogger(__name__)
@@ -51,11 +51,21 @@ def is_gating_softmax(node: ir.Node) -> bool:
     return False
 
 
+def _looks_like_sinks(softmax: ir.Node) -> bool:
+    """A softmax over a concatenation whose last column a Slice drops (attention sinks)."""
+    producer = softmax.inputs[0].producer() if softmax.inputs[0] is not None else None
+    if producer is not None and producer.op_type == "Sub":
+        producer = producer.inputs[0].producer()
+    sliced = any(use.node.op_type == "Slice" for use in softmax.outputs[0].uses())
+    return producer is not None and producer.op_type == "Concat" and sliced
+
+
 class FuseAttentionPass(ir.passes.InPlacePass):
     """Fuse every attention core into one ``tfgraph.Attention``.
 
     0. Scores masked by selection (``Where(keep, s, −inf)``, ``masked_fill``) become scores
-       plus an additive mask (:class:`.attention_rules.SelectionMaskRule`).
+       plus an additive mask (:class:`.attention_rules.SelectionMaskRule`); a softmax with
+       attention sinks becomes ``tfgraph.SinkSoftmax`` (:mod:`.sink_rules`).
     1. ``MatMul(Softmax(scale·Q·Kᵀ [+ bias]), V)`` in any of its exported forms becomes
        ``tfgraph.Attention(Q, Transpose(Kᵀ), V[, bias])``; so does a standard ONNX
        ``Attention`` (SDPA exported at opset ≥ 23), to be lowered for the profile like the rest.
@@ -63,13 +73,15 @@ class FuseAttentionPass(ir.passes.InPlacePass):
        SDPA's 3-D view), and a ``repeat_interleave`` of K and V (GQA/MQA) is absorbed into
        ``kv_num_heads``.
     3. Each attention core left unfused (a ``Softmax``, or an ONNX ``Attention``, still in the
-       graph) gets the reason the rules failed on it.
+       graph) gets the reason the rules failed on it; a ``SinkSoftmax`` left unfused goes back
+       to standard ops first.
 
     ``modified`` is True only when a core was fused.
     """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         masked = apply_rules(model, RewriteRuleSet(attention_rules.MASK_RULES))  # → additive
+        masked += apply_rules(model, RewriteRuleSet(sink_rules.SINK_RULES))  # → SinkSoftmax
         if masked:  # the score sums the mask rules rebuilt are dead: they block the core rules
             common.RemoveUnusedNodesPass()(model)
         count = apply_rules(model, RewriteRuleSet(attention_rules.CORE_RULES))
@@ -79,11 +91,17 @@ class FuseAttentionPass(ir.passes.InPlacePass):
                 apply_rules(model, RewriteRuleSet(attention_rules.LAYOUT_RULES))
                 common.IdentityEliminationPass()(model)
                 common.RemoveUnusedNodesPass()(model)  # dead shape arithmetic blocks removal
-        for node in model.graph:
-            if node.op_type == "Softmax" and node.domain in ("", "ai.onnx"):
+        for node in list(model.graph):
+            if sink_rules.is_sink_softmax(node):  # not fused: back to standard ops, reported
+                reason = diagnose(model, attention_rules.CORE_RULES, node, depth=3)
+                mark_missed(sink_rules.restore_sink_softmax(model, node), reason)
+            elif node.op_type == "Softmax" and node.domain in ("", "ai.onnx"):
                 if is_gating_softmax(node):
                     continue
                 reason = diagnose(model, attention_rules.CORE_RULES, node, depth=3)
+                if _looks_like_sinks(node):  # why the sink rules refused says more
+                    sink_reason = diagnose(model, sink_rules.SINK_RULES, node, depth=1)
+                    reason = sink_reason if "no rule matched" not in sink_reason else reason
                 mark_missed(node, reason)
             elif node.op_type == "Attention" and node.domain in ("", "ai.onnx"):
                 mark_missed(node, diagnose(model, onnx_attention_rules.RULES, node, depth=0))

@@ -47,6 +47,7 @@ from .rewrite_utils import (
     mark_missed,
     replace_value,
 )
+from .sink_rules import sink_softmax_ops
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class AttentionCase:
     spec: AttentionOp
     opset: int
     build: AttentionBuilder
+    sink: ir.Value | None = None  # (Hq,) attention sinks, :mod:`.sink_rules`
 
     @property
     def head_size(self):
@@ -132,10 +134,11 @@ class LowerAttentionPass(ir.passes.InPlacePass):
 
     def _lower(self, model: ir.Model, node: ir.Node, index: int) -> str:
         graph = model.graph
-        q, k, v, bias = (list(node.inputs) + [None])[:4]
+        q, k, v, bias, sink = (list(node.inputs) + [None, None])[:5]
         spec = AttentionOp.read(node, head_size=_dim(q, 3))
         builder = AttentionBuilder(graph, node.name or f"attention{index}", q, k)
-        case = AttentionCase(node, q, k, v, bias, spec, model.opset_imports.get("", 1), builder)
+        opset = model.opset_imports.get("", 1)
+        case = AttentionCase(node, q, k, v, bias, spec, opset, builder, sink)
         result = self.target.lower_attention(case)
         y = result.value
         y.shape, y.type = node.outputs[0].shape, node.outputs[0].type
@@ -316,7 +319,9 @@ class AttentionBuilder:
         return self.tape.op("Expand", [bias, shape])  # (B or 1, Hq or 1, T, S)
 
     # -- lowerings --------------------------------------------------------------------------
-    def gqa(self, v: ir.Value, bias: ir.Value | None, spec: AttentionOp) -> ir.Value:
+    def gqa(
+        self, v: ir.Value, bias: ir.Value | None, spec: AttentionOp, sink: ir.Value | None = None
+    ) -> ir.Value:
         """com.microsoft.GroupQueryAttention; only for S == T (checked by the caller)."""
         tape = self.tape
         # local_window_size needs causal=1: a window without causality goes in the bias.
@@ -344,8 +349,10 @@ class AttentionBuilder:
             tape.op("Cast", [seqlens], {"to": ir.DataType.INT32}),
             tape.op("Cast", [s], {"to": ir.DataType.INT32}),  # total_sequence_length
         ]
-        if attention_bias is not None:
+        if attention_bias is not None or sink is not None:
             inputs += [None, None, None, attention_bias]  # cos, sin, position_ids, bias
+        if sink is not None:
+            inputs.append(sink)  # head_sink (measured: the same denominator as canonical)
         # present_key/present_value are requested although unused: without them ORT 1.32's
         # CPU kernel leaves its flash path and materializes the (Hq, T, S) scores (measured:
         # +2118 MiB at T = S = 8192, Hq = 8, against +7 MiB with them).
@@ -354,7 +361,13 @@ class AttentionBuilder:
         )
         return self.from_bsh(y, spec.num_heads)
 
-    def gqa_past(self, cached: tuple, bias: ir.Value | None, spec: AttentionOp) -> ir.Value:
+    def gqa_past(
+        self,
+        cached: tuple,
+        bias: ir.Value | None,
+        spec: AttentionOp,
+        sink: ir.Value | None = None,
+    ) -> ir.Value:
         """GroupQueryAttention with ``past_key``/``past_value``: it appends the new keys and
         values itself (its ``present_*`` become the graph's present outputs, replacing the
         KV-cache pass's Concat) and stays on its flash path at prefill. ORT 1.32 refuses
@@ -394,7 +407,10 @@ class AttentionBuilder:
                     {"axis": 0},
                 )
                 bias = tape.op("Expand", [bias, shape])  # (B or 1, Hq or 1, T, P + T)
+        if bias is not None or sink is not None:
             inputs += [None, None, None, bias]
+        if sink is not None:
+            inputs.append(sink)  # head_sink
         y, key, value = tape.op_multi_out(
             "GroupQueryAttention", inputs, attrs, domain=MS_DOMAIN, num_outputs=3
         )
@@ -432,8 +448,11 @@ class AttentionBuilder:
             attrs["softcap"] = spec.softcap
         return self.tape.op("Attention", inputs, attrs)
 
-    def decomposed(self, v: ir.Value, bias: ir.Value | None, spec: AttentionOp) -> ir.Value:
-        """Standard ops in the order TensorRT's MHA fusion wants (scale on Q, one mask Add)."""
+    def decomposed(
+        self, v: ir.Value, bias: ir.Value | None, spec: AttentionOp, sink: ir.Value | None = None
+    ) -> ir.Value:
+        """Standard ops in the order TensorRT's MHA fusion wants (scale on Q, one mask Add);
+        a sink is a column concatenated to the scores, dropped after the softmax."""
         tape = self.tape
         q = self.q
         if spec.scale != 1.0:
@@ -452,5 +471,8 @@ class AttentionBuilder:
             mask = bias
         if mask is not None:
             scores = tape.op("Add", [scores, mask])
-        probs = tape.op("Softmax", [scores], {"axis": -1})
+        if sink is not None:
+            probs = sink_softmax_ops(tape, scores, sink, self.ints)
+        else:
+            probs = tape.op("Softmax", [scores], {"axis": -1})
         return tape.op("MatMul", [probs, self.expand_heads(v, spec, "v")])

@@ -352,3 +352,82 @@ def short_gpt():
             family="decoder", vocab_size=64, d_model=32, n_layers=1, n_heads=2, max_seq_len=16
         )
     )
+
+
+# --- attention sinks (gpt-oss, Granite SWA) ----------------------------------------------------
+class SinkAttn(nn.Module):
+    """Causal GQA (4:2, head size 8) with a learned logit per head in the softmax's
+    denominator, written as ``style`` says:
+
+    - ``concat``: gpt-oss, the sink column concatenated to the scores, the row max subtracted,
+      softmax, the column dropped;
+    - ``concat_plain``: Flint's, the same without the max;
+    - ``sigmoid``: Granite SWA's, ``softmax(s) · V · σ(logsumexp(s) − sink)``;
+    - ``per_token``: Inkling 2's, a sink projected from each token's hidden state (not one
+      per head: not fused);
+    - ``max_shift``: no sink, the row max subtracted before the softmax (MiMo-V2-Flash's
+      layers without sinks).
+
+    ``window`` keys (0: all) on this layer.
+    """
+
+    def __init__(self, d, h, kv, style, window):
+        super().__init__()
+        self.h, self.kv, self.hs, self.style, self.window = h, kv, d // h, style, window
+        self.q = nn.Linear(d, d, bias=False)
+        self.k = nn.Linear(d, kv * self.hs, bias=False)
+        self.v = nn.Linear(d, kv * self.hs, bias=False)
+        self.o = nn.Linear(d, d, bias=False)
+        self.sinks = nn.Parameter(torch.randn(h))
+        if style == "per_token":
+            self.sink_proj = nn.Linear(d, h)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q = self.q(x).view(B, T, self.h, self.hs).transpose(1, 2)
+        k = self.k(x).view(B, T, self.kv, self.hs).transpose(1, 2)
+        v = self.v(x).view(B, T, self.kv, self.hs).transpose(1, 2)
+        k = k.repeat_interleave(self.h // self.kv, dim=1)
+        v = v.repeat_interleave(self.h // self.kv, dim=1)
+        scores = (q @ k.transpose(-2, -1)) * self.hs**-0.5
+        pos = torch.arange(T)
+        behind = pos[:, None] - pos[None, :]
+        masked = behind < 0
+        if self.window:
+            masked = masked | (behind >= self.window)
+        scores = scores + torch.where(masked, torch.finfo(scores.dtype).min, 0.0)
+        if self.style == "max_shift":
+            y = torch.softmax(scores - scores.max(dim=-1, keepdim=True).values, dim=-1) @ v
+        elif self.style == "sigmoid":
+            gate = torch.sigmoid(torch.logsumexp(scores, dim=-1) - self.sinks.view(1, -1, 1))
+            y = (torch.softmax(scores, dim=-1) @ v) * gate.unsqueeze(-1)
+        else:
+            if self.style == "per_token":
+                sinks = self.sink_proj(x).transpose(1, 2).unsqueeze(-1)  # (B, h, T, 1)
+            else:
+                sinks = self.sinks.reshape(1, -1, 1, 1).expand(B, -1, T, -1)
+            combined = torch.cat([scores, sinks], dim=-1)
+            if self.style == "concat":
+                combined = combined - combined.max(dim=-1, keepdim=True).values
+            y = torch.softmax(combined, dim=-1)[..., :-1] @ v
+        return self.o(y.transpose(1, 2).reshape(B, T, C))
+
+
+class SinkBlock(Block):
+    def __init__(self, d, h, style, window):
+        super().__init__(d, h)
+        self.attn = SinkAttn(d, h, kv=2, style=style, window=window)
+
+
+class SinkGPT(GPT):
+    """2 layers: windowed (3 keys) then global."""
+
+    def __init__(self, style, vocab=64, d=32, h=4, layers=2, n_pos=64):
+        super().__init__(vocab, d, h, layers, None, n_pos)
+        windows = [3 if i % 2 == 0 else 0 for i in range(layers)]
+        self.blocks = nn.ModuleList(SinkBlock(d, h, style, w) for w in windows)
+
+
+def sink_gpt(style: str = "concat"):
+    torch.manual_seed(0)
+    return SinkGPT(style).eval()

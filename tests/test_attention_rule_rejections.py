@@ -582,7 +582,7 @@ def test_repeat_kv_rejection(kwargs, reason, bias):
     for value in node.inputs[1:3]:
         assert producer_ops(value, 3) == ["Reshape", "Expand", "Unsqueeze"]
     assert len(run.nodes("Expand")) == 2
-    assert reason in rule_reason(run, attention_rules.RepeatKVRule, node, bias)
+    assert reason in rule_reason(run, attention_rules.RepeatKVRule, node)
     run.assert_lowered_numbers()
 
 
@@ -612,7 +612,7 @@ def test_repeat_kv_rejects_a_reshape_that_regroups_sequence_and_head_size():
     assert node.attributes["kv_num_heads"].value == HQ  # expansion kept
     for value in node.inputs[1:3]:
         assert producer_ops(value, 3) == ["Reshape", "Expand", "Unsqueeze"]
-    reason = rule_reason(run, attention_rules.RepeatKVRule, node, False)
+    reason = rule_reason(run, attention_rules.RepeatKVRule, node)
     assert "the KV reshape does not merge the repeat into the heads" in reason
     run.assert_lowered_numbers()
 

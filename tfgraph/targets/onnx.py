@@ -23,7 +23,13 @@ from .base import SessionSettings, Target, fused_ops
 ATTENTION_OPSET = 23
 
 
+SINK_MISS = "ONNX Attention has no attention-sink input"
+
+
 def lower_attention(case: AttentionCase) -> Lowered:
+    if case.sink is not None:
+        y = case.build.decomposed(case.v, case.bias, case.spec, case.sink)
+        return Lowered(y, "decomposed", SINK_MISS)
     if case.opset >= ATTENTION_OPSET:
         return Lowered(case.build.attention23(case.v, case.bias, case.spec), "Attention")
     reason = f"ONNX Attention needs opset {ATTENTION_OPSET}; this graph is opset {case.opset}"

@@ -72,14 +72,20 @@ def lower_attention(case: AttentionCase) -> Lowered:
         and case.head_size % 8 == 0
         and case.v_head_size == case.head_size
     )
+    sink = case.sink
     cached = case.cached_kv() if gqa_ok and spec.causal and spec.bottom_right else None
     if cached is not None:
-        return Lowered(build.gqa_past(cached, case.bias, spec), "GroupQueryAttention (past)")
-    if gqa_ok and case.self_attention and (spec.causal or spec.window or case.bias is not None):
-        return Lowered(build.gqa(case.v, case.bias, spec), "GroupQueryAttention")
-    if spec.softcap:  # MultiHeadAttention has no softcap: the standard ops, reported
-        reason = "MultiHeadAttention has no softcap, and GroupQueryAttention does not apply here"
-        return Lowered(build.decomposed(case.v, case.bias, spec), "decomposed", reason)
+        y = build.gqa_past(cached, case.bias, spec, sink)
+        return Lowered(y, "GroupQueryAttention (past)")
+    masked = spec.causal or spec.window or case.bias is not None or sink is not None
+    if gqa_ok and case.self_attention and masked:
+        return Lowered(build.gqa(case.v, case.bias, spec, sink), "GroupQueryAttention")
+    for present, what in ((spec.softcap, "softcap"), (sink is not None, "attention-sink input")):
+        if present:  # MultiHeadAttention has neither: the standard ops, reported
+            reason = (
+                f"MultiHeadAttention has no {what}, and GroupQueryAttention does not apply here"
+            )
+            return Lowered(build.decomposed(case.v, case.bias, spec, sink), "decomposed", reason)
     mask = build.full_mask(case.bias, spec, causal=spec.causal, window=spec.window)
     return Lowered(build.mha(case.v, mask, spec), "MultiHeadAttention")
 

@@ -37,10 +37,18 @@ SOFTCAP_MISS = (
 )
 
 
+SINK_MISS = (
+    "attention sinks put a Concat and a Slice around the Softmax, which TensorRT's MHA fusion "
+    "is not known to take (not verified here)"
+)
+
+
 def lower_attention(case: AttentionCase) -> Lowered:
-    y = case.build.decomposed(case.v, case.bias, case.spec)
+    y = case.build.decomposed(case.v, case.bias, case.spec, case.sink)
     if case.spec.softcap:
         return Lowered(y, "decomposed", missed=SOFTCAP_MISS)
+    if case.sink is not None:
+        return Lowered(y, "decomposed", missed=SINK_MISS)
     return Lowered(y, "decomposed", fused_as=FUSED_AS)
 
 
