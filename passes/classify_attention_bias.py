@@ -347,13 +347,21 @@ def _long_window(model, subgraphs, node, value, short: np.ndarray) -> tuple[int 
     t = np.shape(short)[-2]
     heads = max(per_row // (t * t), 1)
     size = min(LONG_SIZE, int(np.sqrt(LONG_BUDGET / heads)))
-    try:
-        (long,) = evaluate_biases(model, [value], size - 2, False, batch=1, subgraphs=subgraphs)
-        window = None if long is None else mask_window(long)
-    except Exception as exc:  # noqa: BLE001 - any failure here means: not confirmed, keep it
-        logger.info("attention %s: long mask check failed (%s)", node.name, exc)
-        return None, size
-    return window, int(np.shape(long)[-2])
+    # A graph that cannot run that long (a learned or sinusoidal position table of 128 rows,
+    # which SDPA's is_causal mask reaches through Shape(Q)) is checked at half the length,
+    # down to above the short lengths: the model runs no longer than that anyway, and the
+    # node's metadata records the length checked.
+    while True:
+        try:
+            (long,) = evaluate_biases(model, [value], size - 2, False, batch=1, subgraphs=subgraphs)
+            window = None if long is None else mask_window(long)
+            return window, int(np.shape(long)[-2]) if long is not None else size
+        except Exception as exc:  # noqa: BLE001 - any failure here: try shorter, else keep it
+            if size // 2 - 2 <= max(SIZES):
+                logger.info("attention %s: long mask check failed (%s)", node.name, exc)
+                return None, size
+            logger.debug("attention %s: long mask check at %d failed", node.name, size - 2)
+            size //= 2
 
 
 def mask_window(bias: np.ndarray) -> int | None:

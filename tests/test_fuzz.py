@@ -216,6 +216,29 @@ def test_new_forms_pass_every_check(tmp_path):
     assert timings  # every stage ran (a failure raises)
 
 
+def test_is_causal_under_a_position_table_caches(tmp_path):
+    """Finding of the 1000-case campaign (seeds 41/42): SDPA's is_causal mask read Q's shape
+    through a learned position table of 128 rows, so the long mask check (4100 positions)
+    could not run, the mask was kept as a bias and the KV cache refused the layer as not
+    causal. The check now halves its length until the graph runs."""
+    cfg = ModelConfig(
+        family="decoder",
+        n_layers=2,
+        d_model=15,
+        n_heads=3,
+        d_ff=60,
+        positions="learned",
+        norm_placement="post",
+        ffn="relu",
+        attn_impl="sdpa",
+        mask_style="is-causal",
+        norm_order="x*w/s",
+    )
+    case = FuzzCase(config=cfg, weight_seed=2, input_seed=856, parity_shapes=((1, 2),))
+    timings = check_case(case, tmp_path, profiles=("ort",))
+    assert "generate profile=ort" in timings  # cached, and generation equal to eager
+
+
 def test_softcap_misses_count_only_when_stated():
     cfg = ModelConfig(d_model=32, n_heads=4, n_layers=2, softcap=20.0)
     want = expected_candidates(cfg)
