@@ -63,3 +63,42 @@ def test_a_failure_is_a_row_and_a_rerun_resumes(tmp_path):
     data = coverage.run(tmp_path, only=["gpt2"])  # gpt2 has a row already: nothing reruns
     assert data["rows"] == [row]
     assert data["summary"]["by_status"] == {"not built": 1}
+
+
+def test_eager_greedy_reference_equals_hf_generate():
+    """The reference used where a model's own ``generate`` fails (Dory's) is greedy decoding
+    by full recompute with the positions ``generate`` derives from the mask: on a model whose
+    ``generate`` works, the two agree on a left-padded batch."""
+    import torch
+    import transformers
+
+    from tfgraph.runtime.generate import left_pad
+
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=200, initializer_range=0.2
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids, mask = left_pad([list(p) for p in coverage.PROMPTS], 0)
+    ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
+    got = coverage._eager_greedy_causal(model, ids, mask)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=coverage.NEW_TOKENS,
+            min_new_tokens=coverage.NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    assert got == out[:, ids.shape[1] :].tolist()
+    assert len({t for row in got for t in row}) > 2  # not one repeated token
+
+
+def test_start_token_falls_back_to_the_decoder_config_then_bos():
+    import transformers
+
+    bart = transformers.BartConfig(decoder_start_token_id=7)
+    assert coverage._start_token(bart) == 7
+    gpt2 = transformers.GPT2Config(bos_token_id=5)
+    assert coverage._start_token(gpt2) == 5
