@@ -106,6 +106,11 @@ def sequence_symbol(model: ir.Model) -> str:
     )
 
 
+def _const_ints(value: ir.Value | None) -> list[int] | None:
+    const = ir.convenience.get_const_tensor(value) if value is not None else None
+    return None if const is None else [int(v) for v in np.asarray(const.numpy()).reshape(-1)]
+
+
 def _has(value: ir.Value | None, seq: str) -> bool:
     return value is not None and value.shape is not None and seq in _dims(value)
 
@@ -151,6 +156,41 @@ class _Analysis:
         end = node.attributes.get_int("end", rank)
         return self.seq in _dims(src)[slice(start, end)]
 
+    def _mixes_tokens(self, node: ir.Node) -> str | None:
+        """What in ``node`` combines different token positions (outside a canonical
+        attention), else None: a convolution or a reduction along the sequence, a cumulative
+        sum over it, a product contracting it, or a loop over token values."""
+        if node.domain not in ("", "ai.onnx"):
+            return None
+        data = node.inputs[0] if node.inputs else None
+        if data is None or data not in self.token:
+            if node.op_type in ("Loop", "Scan") and any(v in self.token for v in node.inputs):
+                return f"a {node.op_type} over token values"
+            return None
+        if node.op_type in ("Loop", "Scan"):
+            return f"a {node.op_type} over token values"
+        if data.shape is None or self.seq not in _dims(data):
+            return None
+        dims = _dims(data)
+        axis = dims.index(self.seq)
+        if node.op_type in ("Conv", "ConvTranspose") and axis >= 2:
+            return f"a {node.op_type} along the sequence"
+        if node.op_type == "CumSum":
+            axes = _const_ints(node.inputs[1])
+            if axes is None or any(a % len(dims) == axis for a in axes):
+                return "a cumulative sum along the sequence"
+        if node.op_type.startswith("Reduce"):
+            axes = _const_ints(node.inputs[1]) if len(node.inputs) > 1 else None
+            if axes is None:
+                axes = node.attributes.get_ints("axes")
+            if axes is None or any(a % len(dims) == axis for a in axes):
+                return f"a {node.op_type} over the sequence"
+        if node.op_type == "MatMul" and len(dims) >= 2 and dims[-1] == self.seq:
+            other = node.inputs[1]
+            if other is not None and other in self.token:
+                return "a product contracting the sequence"
+        return None
+
     def check(self) -> None:
         if not self.layers:
             raise KVCacheError(
@@ -170,6 +210,14 @@ class _Analysis:
                     )
             if node.op_type in ("Size",) and any(v in self.token for v in node.inputs):
                 raise KVCacheError(f"{_module(node)}: Size of a token tensor is not supported")
+            mixing = self._mixes_tokens(node)
+            if mixing:
+                raise KVCacheError(
+                    f"{_module(node)}: {mixing} mixes the tokens outside attention (a recurrent "
+                    "or convolutional layer: Mamba, linear attention); a KV cache of the "
+                    "attention layers alone would leave its state behind, so export without "
+                    "--kv-cache"
+                )
         for node in self.layers:
             q, k, v = node.inputs[:3]
             if not node.attributes.get_int("causal", 0):

@@ -431,3 +431,33 @@ class SinkGPT(GPT):
 def sink_gpt(style: str = "concat"):
     torch.manual_seed(0)
     return SinkGPT(style).eval()
+
+
+# --- token mixing outside attention (Mamba's short convolution, a running mean) --------------
+class MixBlock(Block):
+    """A block whose input first goes through ``mix`` along the sequence: ``conv``, a causal
+    depthwise convolution of width 3 (Mamba's, hybrid models'); ``cumsum``, a running mean."""
+
+    def __init__(self, d, h, mix):
+        super().__init__(d, h)
+        self.mix = mix
+        self.conv = nn.Conv1d(d, d, 3, groups=d, padding=2)
+
+    def forward(self, x):
+        if self.mix == "conv":
+            x = x + self.conv(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
+        else:
+            steps = torch.arange(1, x.shape[1] + 1, dtype=x.dtype)[:, None]
+            x = x + x.cumsum(1) / steps
+        return super().forward(x)
+
+
+class MixGPT(GPT):
+    def __init__(self, mix, vocab=64, d=32, h=4, layers=2, n_pos=64):
+        super().__init__(vocab, d, h, layers, None, n_pos)
+        self.blocks = nn.ModuleList(MixBlock(d, h, mix) for _ in range(layers))
+
+
+def mix_gpt(mix: str = "conv"):
+    torch.manual_seed(0)
+    return MixGPT(mix).eval()
