@@ -40,6 +40,9 @@ def is_gating_softmax(node: ir.Node) -> bool:
         if producer.op_type == "TopK":  # a softmax over the top-k experts' logits (Aria)
             value = producer.inputs[0]
             continue
+        if producer.op_type in ("ScatterElements", "ScatterND"):  # experts masked out of the
+            value = producer.inputs[0]  # logits (PhiMoE's sparse mixer: the top-1 set to -inf)
+            continue
         if producer.op_type not in _THROUGH:
             return False
         data = [i for i in producer.inputs if i is not None and constant(i) is None]

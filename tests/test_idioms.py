@@ -317,3 +317,26 @@ def test_token_mixing_outside_attention_refuses_the_kv_cache(mix, what, tmp_path
     assert result.passed
     attention = result.report["fusions"]["attention"]
     assert attention["fused"] == attention["total"] == 2
+
+
+def test_a_router_with_an_expert_scattered_out_is_a_gate():
+    """PhiMoE's sparse mixer: the second softmax reads the router logits with the top-1
+    expert set to -inf by ScatterElements; still a gate (not an attention candidate)."""
+    from tfgraph.passes.fuse_attention import is_gating_softmax
+
+    model = ir.from_onnx_text("""
+    <ir_version: 10, opset_import: ["" : 20]>
+    g (float[6, 8] x) => (float[6, 4] second) {
+        w = Constant <value = float[8, 4] {1.0, 2.0, 3.0, 4.0, 1.0, 2.0, 3.0, 4.0, 1.0, 2.0, 3.0,
+            4.0, 1.0, 2.0, 3.0, 4.0, 1.0, 2.0, 3.0, 4.0, 1.0, 2.0, 3.0, 4.0, 1.0, 2.0, 3.0, 4.0,
+            1.0, 2.0, 3.0, 4.0}> ()
+        logits = MatMul (x, w)
+        top = ArgMax <axis: int = -1, keepdims: int = 1> (logits)
+        minus_inf = Constant <value = float[6, 1] {-inf, -inf, -inf, -inf, -inf, -inf}> ()
+        rest = ScatterElements <axis: int = -1> (logits, top, minus_inf)
+        second = Softmax <axis: int = -1> (rest)
+    }
+    """)
+    ir.passes.common.ShapeInferencePass()(model)
+    (second,) = (n for n in model.graph if n.op_type == "Softmax")
+    assert is_gating_softmax(second)
