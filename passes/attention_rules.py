@@ -180,28 +180,100 @@ class BatchedHeadsAttentionRule(pattern.RewriteRuleClassBase):
         return result
 
     def rewrite(self, op, q3, kt3, v3, alibi3, mask, scores4, **_):
-        shape = op.Constant(value=ir.tensor([-1, self._heads, 0, 0], dtype=ir.DataType.INT64))
-        zero = op.Constant(value=ir.tensor([0], dtype=ir.DataType.INT64))
-        batch = scores4.shape[0]
+        def bias(heads):
+            return op.Add(heads(alibi3, alibi3.shape[1:]), mask)
 
-        def heads(x, dims):  # (B·H, a, b) → (B, H, a, b), with the shape it is known to have
-            y = op.Reshape(op.Unsqueeze(x, zero), shape)
-            y.shape, y.type = ir.Shape([batch, self._heads, *dims]), x.type
-            return y
+        return _batched_heads(op, q3, kt3, v3, scores4, self._heads, self._scale, bias)
 
-        q = heads(q3, q3.shape[1:])
-        k = op.Transpose(heads(kt3, kt3.shape[1:]), perm=[0, 1, 3, 2])
-        k.shape = ir.Shape([batch, self._heads, kt3.shape[2], kt3.shape[1]])
-        k.type = kt3.type
-        v = heads(v3, v3.shape[1:])
-        bias = op.Add(heads(alibi3, alibi3.shape[1:]), mask)
-        spec = AttentionOp(
-            num_heads=self._heads,
-            kv_num_heads=self._heads,
-            scale=float(self._scale),
-            bias_kind="additive",
+
+def _batched_heads(op, q3, kt3, v3, scores4, heads: int, scale: float, bias):
+    """``tfgraph.Attention`` on 4-D views of (B·H, ·, ·) Q, Kᵀ, V; ``bias(heads)`` builds the
+    bias with the same view function."""
+    shape = op.Constant(value=ir.tensor([-1, heads, 0, 0], dtype=ir.DataType.INT64))
+    zero = op.Constant(value=ir.tensor([0], dtype=ir.DataType.INT64))
+    batch = scores4.shape[0]
+
+    def view(x, dims):  # (B·H, a, b) → (B, H, a, b), with the shape it is known to have
+        y = op.Reshape(op.Unsqueeze(x, zero), shape)
+        y.shape, y.type = ir.Shape([batch, heads, *dims]), x.type
+        return y
+
+    q = view(q3, q3.shape[1:])
+    k = op.Transpose(view(kt3, kt3.shape[1:]), perm=[0, 1, 3, 2])
+    k.shape = ir.Shape([batch, heads, kt3.shape[2], kt3.shape[1]])
+    k.type = kt3.type
+    v = view(v3, v3.shape[1:])
+    extra = bias(view)
+    spec = AttentionOp(
+        num_heads=heads,
+        kv_num_heads=heads,
+        scale=float(scale),
+        bias_kind="additive" if extra is not None else "none",
+    )
+    return spec.make(op, q, k, v, *([extra] if extra is not None else []))
+
+
+class BmmAttentionRule(pattern.RewriteRuleClassBase):
+    """The older BART-family layout (TrOCR, XGLM, MVP): ``bmm`` on (B·H, ·, ·), the scores
+    viewed as (B, H, T, S) to add the mask and back to 3-D for the softmax, Q scaled before::
+
+        s = Reshape(Reshape(MatMul(q3, kᵀ3), (B, H, T, S)) + mask [Max(·, lowest)], (B·H, T, S))
+        y = Reshape(MatMul(Softmax(s), v3), (B, H, T, d))
+
+    becomes ``tfgraph.Attention`` (scale 1: the scale is in q3) with ``bias = mask``. XGLM's
+    ``Max(·, lowest)`` clamp is dropped: it only turns −inf into the lowest value, and the
+    masks it guards are made of the lowest value (never −inf). Without a mask the scores stay
+    3-D: ``Reshape(MatMul(Softmax(MatMul(q3, kᵀ3)), v3), (B, H, T, d))``. A round trip of the
+    probabilities through a 4-D view and back (XGLM's head mask slot) is taken too.
+    Rejections: a clamp at any other value; views with unknown or non-static heads, or
+    splits that disagree; a softmax over another axis.
+    """
+
+    def __init__(self, masked: bool, clamp: bool = False, round_trip: bool = False) -> None:
+        name = f"BmmAttention{'Masked' if masked else ''}{'Clamp' if clamp else ''}"
+        super().__init__(name + ("RoundTrip" if round_trip else ""))
+        self._masked, self._clamp, self._round_trip = masked, clamp, round_trip
+
+    def pattern(self, op, q3, kt3, s4, mask, lowest, s3, v3, so, r4, r3):
+        scores = op.MatMul(q3, kt3, _outputs=["bmm"])
+        if self._masked:
+            scores = op.Add(op.Reshape(scores, s4, _outputs=["scores4"]), mask)
+            if self._clamp:
+                scores = op.Max(scores, lowest)
+            scores = op.Reshape(scores, s3, _outputs=["scores3"])
+        probs3 = op.Softmax(scores, _outputs=["probs"])
+        if self._round_trip:
+            probs3 = op.Reshape(op.Reshape(probs3, r4, _outputs=["probs4"]), r3, _outputs=["back"])
+        return op.Reshape(op.MatMul(probs3, v3), so, _outputs=["y4"])
+
+    def check(self, context, q3, kt3, v3, bmm, y4, probs, scores3=None, **kw):
+        result = pattern.MatchResult()
+        scores3 = scores3 if scores3 is not None else bmm
+        if probs.producer().attributes.get_int("axis", -1) not in (-1, 2):
+            return result.fail("softmax is not over the key axis", probs)
+        if self._clamp and not _is_fill(scalar(kw["lowest"])):
+            return result.fail("the scores are clamped at a value other than the lowest", probs)
+        for value in (q3, kt3, v3, scores3):
+            if value.shape is None or len(value.shape) != 3:
+                return result.fail("Q, Kᵀ, V are not 3-D (batch·heads, seq, d)", value)
+        views = [y4] + [kw[n] for n in ("scores4", "probs4") if kw.get(n) is not None]
+        for value in views:
+            if value.shape is None or len(value.shape) != 4 or not isinstance(value.shape[1], int):
+                return result.fail("the 4-D views have no static head count", value)
+        if len({v.shape[1] for v in views}) != 1:
+            return result.fail("the 4-D views split different head counts", y4)
+        split = views[-1].shape
+        if self._masked and list(scores3.shape[1:]) != list(kw["scores4"].shape[2:]):
+            return result.fail("the softmax's view is not the scores' merge of (B, H)", scores3)
+        if self._round_trip and list(kw["back"].shape[1:]) != list(split[2:]):
+            return result.fail("the probabilities' round trip is not a merge of (B, H)", probs)
+        self._heads, self._batch_view = y4.shape[1], kw.get("scores4") or y4
+        return result
+
+    def rewrite(self, op, q3, kt3, v3, mask=None, **_):
+        return _batched_heads(
+            op, q3, kt3, v3, self._batch_view, self._heads, 1.0, lambda view: mask
         )
-        return spec.make(op, q, k, v, bias)
 
 
 class DoubleTransposeRule(pattern.RewriteRuleClassBase):
@@ -391,6 +463,8 @@ CORE_RULES = [
     *(AttentionRule.rule(b, g) for b in (True, False) for g in (True, False)),
     *(AttentionRule.rule(b, False, sink=True) for b in (True, False)),
     BatchedHeadsAttentionRule.rule(),
+    *(BmmAttentionRule.rule(True, c, r) for c in (True, False) for r in (True, False)),
+    *(BmmAttentionRule.rule(False, False, r) for r in (True, False)),
 ]
 LAYOUT_RULES = [
     DoubleTransposeRule.rule(),
