@@ -111,6 +111,12 @@ def _const_ints(value: ir.Value | None) -> list[int] | None:
     return None if const is None else [int(v) for v in np.asarray(const.numpy()).reshape(-1)]
 
 
+def _bounded_by(dim, seq: str) -> bool:
+    """Whether ``dim`` is ``Min(N, seq)`` (or ``Min(seq, N)``): a buffer of N rows sliced to
+    the tokens, which tracing left unnamed (``trace`` names it ``seq`` within the limit)."""
+    return isinstance(dim, str) and dim.startswith("Min(") and seq in re.split(r"[(), ]+", dim)
+
+
 def _has(value: ir.Value | None, seq: str) -> bool:
     return value is not None and value.shape is not None and seq in _dims(value)
 
@@ -533,6 +539,14 @@ class InsertKVCachePass(ir.passes.InPlacePass):
                         "sequence axes cannot be told apart"
                     )
                 dims = _dims(value)
+                bounded = next((d for d in dims if _bounded_by(d, seq)), None)
+                if bounded is not None:
+                    raise KVCacheError(
+                        f"{_module(node)}: '{value.name}' has a sequence axis of {bounded} (a "
+                        "buffer sliced to the input), so its rows cannot be told apart from "
+                        "the new tokens; state the model's position limit (a config with "
+                        "max_position_embeddings) so that the axis is the sequence"
+                    )
                 key_axes = junction_keys.get((node, index), [])
                 if _is_attention(node) and index == BIAS_SLOT:
                     key_axes = [len(dims) - 1]  # keys stay at L

@@ -461,3 +461,27 @@ class MixGPT(GPT):
 def mix_gpt(mix: str = "conv"):
     torch.manual_seed(0)
     return MixGPT(mix).eval()
+
+
+# --- positions read from a buffer sliced to the input (BERT's position_ids buffer) -----------
+class BufferPosGPT(GPT):
+    """``wpe(self.position_ids[:, :T])``: torch.export names that axis ``Min(64, sequence)``.
+    With ``limit``, a ``config`` states the model's 64 positions (as a Hugging Face config's
+    ``max_position_embeddings`` does)."""
+
+    def __init__(self, limit: bool, vocab=64, d=32, h=4, layers=2, n_pos=64):
+        super().__init__(vocab, d, h, layers, None, n_pos)
+        self.register_buffer("position_ids", torch.arange(n_pos)[None], persistent=False)
+        if limit:
+            self.config = type("Config", (), {"max_position_embeddings": n_pos})()
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(self.position_ids[:, : idx.shape[1]])
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln_f(x))
+
+
+def buffer_pos_gpt(limit: bool = True):
+    torch.manual_seed(0)
+    return BufferPosGPT(limit).eval()

@@ -131,3 +131,14 @@ def test_hf_encoder_decoder_falls_back_to_eager_attention(tmp_path, caplog):
     if report["source"].get("attn_fallback"):
         assert "retrying with eager attention" in caplog.text
     assert report["fusions"]["attention"]["total"] == 6  # enc self, dec self, dec cross × 2
+
+
+def test_an_encoder_decoder_config_states_its_decoders_position_limit():
+    """EncoderDecoderModel (bert2bert) has no limit of its own: the decoder's is the KV cache's
+    (without it, BERT's sliced position_ids buffer made its cached decode steps wrong)."""
+    transformers = pytest.importorskip("transformers")
+    from tfgraph.sources import max_positions
+
+    bert = transformers.BertConfig(max_position_embeddings=96)
+    both = transformers.EncoderDecoderConfig.from_encoder_decoder_configs(bert, bert)
+    assert max_positions(both) == 96

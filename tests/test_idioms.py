@@ -340,3 +340,17 @@ def test_a_router_with_an_expert_scattered_out_is_a_gate():
     ir.passes.common.ShapeInferencePass()(model)
     (second,) = (n for n in model.graph if n.op_type == "Softmax")
     assert is_gating_softmax(second)
+
+
+def test_positions_from_a_sliced_buffer_cache_when_the_limit_is_stated(tmp_path):
+    """``position_ids[:, :T]`` of a 64-row buffer: with the model's position limit stated the
+    axis is the sequence and the cache is exact; without it the KV cache is refused with the
+    reason (it used to write a cache whose decode steps read the wrong positions)."""
+    source = from_module(idiom_models.buffer_pos_gpt(True), origin="idiom:buffer_pos_gpt")
+    result = tfgraph.export(source, tmp_path / "limit", kv_cache=True)
+    assert result.passed and result.report["parity"]["decode"]["passed"]
+    assert compare_greedy(source, CachedDecoder(Session(tmp_path / "limit")), PROMPTS, 6).passed
+    unstated = from_module(idiom_models.buffer_pos_gpt(False), origin="idiom:buffer_pos_gpt")
+    with pytest.raises(tfgraph.TfgraphError, match=r"sequence axis of Min\(64, sequence\)"):
+        tfgraph.export(unstated, tmp_path / "unstated", kv_cache=True)
+    assert not (tmp_path / "unstated").exists()

@@ -177,10 +177,16 @@ def max_positions(config) -> int | None:
 
     if isinstance(config, ModelConfig):
         return config.max_seq_len if config.positions == "learned" else None
-    for attr in _HF_POSITION_LIMITS:
-        value = getattr(config, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
+    configs = [config]
+    try:  # an encoder-decoder of two configs (EncoderDecoderModel): the decoder's limit
+        configs.append(config.get_text_config(decoder=True))
+    except Exception:  # noqa: BLE001 - not a transformers config
+        pass
+    for cfg in configs:
+        for attr in _HF_POSITION_LIMITS:
+            value = getattr(cfg, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
     return None
 
 
