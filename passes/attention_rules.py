@@ -277,7 +277,11 @@ class BmmAttentionRule(pattern.RewriteRuleClassBase):
 
 
 class DoubleTransposeRule(pattern.RewriteRuleClassBase):
-    """``Transpose(Transpose(x, p1), p2)`` → ``x`` when the permutations cancel."""
+    """``Transpose(Transpose(x, p1), p2)`` → ``x`` when the permutations cancel. The inner
+    node may have other uses (two attentions on one K): it is left for dead-code removal."""
+
+    def __init__(self) -> None:
+        super().__init__(remove_nodes=False)
 
     def pattern(self, op, x):
         return op.Transpose(op.Transpose(x, _outputs=["inner"]), _outputs=["outer"])
@@ -300,7 +304,11 @@ class SdpaKeyLayoutRule(pattern.RewriteRuleClassBase):
     Only those exact views: Reshape is row-major, so a 3-D view of K ending in (S, d) can only
     be the merge of axes 0 and 1 (its first dim is B·H by element count), and the view of
     (B·H, d, S) as (B, H, d, S) only the split of axis 0 back. Any other pair of reshapes may
-    still end in Kᵀ's shape — (B, H·S, d) first, say — but scrambles the keys."""
+    still end in Kᵀ's shape — (B, H·S, d) first, say — but scrambles the keys. The views may
+    have other uses (two attentions on one K): they are left for dead-code removal."""
+
+    def __init__(self) -> None:
+        super().__init__(remove_nodes=False)
 
     def pattern(self, op, k, s1, s2):
         flat = op.Reshape(k, s1, _outputs=["flat"])

@@ -54,6 +54,82 @@ def is_gating_softmax(node: ir.Node) -> bool:
     return False
 
 
+_SCORE_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Where", "Tanh", "Softmax"})
+
+
+def unshare_softmax(model: ir.Model) -> int:
+    """Give each ``MatMul(probs, V_i)`` its own copy of the scores → softmax chain when one
+    softmax feeds several (DiffLlama's two attention calls on the same Q and K, merged by common
+    subexpression elimination): the core rules take an attention whose nodes have no other
+    uses. The copies are the same ops on the same inputs; returns how many were made."""
+    made = 0
+    graph = model.graph
+    for softmax in list(graph):
+        if softmax.op_type != "Softmax" or softmax.domain not in ("", "ai.onnx"):
+            continue
+        tail = _nan_guard(softmax)  # [softmax] or [softmax, IsNaN, Where] (SDPA's guard)
+        uses = list(tail[-1].outputs[0].uses())
+        if len(uses) < 2 or any(u.node.op_type != "MatMul" or u.idx != 0 for u in uses):
+            continue
+        chain, node = [], softmax
+        while node is not None and len(chain) < 8:
+            chain.append(node)
+            if node.op_type == "MatMul":
+                break
+            if node.op_type not in _SCORE_OPS:
+                node = None
+                break
+            node = node.inputs[0].producer() if node.inputs[0] is not None else None
+        if node is None or node.op_type != "MatMul":
+            continue  # not a Q·Kᵀ chain
+        scales = [  # SDPA's decomposition scales Q and Kᵀ by √scale each: copied too
+            i.producer()
+            for i in node.inputs
+            if i is not None
+            and i.producer() is not None
+            and i.producer().op_type == "Mul"
+            and any(constant(x) is not None for x in i.producer().inputs)
+        ]
+        chain.reverse()  # Q·Kᵀ first
+        chain = scales + chain + tail[1:]
+        for k, use in enumerate(uses[1:], 1):
+            mapped: dict[ir.Value, ir.Value] = {}
+            clones = []
+            for orig in chain:
+                inputs = [mapped.get(v, v) for v in orig.inputs]
+                clone = ir.Node(
+                    orig.domain,
+                    orig.op_type,
+                    inputs,
+                    attributes=list(orig.attributes.values()),
+                    num_outputs=1,
+                    name=f"{orig.name}_unshared{k}",
+                )
+                clone.metadata_props.update(orig.metadata_props)
+                out, old = clone.outputs[0], orig.outputs[0]
+                out.name = f"{old.name}_unshared{k}"
+                out.shape, out.type = old.shape, old.type
+                mapped[old] = out
+                clones.append(clone)
+            graph.insert_before(use.node, clones)
+            use.node.replace_input_with(0, mapped[tail[-1].outputs[0]])
+            made += 1
+    return made
+
+
+def _nan_guard(softmax: ir.Node) -> list[ir.Node]:
+    """``[softmax, IsNaN, Where]`` when the softmax's only uses are ``Where(IsNaN(p), c, p)``;
+    else ``[softmax]``."""
+    p = softmax.outputs[0]
+    users = {u.node.op_type: u.node for u in p.uses()}
+    if len(p.uses()) != 2 or set(users) != {"IsNaN", "Where"}:
+        return [softmax]
+    isnan, where = users["IsNaN"], users["Where"]
+    if where.inputs[0] is not isnan.outputs[0] or where.inputs[2] is not p:
+        return [softmax]
+    return [softmax, isnan, where]
+
+
 def _looks_like_sinks(softmax: ir.Node) -> bool:
     """A softmax over a concatenation whose last column a Slice drops (attention sinks)."""
     producer = softmax.inputs[0].producer() if softmax.inputs[0] is not None else None
@@ -68,7 +144,8 @@ class FuseAttentionPass(ir.passes.InPlacePass):
 
     0. Scores masked by selection (``Where(keep, s, −inf)``, ``masked_fill``) become scores
        plus an additive mask (:class:`.attention_rules.SelectionMaskRule`); a softmax with
-       attention sinks becomes ``tfgraph.SinkSoftmax`` (:mod:`.sink_rules`).
+       attention sinks becomes ``tfgraph.SinkSoftmax`` (:mod:`.sink_rules`); a softmax feeding
+       several ``MatMul(probs, V_i)`` gets one copy of its chain per V (:func:`unshare_softmax`).
     1. ``MatMul(Softmax(scale·Q·Kᵀ [+ bias]), V)`` in any of its exported forms becomes
        ``tfgraph.Attention(Q, Transpose(Kᵀ), V[, bias])``; so does a standard ONNX
        ``Attention`` (SDPA exported at opset ≥ 23), to be lowered for the profile like the rest.
@@ -85,6 +162,7 @@ class FuseAttentionPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         masked = apply_rules(model, RewriteRuleSet(attention_rules.MASK_RULES))  # → additive
         masked += apply_rules(model, RewriteRuleSet(sink_rules.SINK_RULES))  # → SinkSoftmax
+        masked += unshare_softmax(model)  # one softmax, several V: one chain per V
         if masked:  # the score sums the mask rules rebuilt are dead: they block the core rules
             common.RemoveUnusedNodesPass()(model)
         count = apply_rules(model, RewriteRuleSet(attention_rules.CORE_RULES))

@@ -485,3 +485,36 @@ class BufferPosGPT(GPT):
 def buffer_pos_gpt(limit: bool = True):
     torch.manual_seed(0)
     return BufferPosGPT(limit).eval()
+
+
+# --- two attention calls on one Q and K (DiffLlama's differential attention) ------------------
+class TwoValueAttn(Attn):
+    """``sdpa(q, k, v1)`` and ``sdpa(q, k, v2)`` (the two halves of V), their difference
+    weighted: common subexpression elimination leaves one softmax feeding two MatMuls."""
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q = self.q(x).view(B, T, self.h, self.hs).transpose(1, 2)
+        k = self.k(x).view(B, T, self.kv, self.hs).transpose(1, 2)
+        v = self.v(x).view(B, T, self.kv, self.hs).transpose(1, 2)
+        v1, v2 = (u.repeat(1, 2, 1, 1) for u in torch.chunk(v, 2, dim=1))
+        y1 = F.scaled_dot_product_attention(q, k, v1, is_causal=True)
+        y2 = F.scaled_dot_product_attention(q, k, v2, is_causal=True)
+        return self.o((y1 - 0.5 * y2).transpose(1, 2).reshape(B, T, C))
+
+
+class TwoValueBlock(Block):
+    def __init__(self, d, h):
+        super().__init__(d, h)
+        self.attn = TwoValueAttn(d, h)
+
+
+class TwoValueGPT(GPT):
+    def __init__(self, vocab=64, d=32, h=4, layers=2, n_pos=64):
+        super().__init__(vocab, d, h, layers, None, n_pos)
+        self.blocks = nn.ModuleList(TwoValueBlock(d, h) for _ in range(layers))
+
+
+def two_value_gpt():
+    torch.manual_seed(0)
+    return TwoValueGPT().eval()

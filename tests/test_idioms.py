@@ -354,3 +354,18 @@ def test_positions_from_a_sliced_buffer_cache_when_the_limit_is_stated(tmp_path)
     with pytest.raises(tfgraph.TfgraphError, match=r"sequence axis of Min\(64, sequence\)"):
         tfgraph.export(unstated, tmp_path / "unstated", kv_cache=True)
     assert not (tmp_path / "unstated").exists()
+
+
+def test_one_softmax_feeding_two_values_fuses_twice_and_caches(tmp_path):
+    """DiffLlama's form: two attention calls on the same Q and K, merged by CSE into one
+    softmax with two ·V products; each product gets its own copy of the chain and fuses (2 per
+    layer), the cache and greedy tokens equal eager."""
+    source = from_module(idiom_models.two_value_gpt(), origin="idiom:two_value_gpt")
+    result = tfgraph.export(source, tmp_path / "art", kv_cache=True)
+    attention = result.report["fusions"]["attention"]
+    assert (attention["fused"], attention["total"]) == (4, 4), attention["missed"]
+    assert result.passed and result.report["parity"]["decode"]["passed"]
+    model = ir.load(tmp_path / "art" / "model.onnx")
+    assert sum(n.op_type == "GroupQueryAttention" for n in model.graph) == 4
+    decoder = CachedDecoder(Session(tmp_path / "art"))
+    assert compare_greedy(source, decoder, PROMPTS, 6).passed
