@@ -171,30 +171,37 @@ class _Analysis:
         data = node.inputs[0] if node.inputs else None
         if data is None or data not in self.token:
             if node.op_type in ("Loop", "Scan") and any(v in self.token for v in node.inputs):
-                return f"a {node.op_type} over token values"
+                return f"a {node.op_type} over token values (a recurrence) cannot be followed"
             return None
         if node.op_type in ("Loop", "Scan"):
-            return f"a {node.op_type} over token values"
+            return f"a {node.op_type} over token values (a recurrence) cannot be followed"
+        outside = "mixes the tokens outside attention"
         if data.shape is None or self.seq not in _dims(data):
             return None
         dims = _dims(data)
         axis = dims.index(self.seq)
         if node.op_type in ("Conv", "ConvTranspose") and axis >= 2:
-            return f"a {node.op_type} along the sequence"
+            return (
+                f"a {node.op_type} along the sequence {outside} (a convolutional or "
+                "recurrent layer: Mamba, linear attention)"
+            )
         if node.op_type == "CumSum":
             axes = _const_ints(node.inputs[1])
             if axes is None or any(a % len(dims) == axis for a in axes):
-                return "a cumulative sum along the sequence"
+                return (
+                    "a cumulative sum over the tokens (positions counted from the token ids, "
+                    "as M2M100 counts the non-pad tokens, or a recurrent state)"
+                )
         if node.op_type.startswith("Reduce"):
             axes = _const_ints(node.inputs[1]) if len(node.inputs) > 1 else None
             if axes is None:
                 axes = node.attributes.get_ints("axes")
             if axes is None or any(a % len(dims) == axis for a in axes):
-                return f"a {node.op_type} over the sequence"
+                return f"a {node.op_type} over the sequence {outside}"
         if node.op_type == "MatMul" and len(dims) >= 2 and dims[-1] == self.seq:
             other = node.inputs[1]
             if other is not None and other in self.token:
-                return "a product contracting the sequence"
+                return f"a product contracting the sequence {outside} (linear attention)"
         return None
 
     def check(self) -> None:
@@ -219,10 +226,8 @@ class _Analysis:
             mixing = self._mixes_tokens(node)
             if mixing:
                 raise KVCacheError(
-                    f"{_module(node)}: {mixing} mixes the tokens outside attention (a recurrent "
-                    "or convolutional layer: Mamba, linear attention); a KV cache of the "
-                    "attention layers alone would leave its state behind, so export without "
-                    "--kv-cache"
+                    f"{_module(node)}: {mixing}; a KV cache of the attention layers alone "
+                    "would not carry it past the prompt, so export without --kv-cache"
                 )
         for node in self.layers:
             q, k, v = node.inputs[:3]

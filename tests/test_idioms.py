@@ -303,14 +303,17 @@ def test_min_dims_within_the_position_limit_are_the_sequence():
         assert str(model.graph.outputs[0].shape[1]) == want
 
 
-@pytest.mark.parametrize(("mix", "what"), [("conv", "Conv"), ("cumsum", "cumulative sum")])
+@pytest.mark.parametrize(
+    ("mix", "what"),
+    [("conv", "Conv along the sequence mixes the tokens"), ("cumsum", "cumulative sum over")],
+)
 def test_token_mixing_outside_attention_refuses_the_kv_cache(mix, what, tmp_path):
     """Rejection: a layer that mixes tokens outside attention (a convolution along the
     sequence, a running sum) keeps state a KV cache of attention alone would drop: the cache is
     refused with a reason naming the layer, and nothing is written; without the cache the
     export keeps parity."""
     source = from_module(idiom_models.mix_gpt(mix), origin=f"idiom:mix_gpt:{mix}")
-    with pytest.raises(tfgraph.TfgraphError, match=f"{what}.*mixes the tokens outside attention"):
+    with pytest.raises(tfgraph.TfgraphError, match=f"{what}.*export without --kv-cache"):
         tfgraph.export(source, tmp_path / "cached", kv_cache=True)
     assert not (tmp_path / "cached").exists()
     result = tfgraph.export(source, tmp_path / "plain")
