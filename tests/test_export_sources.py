@@ -142,3 +142,23 @@ def test_an_encoder_decoder_config_states_its_decoders_position_limit():
     bert = transformers.BertConfig(max_position_embeddings=96)
     both = transformers.EncoderDecoderConfig.from_encoder_decoder_configs(bert, bert)
     assert max_positions(both) == 96
+
+
+def test_a_trace_cache_traces_once_per_opset(tmp_path):
+    """Exports of one source through a TraceCache trace it once per opset; each export gets a
+    copy (the passes rewrite in place), so the first artifact is not touched by the second."""
+    import idiom_models
+
+    from tfgraph.sources import from_module
+    from tfgraph.trace import TraceCache
+
+    source = from_module(idiom_models.gpt(), origin="idiom:gpt")
+    cache = TraceCache()
+    plain = tfgraph.export(source, tmp_path / "plain", trace_cache=cache)
+    cached = tfgraph.export(source, tmp_path / "cached", kv_cache=True, trace_cache=cache)
+    standard = tfgraph.export(source, tmp_path / "onnx", profile="onnx", trace_cache=cache)
+    assert cache.hits == 1  # the KV-cached export reused the ort trace; onnx (opset 23) traced
+    assert plain.passed and cached.passed and standard.passed
+    assert "trace" in cached.report["timings"]
+    first = ir.load(tmp_path / "plain" / "model.onnx")
+    assert not [v for v in first.graph.inputs if v.name.startswith("past_key_values")]

@@ -174,6 +174,7 @@ def measure(model_type: str, kind: str, cls_name: str, work: Path) -> dict:
 
     import tfgraph
     from tfgraph.errors import first_line
+    from tfgraph.trace import TraceCache
 
     row: dict = {"model_type": model_type, "kind": kind, "class": cls_name}
     try:
@@ -186,8 +187,9 @@ def measure(model_type: str, kind: str, cls_name: str, work: Path) -> dict:
         return row
     row["parameters"] = sum(p.numel() for p in model.parameters())
     start = time.perf_counter()
+    traces = TraceCache(by_origin=True)  # the cached export reuses the plain one's trace
     try:
-        result = tfgraph.export(str(work / "hf"), work / "plain")
+        result = tfgraph.export(str(work / "hf"), work / "plain", trace_cache=traces)
     except Exception as exc:  # a trace failure is the row's finding
         row.update(status=_failure(exc), reason=first_line(exc, named=True))
         return row
@@ -196,7 +198,9 @@ def measure(model_type: str, kind: str, cls_name: str, work: Path) -> dict:
     _fill(row, result.report)
     if not row["parity"]:  # before any tfgraph pass too? then the translation is the cause
         try:
-            raw = tfgraph.export(str(work / "hf"), work / "untouched", pipeline="none")
+            raw = tfgraph.export(
+                str(work / "hf"), work / "untouched", pipeline="none", trace_cache=traces
+            )
             row["parity_without_passes"] = bool(raw.report["parity"]["passed"])
         except Exception as exc:  # noqa: BLE001 - the diagnostic only
             row["parity_without_passes_error"] = first_line(exc, named=True)
@@ -204,7 +208,9 @@ def measure(model_type: str, kind: str, cls_name: str, work: Path) -> dict:
     if kind not in DECODER_KINDS or not row["attention"][1]:
         return row
     try:
-        cached = tfgraph.export(str(work / "hf"), work / "cached", kv_cache=True)
+        cached = tfgraph.export(
+            str(work / "hf"), work / "cached", kv_cache=True, trace_cache=traces
+        )
     except Exception as exc:
         row.update(kv_cache=False, kv_reason=first_line(exc, named=True))
         return row

@@ -143,14 +143,21 @@ class TraceCache:
     """Traces of unchanged sources, by opset, for exporting one model to several targets (the
     fuzzer and the coverage run do): tracing is most of an export's time. Every :meth:`get`
     returns a fresh copy, since the passes rewrite the graph in place. A source whose module
-    changes between exports must not go through the same cache."""
+    changes between exports must not go through the same cache. ``by_origin``: sources are the
+    same when their origin (a checkpoint directory loaded twice) and attention implementation
+    are, not only when they are one object (the coverage run loads each checkpoint per export).
+    """
 
-    def __init__(self) -> None:
-        self._protos: dict[tuple[int, int], tuple[ModelSource, object]] = {}
+    def __init__(self, by_origin: bool = False) -> None:
+        self._protos: dict[tuple, tuple[ModelSource, object]] = {}
+        self.by_origin = by_origin
         self.hits = 0
 
     def get(self, source: ModelSource, opset: int, trace_fn=None) -> ir.Model:
-        key = (id(source), opset)
+        if self.by_origin:
+            key = (source.origin, source.info.get("attn_implementation"), opset)
+        else:
+            key = (id(source), opset)
         if key in self._protos:
             self.hits += 1
             logger.info("reusing the trace of %s at opset %d", source.origin, opset)
