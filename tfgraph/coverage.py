@@ -551,6 +551,18 @@ def markdown(data: dict) -> str:
             if meta.get("known", len(rows)) > len(rows)
             else []
         ),
+        *(
+            [
+                f"Rows of {len(meta['remeasured']['model_types'])} model types were measured "
+                f"again at commit {meta['remeasured']['commit']} "
+                f"({meta['remeasured']['date']}, after the fixes they needed): "
+                + ", ".join(meta["remeasured"]["model_types"])
+                + "; the others are from the run above.",
+                "",
+            ]
+            if meta.get("remeasured")
+            else []
+        ),
         f"- architectures tried: **{summary.get('architectures', 0)}**; built tiny from their "
         f"config: {summary.get('built', 0)}; traced and exported: **{traced}**",
         f"- complete (every attention layer fused, parity, and for decoders a KV cache whose "
