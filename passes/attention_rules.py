@@ -33,7 +33,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from .canonical import DOMAIN, AttentionOp
-from .rewrite_utils import int_list, scalar
+from .rewrite_utils import constant, int_list, scalar
 
 
 def _rank4_static_heads(value: ir.Value) -> bool:
@@ -383,6 +383,31 @@ def _is_fill(value: float | None) -> bool:
     return value == float("-inf") or value <= -3.0e38 or value == _FP16_LOWEST
 
 
+_SCORE_PATH = frozenset({"Add", "Sub", "Mul", "Div", "Tanh", "Cast", "Reshape", "Where"})
+
+
+def _from_scores(value: ir.Value, depth: int = 8) -> bool:
+    """Whether ``value`` is computed from a ``MatMul`` (the Q·Kᵀ scores) through elementwise
+    ops and views; an additive mask built as ``Where(keep, zeros, -inf)`` is not."""
+    for _ in range(depth):
+        node = value.producer()
+        if node is None:
+            return False
+        if node.op_type == "MatMul":
+            return True
+        if node.op_type not in _SCORE_PATH or node.domain not in ("", "ai.onnx"):
+            return False
+        data = [i for i in node.inputs if i is not None and constant(i) is None]
+        if node.op_type == "Where":
+            data = data[1:]  # the condition is not the scores
+        if not data:
+            return False
+        value = (
+            data[0] if len(data) == 1 else next((d for d in data if _from_scores(d, 2)), data[0])
+        )
+    return False
+
+
 class SelectionMaskRule(pattern.RewriteRuleClassBase):
     """Scores masked by selection become scores plus an additive mask, which the core rules
     and the bias classifier take like any other::
@@ -419,12 +444,16 @@ class SelectionMaskRule(pattern.RewriteRuleClassBase):
             return result.fail("the masked scores' fill is not a constant scalar", fill)
         if not _is_fill(value):
             return result.fail(f"the fill {value:g} is not -inf or the dtype's lowest", fill)
-        if scalar(s) is not None or s.dtype is None:
+        if scalar(s) is not None:
             return result.fail("the selected scores are a constant", s)
+        if (s.dtype or fill.dtype) is None:
+            return result.fail("the scores' type is unknown", s)
+        if not _from_scores(s):  # Where(keep, 0, -inf) + scores: an additive mask, not this
+            return result.fail("the selected value is not computed from Q·Kᵀ scores", s)
         return result
 
     def rewrite(self, op, cond, s, fill, probs, after=None, **_):
-        zero = op.Constant(value=ir.tensor(0.0, dtype=s.dtype))
+        zero = op.Constant(value=ir.tensor(0.0, dtype=s.dtype or fill.dtype))
         mask = op.Where(cond, fill, zero) if self._fill_first else op.Where(cond, zero, fill)
         if after is not None:
             mask = op.Add(mask, after)

@@ -182,7 +182,8 @@ def test_an_additive_minus_10000_is_not_a_selection():
 
     model = ir.from_onnx_text("""
     <ir_version: 10, opset_import: ["" : 20]>
-    g (float[2, 3] s, bool[2, 3] keep) => (float[2, 3] p) {
+    g (float[2, 4] a, float[4, 3] b, bool[2, 3] keep) => (float[2, 3] p) {
+        s = MatMul (a, b)
         fill = Constant <value = float {-10000.0}> ()
         m = Where (keep, s, fill)
         p = Softmax <axis: int = -1> (m)
@@ -372,3 +373,31 @@ def test_one_softmax_feeding_two_values_fuses_twice_and_caches(tmp_path):
     assert sum(n.op_type == "GroupQueryAttention" for n in model.graph) == 4
     decoder = CachedDecoder(Session(tmp_path / "art"))
     assert compare_greedy(source, decoder, PROMPTS, 6).passed
+
+
+def test_an_additive_mask_built_with_where_is_not_taken_for_a_selection(tmp_path):
+    """Rejection (a regression the fuzz campaign caught at once): the zoo's additive causal
+    mask ``scores + Where(future, -inf, zeros)`` must not be read as a selection of the zeros
+    with the scores as a later bias; the selected value must come from Q·Kᵀ."""
+    from tfgraph.fuzz import FuzzCase, case_source
+    from tfgraph.models.config import ModelConfig
+    from tfgraph.passes.attention_rules import _from_scores
+
+    cfg = ModelConfig(d_model=8, n_heads=1, n_layers=1, d_ff=32, norm="layernorm", ffn="relu")
+    source = case_source(FuzzCase(config=cfg))
+    result = tfgraph.export(source, tmp_path / "art")
+    attention = result.report["fusions"]["attention"]
+    assert (attention["fused"], attention["total"]) == (1, 1), attention["missed"]
+    assert result.passed
+    model = ir.from_onnx_text("""
+    <ir_version: 10, opset_import: ["" : 20]>
+    g (float[2, 3] q, float[3, 3] k, bool[2, 3] keep) => (float[2, 3] m) {
+        zero = Constant <value = float {0.0}> ()
+        shape = Constant <value = int64[2] {2, 3}> ()
+        zeros = Expand (zero, shape)
+        s = MatMul (q, k)
+        m = Where (keep, zeros, s)
+    }
+    """)
+    zeros, s = (n.outputs[0] for n in model.graph if n.op_type in ("Expand", "MatMul"))
+    assert _from_scores(s) and not _from_scores(zeros)
