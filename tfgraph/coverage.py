@@ -563,6 +563,15 @@ def markdown(data: dict) -> str:
             if meta.get("remeasured")
             else []
         ),
+        *(
+            [
+                f"{len(meta['added']['model_types'])} model types were measured for the first "
+                f"time at commit {meta['added']['commit']} ({meta['added']['date']}).",
+                "",
+            ]
+            if meta.get("added")
+            else []
+        ),
         f"- architectures tried: **{summary.get('architectures', 0)}**; built tiny from their "
         f"config: {summary.get('built', 0)}; traced and exported: **{traced}**",
         f"- complete (every attention layer fused, parity, and for decoders a KV cache whose "
