@@ -30,8 +30,6 @@ from onnxscript.rewriter import pattern
 from .canonical import DOMAIN, SINK_SOFTMAX
 from .rewrite_utils import insert_tape, int_list, replace_value
 
-INT64 = ir.DataType.INT64
-
 
 def _last_axis(axes: list[int] | None, rank: int) -> bool:
     return axes is not None and len(axes) == 1 and axes[0] in (-1, rank - 1)
@@ -56,8 +54,7 @@ def _per_head(sinks: ir.Value, scores: ir.Value) -> str | None:
 
 
 def _sink_vector(op, sinks: ir.Value) -> ir.Value:
-    flat = op.Reshape(sinks, op.Constant(value=ir.tensor(np.array([-1], dtype=np.int64))))
-    return flat
+    return op.Reshape(sinks, op.Constant(value=ir.tensor(np.array([-1], dtype=np.int64))))
 
 
 class ConcatSinkRule(pattern.RewriteRuleClassBase):

@@ -355,7 +355,7 @@ def short_gpt():
 
 
 # --- attention sinks (gpt-oss, Granite SWA) ----------------------------------------------------
-class SinkAttn(nn.Module):
+class SinkAttn(SoftcapAttn):
     """Causal GQA (4:2, head size 8) with a learned logit per head in the softmax's
     denominator, written as ``style`` says:
 
@@ -372,12 +372,8 @@ class SinkAttn(nn.Module):
     """
 
     def __init__(self, d, h, kv, style, window):
-        super().__init__()
-        self.h, self.kv, self.hs, self.style, self.window = h, kv, d // h, style, window
-        self.q = nn.Linear(d, d, bias=False)
-        self.k = nn.Linear(d, kv * self.hs, bias=False)
-        self.v = nn.Linear(d, kv * self.hs, bias=False)
-        self.o = nn.Linear(d, d, bias=False)
+        super().__init__(d, h, kv, cap=None, window=window)  # the same projections
+        self.style = style
         self.sinks = nn.Parameter(torch.randn(h))
         if style == "per_token":
             self.sink_proj = nn.Linear(d, h)
