@@ -33,7 +33,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from .canonical import DOMAIN, AttentionOp
-from .rewrite_utils import constant, int_list, scalar
+from .rewrite_utils import constant, int_list, same_dims, scalar
 
 
 def _rank4_static_heads(value: ir.Value) -> bool:
@@ -186,9 +186,49 @@ class BatchedHeadsAttentionRule(pattern.RewriteRuleClassBase):
         return _batched_heads(op, q3, kt3, v3, scores4, self._heads, self._scale, bias)
 
 
+class BatchedScoresAttentionRule(pattern.RewriteRuleClassBase):
+    """GPT-NeoX-Japanese's layout: only the scores are batched over heads (``baddbmm`` from
+    zeros, which :mod:`tfgraph.exact_no_op` drops), the probabilities multiply a 4-D V::
+
+        s = Reshape(Mul(MatMul(q3, kᵀ3), c), (B, H, T, S)) + mask
+        y = MatMul(Softmax(s), V)        V (B, H, S, d)
+
+    becomes ``tfgraph.Attention`` on 4-D views of q3 and kᵀ3 with ``bias = mask``: the view
+    splits B·H the way the scores' own view does, so head h of the scores meets head h of V.
+    Rejections: scores or V without a static head count, or with different ones; a view that
+    is not the split of the scores' first axis; a softmax over another axis."""
+
+    def pattern(self, op, q3, kt3, c, s4, mask, v):
+        scores3 = op.Mul(op.MatMul(q3, kt3), c, _outputs=["scores3"])
+        scores = op.Add(op.Reshape(scores3, s4, _outputs=["scores4"]), mask)
+        return op.MatMul(op.Softmax(scores, _outputs=["probs"]), v)
+
+    def check(self, context, q3, kt3, v, c, scores3, scores4, probs, **_):
+        result = pattern.MatchResult()
+        if probs.producer().attributes.get_int("axis", -1) not in (-1, 3):
+            return result.fail("softmax is not over the key axis", probs)
+        if scalar(c) is None:
+            return result.fail("the score scale is not a constant scalar", c)
+        for value in (q3, kt3, scores3):
+            if value.shape is None or len(value.shape) != 3:
+                return result.fail("Q, Kᵀ are not 3-D (batch·heads, seq, d)", value)
+        for value in (scores4, v):
+            if not _rank4_static_heads(value):
+                return result.fail("the scores' view or V has no static head count", value)
+        if scores4.shape[1] != v.shape[1]:
+            return result.fail("the scores' view and V have different head counts", v)
+        if not same_dims(scores3.shape[1:], scores4.shape[2:]):
+            return result.fail("the scores' view is not the split of (B·H)", scores4)
+        self._heads, self._scale = scores4.shape[1], scalar(c)
+        return result
+
+    def rewrite(self, op, q3, kt3, v, mask, scores4, **_):
+        return _batched_heads(op, q3, kt3, v, scores4, self._heads, self._scale, lambda view: mask)
+
+
 def _batched_heads(op, q3, kt3, v3, scores4, heads: int, scale: float, bias):
-    """``tfgraph.Attention`` on 4-D views of (B·H, ·, ·) Q, Kᵀ, V; ``bias(heads)`` builds the
-    bias with the same view function."""
+    """``tfgraph.Attention`` on 4-D views of (B·H, ·, ·) Q, Kᵀ, V (V as it is when it is 4-D
+    already); ``bias(heads)`` builds the bias with the same view function."""
     shape = op.Constant(value=ir.tensor([-1, heads, 0, 0], dtype=ir.DataType.INT64))
     zero = op.Constant(value=ir.tensor([0], dtype=ir.DataType.INT64))
     batch = scores4.shape[0]
@@ -202,7 +242,7 @@ def _batched_heads(op, q3, kt3, v3, scores4, heads: int, scale: float, bias):
     k = op.Transpose(view(kt3, kt3.shape[1:]), perm=[0, 1, 3, 2])
     k.shape = ir.Shape([batch, heads, kt3.shape[2], kt3.shape[1]])
     k.type = kt3.type
-    v = view(v3, v3.shape[1:])
+    v = v3 if len(v3.shape) == 4 else view(v3, v3.shape[1:])
     extra = bias(view)
     spec = AttentionOp(
         num_heads=heads,
@@ -466,6 +506,39 @@ class SelectionMaskRule(pattern.RewriteRuleClassBase):
         return op.Softmax(scores, axis=axis)
 
 
+class StackedBiasRule(pattern.RewriteRuleClassBase):
+    """Two biases added to the scores one after the other become one bias::
+
+        Softmax(Add(Add(s, b1), b2))  →  Softmax(Add(s, Add(b1, b2)))
+
+    (MPNet: a relative-position bias, then the padding mask), in either operand order of each
+    ``Add``, so that the core rules see one bias. ``s`` must be computed from the Q·Kᵀ
+    scores; neither bias may be (an activation-dependent term stays where it is). Reassociating
+    changes the sum by rounding only (a fill of the lowest value absorbs either way)."""
+
+    def __init__(self, inner_first: bool, outer_first: bool) -> None:
+        super().__init__(f"StackedBias{'S' if inner_first else 'B'}{'I' if outer_first else 'O'}")
+        self._inner_first, self._outer_first = inner_first, outer_first
+
+    def pattern(self, op, s, b1, b2):
+        inner = op.Add(s, b1) if self._inner_first else op.Add(b1, s)
+        outer = op.Add(inner, b2) if self._outer_first else op.Add(b2, inner)
+        return op.Softmax(outer, _outputs=["probs"])
+
+    def check(self, context, s, b1, b2, **_):
+        result = pattern.MatchResult()
+        if not _from_scores(s):
+            return result.fail("the value under the biases is not computed from Q·Kᵀ", s)
+        for bias in (b1, b2):
+            if _from_scores(bias):
+                return result.fail("a bias is computed from the scores as well", bias)
+        return result
+
+    def rewrite(self, op, s, b1, b2, probs, **_):
+        axis = probs.producer().attributes.get_int("axis", -1)
+        return op.Softmax(op.Add(s, op.Add(b1, b2)), axis=axis)
+
+
 class MaxShiftRule(pattern.RewriteRuleClassBase):
     """``Softmax(x − ReduceMax(x, -1, keepdims=1))`` → ``Softmax(x)``: subtracting the row max
     (MiMo-V2-Flash's layers without sinks, "for BF16/FP16 stability") does not change a
@@ -496,10 +569,12 @@ MASK_RULES = [
     MaxShiftRule.rule(),
     *(SelectionMaskRule.rule(f, b) for f in (False, True) for b in ("", "right", "left")),
 ]
+BIAS_RULES = [StackedBiasRule.rule(i, o) for i in (True, False) for o in (True, False)]
 CORE_RULES = [
     *(AttentionRule.rule(b, g) for b in (True, False) for g in (True, False)),
     *(AttentionRule.rule(b, False, sink=True) for b in (True, False)),
     BatchedHeadsAttentionRule.rule(),
+    BatchedScoresAttentionRule.rule(),
     *(BmmAttentionRule.rule(True, c, r) for c in (True, False) for r in (True, False)),
     *(BmmAttentionRule.rule(False, False, r) for r in (True, False)),
 ]

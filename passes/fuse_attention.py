@@ -22,13 +22,16 @@ def is_gating_softmax(node: ir.Node) -> bool:
     """A ``Softmax`` over a projection, not over attention scores: a mixture-of-experts
     router's ``softmax(x · W_router)`` (or any gate). Its input comes, through elementwise ops
     (and the values of a ``TopK``), from a ``MatMul``/``Gemm`` by a constant 2-D weight, and
-    its axis has a static size (the experts), where attention scores come from ``Q · Kᵀ`` of
-    two activations over keys. Such a softmax is not an attention candidate: not fused, not
-    reported missed."""
+    its axis has a static size (the experts; ConvBERT's dynamic-convolution kernel, reshaped
+    first), where attention scores come from ``Q · Kᵀ`` of two activations over keys. Such a
+    softmax is not an attention candidate: not fused, not reported missed."""
     value = node.inputs[0]
     if value is None or value.shape is None or not value.shape:
         return False
-    if not isinstance(value.shape[-1], int):  # over a dynamic axis: keys, not experts
+    axis = node.attributes.get_int("axis", -1)
+    if not -len(value.shape) <= axis < len(value.shape):
+        return False
+    if not isinstance(value.shape[axis], int):  # over a dynamic axis: keys, not experts
         return False
     for _ in range(6):
         producer = value.producer()
@@ -39,6 +42,9 @@ def is_gating_softmax(node: ir.Node) -> bool:
             return weight is not None and weight.ndim == 2
         if producer.op_type == "TopK":  # a softmax over the top-k experts' logits (Aria)
             value = producer.inputs[0]
+            continue
+        if producer.op_type == "Reshape":  # ConvBERT's dynamic convolution: a kernel of
+            value = producer.inputs[0]  # static size per position, reshaped to (-1, k, 1)
             continue
         if producer.op_type in ("ScatterElements", "ScatterND"):  # experts masked out of the
             value = producer.inputs[0]  # logits (PhiMoE's sparse mixer: the top-1 set to -inf)
@@ -143,7 +149,8 @@ class FuseAttentionPass(ir.passes.InPlacePass):
     """Fuse every attention core into one ``tfgraph.Attention``.
 
     0. Scores masked by selection (``Where(keep, s, −inf)``, ``masked_fill``) become scores
-       plus an additive mask (:class:`.attention_rules.SelectionMaskRule`); a softmax with
+       plus an additive mask (:class:`.attention_rules.SelectionMaskRule`); two biases added
+       one after the other become one (:class:`.attention_rules.StackedBiasRule`); a softmax with
        attention sinks becomes ``tfgraph.SinkSoftmax`` (:mod:`.sink_rules`); a softmax feeding
        several ``MatMul(probs, V_i)`` gets one copy of its chain per V (:func:`unshare_softmax`).
     1. ``MatMul(Softmax(scale·Q·Kᵀ [+ bias]), V)`` in any of its exported forms becomes
@@ -161,6 +168,7 @@ class FuseAttentionPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         masked = apply_rules(model, RewriteRuleSet(attention_rules.MASK_RULES))  # → additive
+        masked += apply_rules(model, RewriteRuleSet(attention_rules.BIAS_RULES))  # one bias
         masked += apply_rules(model, RewriteRuleSet(sink_rules.SINK_RULES))  # → SinkSoftmax
         masked += unshare_softmax(model)  # one softmax, several V: one chain per V
         if masked:  # the score sums the mask rules rebuilt are dead: they block the core rules

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable
 
 import numpy as np
@@ -127,3 +128,30 @@ def int_list(value: ir.Value | None) -> list[int] | None:
     """A constant integer tensor as a list (``axes`` inputs)."""
     array = constant(value)
     return None if array is None else [int(v) for v in array.reshape(-1)]
+
+
+_DIM_NAME = re.compile(r"[A-Za-z_]\w*")
+
+
+def same_dims(a, b) -> bool:
+    """Two shapes' dims are equal: the same int or name, or symbolic expressions that are
+    equal for every positive integer value of their symbols (torch.export names a ``view(...,
+    -1)`` dim ``((sequence**2)//sequence)``, which is ``sequence``)."""
+    a, b = list(a), list(b)
+    return len(a) == len(b) and all(_same_dim(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _same_dim(x, y) -> bool:
+    if x == y:
+        return True
+    x, y = (d.value if isinstance(d, ir.SymbolicDim) else d for d in (x, y))
+    if x is None or y is None or (isinstance(x, int) and isinstance(y, int)):
+        return False
+    import sympy
+
+    text = f"({x}) - ({y})"
+    symbols = {n: sympy.Symbol(n, integer=True, positive=True) for n in _DIM_NAME.findall(text)}
+    try:
+        return sympy.simplify(sympy.sympify(text, locals=symbols)) == 0
+    except (sympy.SympifyError, TypeError, ValueError, SyntaxError):
+        return False

@@ -345,6 +345,11 @@ class Session:
                 f"inputs{hint}"
             ) from exc
 
+    def input_dtype(self, name: str) -> np.dtype | None:
+        """The numpy dtype input ``name`` takes (None for a type numpy does not name here)."""
+        want = _ORT_DTYPES.get(self._input_types[name])
+        return None if want is None else np.dtype(want)
+
     def check_input(self, name: str, value: object) -> np.ndarray:
         """``value`` as the numpy array input ``name`` takes: dtype cast within its kind; rank,
         static dims and positions (``max_positions``) checked, naming the input."""

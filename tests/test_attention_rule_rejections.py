@@ -629,3 +629,129 @@ def test_core_query_head_broadcast_over_key_heads():
         in run.miss_reason()
     )
     run.assert_unchanged_numbers()
+
+
+# -- BatchedScoresAttentionRule (GPT-NeoX-Japanese) ------------------------------------------
+
+
+def batched_scores_graph(
+    *,
+    axis: int = -1,
+    scale=0.25,
+    q3_shape: tuple | None | str = "same",
+    scores4_dims: tuple = (B, H, T, S),
+    scores4_shape: tuple | None | str = "same",
+    v_dims: tuple = (B, H, S, D),
+    v_shape: tuple | None | str = "same",
+):
+    """Only the scores batched over heads, the probabilities times a 4-D V:
+    ``MatMul(Softmax(Reshape(Mul(MatMul(q3, kᵀ3), c), (B, H, T, S)) + mask), V)``."""
+    g = Graph()
+    q3 = g.input("q3", (B * H, T, D), q3_shape)
+    kt3 = g.input("kt3", (B * H, D, S))
+    v, mask = g.input("v", v_dims, v_shape), g.input("mask", (B, 1, scores4_dims[2], S))
+    s = g.op("MatMul", q3, kt3, shape=(B * H, T, S))
+    s = g.op("Mul", s, g.factor(scale, "c"), shape=(B * H, T, S))
+    declared = scores4_dims if scores4_shape == "same" else scores4_shape
+    s = g.op("Reshape", s, g.ints(list(scores4_dims)), shape=declared)
+    s = g.op("Add", s, mask, shape=scores4_dims)
+    p = g.op("Softmax", s, axis=axis, shape=scores4_dims)
+    return g, g.op("MatMul", p, v, shape=None), (B, *scores4_dims[1:3], D)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"axis": 3}], ids=["plain", "axis-3"])
+def test_batched_scores_positive_control(kwargs):
+    run = Run(batched_scores_graph(**kwargs))
+    assert run.modified
+    node = run.attention()
+    attrs = {k: v.value for k, v in node.attributes.items()}
+    assert (attrs["num_heads"], attrs["kv_num_heads"], attrs["bias_kind"]) == (H, H, "additive")
+    assert attrs["scale"] == pytest.approx(0.25)
+    assert node.inputs[2].name == "v"  # V taken as it is
+    run.assert_lowered_numbers()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"axis": 2}, "softmax is not over the key axis"),
+        ({"scale": "input"}, "the score scale is not a constant scalar"),
+        ({"q3_shape": None}, "Q, Kᵀ are not 3-D (batch·heads, seq, d)"),
+        ({"scores4_shape": (B, "heads", T, S)}, "the scores' view or V has no static head count"),
+        ({"v_shape": (B, "heads", S, D)}, "the scores' view or V has no static head count"),
+        ({"scores4_dims": (B, 2, 2 * T, S), "v_dims": (B, 2, S, D)},
+         "the scores' view is not the split of (B·H)"),
+        ({"v_dims": (B, 1, S, D)}, "the scores' view and V have different head counts"),
+    ],
+    ids=[
+        "softmax-axis-2", "scale-input", "q3-unknown-shape", "scores4-symbolic-heads",
+        "v-symbolic-heads", "view-regroups-queries", "v-heads-differ",
+    ],
+)  # fmt: skip
+def test_batched_scores_rejection(kwargs, reason):
+    run = Run(batched_scores_graph(**kwargs))
+    assert not run.modified
+    assert reason in run.miss_reason()
+    run.assert_unchanged_numbers()
+
+
+# -- StackedBiasRule (MPNet) -----------------------------------------------------------------
+
+
+def stacked_bias_graph(*, inner_first: bool = True, outer_first: bool = True, shaw: bool = False):
+    """``MatMul(Softmax(Add(Add(Q·Kᵀ/√d, b1), b2)), V)`` in the operand orders asked for;
+    ``shaw``: b1 is an activation-dependent ``Q·Rᵀ`` instead of a bias."""
+    g = Graph()
+    q, k, v = g.input("q", (B, H, T, D)), g.input("k", (B, H, S, D)), g.input("v", (B, H, S, D))
+    kt = g.op("Transpose", k, perm=[0, 1, 3, 2], shape=(B, H, D, S))
+    s = g.op("MatMul", q, kt, shape=(B, H, T, S))
+    s = g.op("Div", s, g.const(D**0.5), shape=(B, H, T, S))
+    if shaw:
+        rt = g.input("rt", (B, H, D, S))
+        b1 = g.op("MatMul", q, rt, shape=(B, H, T, S))
+    else:
+        b1 = g.input("b1", (1, H, T, S))
+    b2 = g.input("b2", (B, 1, T, S))
+    s = g.op("Add", *((s, b1) if inner_first else (b1, s)), shape=(B, H, T, S))
+    s = g.op("Add", *((s, b2) if outer_first else (b2, s)), shape=(B, H, T, S))
+    p = g.op("Softmax", s, axis=-1, shape=(B, H, T, S))
+    return g, g.op("MatMul", p, v, shape=None), (B, H, T, D)
+
+
+@pytest.mark.parametrize("inner_first", [True, False])
+@pytest.mark.parametrize("outer_first", [True, False])
+def test_stacked_bias_positive_control(inner_first, outer_first):
+    run = Run(stacked_bias_graph(inner_first=inner_first, outer_first=outer_first))
+    assert run.modified
+    node = run.attention()
+    assert node.attributes["bias_kind"].value == "additive"
+    assert producer_ops(node.inputs[3], 1) == ["Add"]  # b1 + b2, one bias
+    run.assert_lowered_numbers()
+
+
+def test_stacked_bias_rejects_a_bias_computed_from_the_scores():
+    """Rejection: ``b1 = Q·Rᵀ`` is a score term, not a bias: the two Adds stay as they are
+    (and the unscaled-extra form the core rule takes does not apply after the scale)."""
+    run = Run(stacked_bias_graph(shaw=True))
+    assert not run.modified
+    from tfgraph.passes.attention_rules import BIAS_RULES
+
+    (softmax,) = run.nodes("Softmax")
+    reason = diagnose(run.model, BIAS_RULES, softmax, depth=0)
+    assert "a bias is computed from the scores as well" in reason
+    run.assert_unchanged_numbers()
+
+
+def test_same_dims_compares_symbolic_expressions():
+    """torch.export names a ``view(..., -1)`` key dim ``((sequence**2)//sequence)``: equal to
+    ``sequence`` for every positive value, so the batched-scores view is a split of (B·H)."""
+    from tfgraph.passes.rewrite_utils import same_dims
+
+    seq = ir.SymbolicDim("sequence")
+    assert same_dims([seq, 4], [ir.SymbolicDim("((sequence**2)//sequence)"), 4])
+    assert same_dims([ir.SymbolicDim("4*batch")], [ir.SymbolicDim("batch*4")])
+    assert not same_dims([seq], [ir.SymbolicDim("sequence + 1")])
+    assert not same_dims([seq], [ir.SymbolicDim("past")])
+    assert not same_dims([seq], [ir.SymbolicDim(None)])  # unknown is never equal
+    assert not same_dims([seq, 4], [seq])
+    assert not same_dims([4], [5])

@@ -78,3 +78,45 @@ def test_seed_norm_with_tiny_eps_is_reported_excluded():
     assert (norm["fused"], norm["total"]) == (0, 0)
     assert [m["reason"] for m in norm["missed"]] == [SeedLayerNormRule.REASON]
     assert norm["missed"][0]["excluded"] is True
+
+
+class Baddbmm(nn.Module):
+    """GPT-NeoX-Japanese's scores: ``baddbmm`` from a zeros tensor of the product's shape."""
+
+    def forward(self, x):
+        zeros = torch.zeros(x.shape[0], x.shape[1], x.shape[1], dtype=x.dtype)
+        return torch.baddbmm(zeros, x, x.transpose(1, 2), beta=1.0, alpha=0.5)
+
+
+def test_adding_expanded_zeros_of_the_same_shape_is_removed():
+    model = trace(from_module(Baddbmm(), (torch.randn(2, 3, 4),)))
+    assert "Add" not in [n.op_type for n in model.graph]
+    x = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
+    want = Baddbmm()(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(_run(model, x), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("shape", "value"),
+    [("[3, 2, 3]", "0.0"), ("[2, 3]", "1.0")],
+    ids=["broadcasts-x-larger", "not-zero"],
+)
+def test_expanded_zeros_that_change_the_result_stay(shape, value):
+    """Rejections: zeros that broadcast x to a larger shape; an expanded constant that is
+    not 0."""
+    from onnxscript.rewriter import RewriteRuleSet
+
+    from tfgraph.exact_no_op import EXACT_NO_OP_RULES
+
+    model = ir.from_onnx_text(f"""
+    <ir_version: 10, opset_import: ["" : 20]>
+    g (float[2, 3] x) => (float[{shape[1:-1]}] y) {{
+        c = Constant <value = float {{{value}}}> ()
+        s = Constant <value = int64[{len(shape.split(","))}] {{{shape[1:-1]}}}> ()
+        z = Expand (c, s)
+        y = Add (x, z)
+    }}
+    """)
+    ir.passes.common.ShapeInferencePass()(model)
+    assert RewriteRuleSet(EXACT_NO_OP_RULES).apply_to_model(model) == 0
+    assert "Add" in [n.op_type for n in model.graph]

@@ -47,7 +47,44 @@ class _ExactNoOp(pattern.RewriteRuleClassBase):
         return op.Identity(x)
 
 
+def _known_dims(shape) -> bool:
+    return shape is not None and all(
+        isinstance(d, int) or getattr(d, "value", None) is not None for d in shape
+    )
+
+
+class _AddExpandedZero(pattern.RewriteRuleClassBase):
+    """``x + Expand(0, shape)`` to ``x`` where the sum has x's own shape (``torch.baddbmm``
+    from a ``zeros`` tensor, as GPT-NeoX-Japanese scores Q·Kᵀ): exact, and the broadcast does
+    not enlarge x, both dims stated."""
+
+    def __init__(self, zeros_first: bool) -> None:
+        super().__init__("AddExpandedZero" + ("ZX" if zeros_first else "XZ"))
+        self._zeros_first = zeros_first
+
+    def pattern(self, op, x, c, shape):
+        zeros = op.Expand(c, shape)
+        args = (zeros, x) if self._zeros_first else (x, zeros)
+        return op.Add(*args, _outputs=["total"])
+
+    def check(self, context, x, c, total, **_) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        tensor = ir.convenience.get_const_tensor(c)
+        if tensor is None or tensor.numpy().ndim != 0 or not np.all(tensor.numpy() == 0):
+            return result.fail("not an expanded scalar 0", c)
+        if x.dtype is None or x.dtype != c.dtype:
+            return result.fail("dtype differs from x (or unknown)", c)
+        if not (_known_dims(x.shape) and _known_dims(total.shape)) or x.shape != total.shape:
+            return result.fail("the expanded zeros could broadcast x to a larger shape", total)
+        return result
+
+    def rewrite(self, op, x, **_):
+        return op.Identity(x)
+
+
 EXACT_NO_OP_RULES = [
+    _AddExpandedZero.rule(False),
+    _AddExpandedZero.rule(True),
     _ExactNoOp.rule("Add", 0.0, False),
     _ExactNoOp.rule("Add", 0.0, True),
     _ExactNoOp.rule("Sub", 0.0, False),
