@@ -52,6 +52,9 @@ def test_subset_is_complete(tmp_path, capsys):
     text = (tmp_path / "COVERAGE.md").read_text()
     assert "complete (every attention layer fused" in text and "| gpt2 | causal-lm |" in text
     assert f"**{len(SUBSET)}** of {len(SUBSET)} traced (100%)" in text
+    commit = data["meta"]["commit"]  # every row says which commit measured it
+    assert commit and all(r["measured_at"] == commit for r in rows.values())
+    assert f"Every row measured at commit {commit}." in text
 
 
 def test_a_failure_is_a_row_and_a_rerun_resumes(tmp_path):
@@ -63,6 +66,10 @@ def test_a_failure_is_a_row_and_a_rerun_resumes(tmp_path):
     data = coverage.run(tmp_path, only=["gpt2"])  # gpt2 has a row already: nothing reruns
     assert data["rows"] == [row]
     assert data["summary"]["by_status"] == {"not built": 1}
+    assert "Rows measured at more than one commit: 1 at unknown." not in coverage.markdown(data)
+    later = {**row, "model_type": "llama", "measured_at": "abc1234"}
+    text = coverage.markdown({**data, "rows": [row, later]})  # a resumed run at a new commit
+    assert "Rows measured at more than one commit: 1 at abc1234, 1 at unknown." in text
 
 
 def test_eager_greedy_reference_equals_hf_generate():

@@ -464,7 +464,7 @@ def run(
     total = len(todo)
 
     def one(arch):
-        return run_one(*arch)
+        return {**run_one(*arch), "measured_at": data["meta"]["commit"]}
 
     def write() -> None:
         order = sorted(rows.values(), key=lambda r: (KINDS.index(r["kind"]), r["model_type"]))
@@ -482,6 +482,41 @@ def run(
     return data
 
 
+def _commits_line(rows: list[dict]) -> str:
+    """Which commit measured the rows: one run, or the rows per commit."""
+    commits = _count(r.get("measured_at", "unknown") for r in rows)
+    if len(commits) == 1:
+        return f"Every row measured at commit {next(iter(commits))}."
+    listed = ", ".join(
+        f"{n} at {c}" for c, n in sorted(commits.items(), key=lambda x: (-x[1], x[0]))
+    )
+    return f"Rows measured at more than one commit: {listed}."
+
+
+def source_commit() -> str:
+    """The git commit of the tfgraph checkout that runs (``+dirty`` with uncommitted changes
+    to tracked files), or ``unknown`` outside a git checkout."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def environment() -> dict:
     import onnxruntime
     import torch
@@ -497,6 +532,7 @@ def environment() -> dict:
         "torch": torch.__version__,
         "onnxruntime": onnxruntime.__version__,
         "python": platform.python_version(),
+        "commit": source_commit(),
     }
 
 
@@ -558,27 +594,8 @@ def markdown(data: dict) -> str:
             if meta.get("known", len(rows)) > len(rows)
             else []
         ),
-        *(
-            [
-                f"Rows of {len(meta['remeasured']['model_types'])} model types were measured "
-                f"again at commit {meta['remeasured']['commit']} "
-                f"({meta['remeasured']['date']}, after the fixes they needed): "
-                + ", ".join(meta["remeasured"]["model_types"])
-                + "; the others are from the run above.",
-                "",
-            ]
-            if meta.get("remeasured")
-            else []
-        ),
-        *(
-            [
-                f"{len(meta['added']['model_types'])} model types were measured for the first "
-                f"time at commit {meta['added']['commit']} ({meta['added']['date']}).",
-                "",
-            ]
-            if meta.get("added")
-            else []
-        ),
+        _commits_line(rows),
+        "",
         f"- architectures tried: **{summary.get('architectures', 0)}**; built tiny from their "
         f"config: {summary.get('built', 0)}; traced and exported: **{traced}**",
         f"- complete (every attention layer fused, parity, and for decoders a KV cache whose "
