@@ -493,28 +493,29 @@ def _commits_line(rows: list[dict]) -> str:
     return f"Rows measured at more than one commit: {listed}."
 
 
+_CODE = ("tfgraph", "passes", "exporters", "runtime", "models", "pyproject.toml")
+
+
 def source_commit() -> str:
-    """The git commit of the tfgraph checkout that runs (``+dirty`` with uncommitted changes
-    to tracked files), or ``unknown`` outside a git checkout."""
+    """The last git commit that changed tfgraph's code (documentation commits after it do not
+    change what a row measures), ``+dirty`` with uncommitted changes to that code, or
+    ``unknown`` outside a git checkout."""
     root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10
+        )
+        if done.returncode:
+            raise OSError(done.stderr)
+        return done.stdout.strip()
+
     try:
-        head = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
+        head = git("log", "-1", "--format=%h", "--", *_CODE)
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", *_CODE)
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    return head + ("+dirty" if dirty else "")
+    return (head or "unknown") + ("+dirty" if dirty else "")
 
 
 def environment() -> dict:
