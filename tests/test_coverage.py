@@ -72,6 +72,29 @@ def test_a_failure_is_a_row_and_a_rerun_resumes(tmp_path):
     assert "Rows measured at more than one commit: 1 at abc1234, 1 at unknown." in text
 
 
+def test_a_killed_row_leaves_no_files(tmp_path, monkeypatch):
+    """A worker killed at the timeout (or by the OOM killer) never cleans up after itself; the
+    parent owns its working directory and removes it. (Leaked rows once filled the disk.)"""
+    import subprocess
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    seen = []
+
+    def killed_mid_export(cmd, **kwargs):
+        work = cmd[-1]
+        seen.append(work)
+        with open(f"{work}/model.onnx", "wb") as f:  # what the worker had written by then
+            f.write(b"\0" * 1024)
+        raise subprocess.TimeoutExpired(cmd, kwargs["timeout"])
+
+    monkeypatch.setattr(coverage.subprocess, "run", killed_mid_export)
+    row = coverage.run_one("gpt2", "causal-lm", "GPT2LMHeadModel", timeout=1)
+    assert row["status"] == "timeout" and row["reason"] == "over 1 s"
+    assert seen and seen[0].startswith(str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_eager_greedy_reference_equals_hf_generate():
     """The reference used where a model's own ``generate`` fails (Dory's) is greedy decoding
     by full recompute with the positions ``generate`` derives from the mask: on a model whose

@@ -399,10 +399,12 @@ def _hf_generate(model, **kwargs):
 
 
 def _worker(argv: list[str]) -> int:
-    model_type, kind, cls_name, out = argv
+    """The row's process. Its working directory belongs to the parent, which removes it even
+    when this process is killed (a timeout, the kernel's OOM killer): a killed worker cannot
+    leave gigabytes of checkpoints and ONNX files in the temporary directory."""
+    model_type, kind, cls_name, out, work = argv
     logging.basicConfig(level=logging.ERROR)
-    with tempfile.TemporaryDirectory(prefix=f"cov-{model_type}-") as tmp:
-        row = measure(model_type, kind, cls_name, Path(tmp))
+    row = measure(model_type, kind, cls_name, Path(work))
     Path(out).write_text(json.dumps(row))
     return 0
 
@@ -412,10 +414,18 @@ def _worker(argv: list[str]) -> int:
 
 def run_one(model_type: str, kind: str, cls_name: str, timeout: float = TIMEOUT_S) -> dict:
     """One architecture in a fresh process; a timeout or a crash is a row too."""
-    with tempfile.TemporaryDirectory(prefix="cov-row-") as tmp:
-        out = Path(tmp) / "row.json"
-        cmd = [sys.executable, "-m", "tfgraph.coverage", model_type, kind, cls_name, str(out)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    with tempfile.TemporaryDirectory(prefix=f"cov-{model_type}-") as tmp:
+        out, work = Path(tmp) / "row.json", Path(tmp) / "work"
+        work.mkdir()
+        args = [model_type, kind, cls_name, str(out), str(work)]
+        cmd = [sys.executable, "-m", "tfgraph.coverage", *args]
+        # the worker's own temporary files (libraries' scratch) land in the same directory
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "TRANSFORMERS_VERBOSITY": "error",
+            "TMPDIR": str(work),
+        }
         start = time.perf_counter()
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
