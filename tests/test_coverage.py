@@ -91,6 +91,7 @@ def test_a_killed_row_leaves_no_files(tmp_path, monkeypatch):
     monkeypatch.setattr(coverage.subprocess, "run", killed_mid_export)
     row = coverage.run_one("gpt2", "causal-lm", "GPT2LMHeadModel", timeout=1)
     assert row["status"] == "timeout" and row["reason"] == "over 1 s"
+    assert row["seconds"] >= 0  # a timed-out row says how long it ran, not "0 s"
     assert seen and seen[0].startswith(str(tmp_path))
     assert list(tmp_path.iterdir()) == []
 

@@ -436,6 +436,7 @@ def run_one(model_type: str, kind: str, cls_name: str, timeout: float = TIMEOUT_
                 "class": cls_name,
                 "status": "timeout",
                 "reason": f"over {timeout:.0f} s",
+                "seconds": round(time.perf_counter() - start, 1),
             }
         if out.is_file():
             row = json.loads(out.read_text())
