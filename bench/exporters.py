@@ -104,7 +104,7 @@ def model_configs(quick: bool) -> dict[str, tuple[str, object]]:
         ),  # fmt: skip
     }
     if quick:
-        return {k: configs[k] for k in ("llama", "t5")}
+        return {k: configs[k] for k in ("llama",)}
     configs["llama-120m"] = (
         "causal",
         T.LlamaConfig(
@@ -169,8 +169,11 @@ def node_count(path: Path) -> int:
     return len(onnx.load(str(path), load_external_data=False).graph.node)
 
 
-def _kv(dims: list, batch: int, length: int) -> list[int]:
-    return [batch, dims[1], length, dims[3]]
+def _kv(dims: list, batch: int, length: int, head_size: int | None = None) -> list[int]:
+    """A KV tensor's shape; transformers' exporter writes static head dims as dim params
+    ("4"), the builder leaves the head size symbolic (its config states it)."""
+    size = head_size if head_size is not None else int(dims[3])
+    return [batch, int(dims[1]), length, size]
 
 
 def _time(path: Path, inputs: dict, bind: dict | None, repeats: int) -> float:
@@ -305,6 +308,7 @@ def genai_peer(src: Path, kind: str, work: Path) -> dict:
         raise RuntimeError((tail or ["builder failed"])[-1][:200])
     config = json.loads((out / "genai_config.json").read_text())
     shared = bool(config.get("search", {}).get("past_present_share_buffer"))
+    head_size = config["model"]["decoder"]["head_size"]
 
     def feeds(tokens: int, past: int) -> tuple[Path, dict, dict]:
         inputs, bind = {}, {}
@@ -317,7 +321,7 @@ def genai_peer(src: Path, kind: str, work: Path) -> dict:
                 inputs[name] = {"shape": [1, tokens], "dtype": dtype, "fill": {"arange": past}}
             elif name.startswith("past_key_values."):
                 length = past + tokens if shared else past
-                inputs[name] = {"shape": _kv(dims, 1, length), "dtype": dtype}
+                inputs[name] = {"shape": _kv(dims, 1, length, head_size), "dtype": dtype}
                 if shared:
                     bind[name.replace("past_key_values.", "present.")] = name
             else:

@@ -30,6 +30,8 @@ import onnx_ir as ir
 
 UNARY = {
     "Cast",
+    "Cos",
+    "Sin",
     "Neg",
     "Abs",
     "Exp",
@@ -214,6 +216,10 @@ class Slicer:
             return self._squeezes(node, value, axes)
         if op == "Gather":
             return self._gather(node, value, axes)
+        if op == "MatMul":
+            return self._matmul(node, value, axes)
+        if op == "Concat":
+            return self._concat(node, value, axes)
         if op == "GatherND":
             return self._gather_nd(node, value, axes)
         if op == "Reshape":
@@ -266,6 +272,52 @@ class Slicer:
         return self._rebuild(
             node, value, axes, [self._input(data, data_axes), self._input(indices, index_axes)]
         )
+
+    def _matmul(self, node: ir.Node, value: ir.Value, axes: list[int]) -> ir.Value | None:
+        """Rows of the product come from A's rows, columns from B's columns, batch axes from
+        both (broadcasting)."""
+        a, b = node.inputs[0], node.inputs[1]
+        rank = len(value.shape)
+        if a is None or b is None or a.shape is None or b.shape is None:
+            return None
+        if len(a.shape) < 2 or len(b.shape) < 2:
+            return None
+        batch = [x for x in axes if x < rank - 2]
+        cuts = []
+        for operand, own in ((a, rank - 2), (b, rank - 1)):
+            operand_rank = len(operand.shape)
+            # batch axes: broadcast over the leading dims (the last two are the matrix)
+            shifted = [x - (rank - operand_rank) for x in batch]
+            cut = []
+            for x in shifted:
+                if x < 0:
+                    continue
+                d = _dims(operand)[x]
+                if d == 1:
+                    continue
+                if d != self.rw.a.seq:
+                    return None
+                cut.append(x)
+            if own in axes:
+                local = operand_rank - 2 if own == rank - 2 else operand_rank - 1
+                if _dims(operand)[local] != self.rw.a.seq:
+                    return None
+                cut.append(local)
+            cuts.append(cut)
+        return self._rebuild(node, value, axes, [self._input(a, cuts[0]), self._input(b, cuts[1])])
+
+    def _concat(self, node: ir.Node, value: ir.Value, axes: list[int]) -> ir.Value | None:
+        rank = len(value.shape)
+        if node.attributes.get_int("axis", 0) % rank in axes:
+            return None
+        inputs = []
+        for operand in node.inputs:
+            if operand is None or operand.shape is None:
+                return None
+            if any(_dims(operand)[x] != self.rw.a.seq for x in axes):
+                return None
+            inputs.append(self._input(operand, axes))
+        return self._rebuild(node, value, axes, inputs)
 
     def _gather_nd(self, node: ir.Node, value: ir.Value, axes: list[int]) -> ir.Value | None:
         data, indices = node.inputs[0], node.inputs[1]

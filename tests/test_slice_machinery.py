@@ -17,19 +17,26 @@ import tfgraph
 from tfgraph import contract, from_module
 
 
-def square_values(path) -> list[str]:
-    """Values of the graph with the total length on two axes or more: O(L²) work per step."""
+def total_length_values(path, axes: int = 1) -> list[str]:
+    """Values outside the attention kernels with the total length on ``axes`` axes or more."""
     model = ir.load(path)
     common.ShapeInferencePass()(model)
     found = []
     for node in model.graph:
+        if node.domain == "com.microsoft":  # the kernels: KV buffers, present outputs
+            continue
         for out in node.outputs:
             if out.shape is None:
                 continue
             dims = [d.value if isinstance(d, ir.SymbolicDim) else d for d in out.shape]
-            if dims.count(contract.TOTAL_DIM) >= 2:
+            if dims.count(contract.TOTAL_DIM) >= axes:
                 found.append(f"{node.op_type} {dims}")
     return found
+
+
+def square_values(path) -> list[str]:
+    """The total length on two axes: O(L²) work per step."""
+    return total_length_values(path, axes=2)
 
 
 def _passes(result) -> None:
@@ -80,3 +87,25 @@ def test_a_hand_written_relative_bias_is_cut_through_every_op(tmp_path):
     _passes(result)
     assert result.report["fusions"]["attention"]["fused"] == 1
     assert square_values(tmp_path / "a" / "model.onnx") == []
+
+
+@pytest.mark.parametrize("source", ["llama-tiny", "hf-llama"])
+def test_rope_tables_are_computed_for_the_new_positions_only(source, tmp_path):
+    """RoPE's positions → frequencies (``Mul`` in the zoo, a ``MatMul`` outer product in
+    Hugging Face's Llama) → ``Concat`` → ``Cos``/``Sin``: at the new tokens' length (a key
+    axis at L, the padding mask's, is legitimate)."""
+    if source == "hf-llama":
+        transformers = pytest.importorskip("transformers")
+        config = transformers.LlamaConfig(
+            vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(config).eval().save_pretrained(tmp_path / "hf")
+        source = str(tmp_path / "hf")
+    result = tfgraph.export(source, tmp_path / "a", kv_cache=True)
+    _passes(result)
+    found = total_length_values(tmp_path / "a" / "model.onnx")
+    assert not [v for v in found if v.split()[0] in ("Cos", "Sin", "MatMul")], found
+    if source == "llama-tiny":  # no mask input: nothing outside the kernels spans L
+        assert found == []
