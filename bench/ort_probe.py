@@ -11,7 +11,10 @@ inflated about 3×; and a fresh process per configuration gives each its own pea
 
 Inputs are described as ``{name: {"shape": [...], "dtype": "int64", "high": N}}`` (random
 integers in [1, high) for integer inputs, ones for names containing ``mask``, standard normal
-for floats).
+for floats); ``"fill"`` overrides that: ``"ones"``, ``"zeros"``, ``{"value": v}`` or
+``{"arange": start}`` (along the last axis: position ids). ``bind`` (``{output: input}``)
+writes those outputs into their inputs' buffers through an IOBinding, as a runtime with a
+shared past/present KV buffer does; the other outputs are allocated by ONNX Runtime.
 """
 
 from __future__ import annotations
@@ -30,9 +33,16 @@ def probe(
     threads: int = 2,
     optimize: bool = True,
     timeout: float = 1800,
+    bind: dict[str, str] | None = None,
 ) -> dict:
     spec = json.dumps(
-        {"inputs": inputs, "repeats": repeats, "threads": threads, "optimize": optimize}
+        {
+            "inputs": inputs,
+            "repeats": repeats,
+            "threads": threads,
+            "optimize": optimize,
+            "bind": bind or {},
+        }
     )
     out = subprocess.run(
         [sys.executable, "-m", "tfgraph.bench.ort_probe", str(model), spec],
@@ -68,17 +78,41 @@ def _main(model: str, spec: dict) -> dict:
         disabled_optimizers=["SkipLayerNormFusion"],
     )
     rng = np.random.default_rng(0)
-    feeds = {}
-    for name, desc in spec["inputs"].items():
-        dtype = np.dtype(desc.get("dtype", "int64"))
-        shape = desc["shape"]
-        if "mask" in name:
-            feeds[name] = np.ones(shape, dtype)
-        elif dtype.kind in "iu":
-            feeds[name] = rng.integers(1, desc.get("high", 256), shape).astype(dtype)
+    feeds = {name: _feed(name, desc, rng) for name, desc in spec["inputs"].items()}
+    bind = spec.get("bind") or {}
+    if not bind:
+        return measure(lambda: session.run(None, feeds), spec["repeats"])
+    binding = session.io_binding()
+    for name, array in feeds.items():
+        value = ort.OrtValue.ortvalue_from_numpy(array)
+        feeds[name] = value  # kept alive: the binding refers to it
+        binding.bind_ortvalue_input(name, value)
+    for out in session.get_outputs():
+        if out.name in bind:
+            binding.bind_ortvalue_output(out.name, feeds[bind[out.name]])
         else:
-            feeds[name] = rng.standard_normal(shape).astype(dtype)
-    return measure(lambda: session.run(None, feeds), spec["repeats"])
+            binding.bind_output(out.name)
+    return measure(lambda: session.run_with_iobinding(binding), spec["repeats"])
+
+
+def _feed(name: str, desc: dict, rng):
+    import numpy as np
+
+    dtype = np.dtype(desc.get("dtype", "int64"))
+    shape = desc["shape"]
+    fill = desc.get("fill")
+    if fill == "ones" or (fill is None and "mask" in name):
+        return np.ones(shape, dtype)
+    if fill == "zeros":
+        return np.zeros(shape, dtype)
+    if isinstance(fill, dict) and "value" in fill:
+        return np.full(shape, fill["value"], dtype)
+    if isinstance(fill, dict) and "arange" in fill:
+        start = fill["arange"]
+        return np.broadcast_to(np.arange(start, start + shape[-1]), shape).astype(dtype).copy()
+    if dtype.kind in "iu":
+        return rng.integers(1, desc.get("high", 256), shape).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
 
 
 def measure(run, repeats: int) -> dict:

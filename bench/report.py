@@ -272,6 +272,70 @@ def peers_section(d: dict) -> list[str]:
     return lines
 
 
+PEER_LABELS = {
+    "tfgraph": "tfgraph",
+    "transformers": "transformers' exporter",
+    "genai_builder": "onnxruntime-genai builder",
+}
+
+
+def exporters_section(d: dict) -> list[str]:
+    pasts = [str(p) for p in d["pasts"]]
+    t = d["tiny"]
+    lines = [
+        "## Exporters: cached decode and prefill against what users pick instead",
+        "",
+        f"`python -m tfgraph.bench.exporters` — random-init Hugging Face models ({t['layers']} "
+        f"layers, hidden {t['hidden']}, {t['heads']} heads ({t['kv_heads']} KV heads where the "
+        f"architecture has GQA), vocab {t['vocab']}; T5: 2 + 2 layers), exported by each tool "
+        f"that supports them. Every graph timed the same way: ONNX Runtime CPU, {d['threads']} "
+        "threads, batch 1, a fresh process without torch per measurement; prefill of "
+        f"{d['prefill_tokens']} tokens (T5: its encoder), and one decode step on a cache of "
+        f"{', '.join(pasts)} positions (T5: cross-attention to a {d['encoder_length']}-token "
+        "encoder output). Shared-buffer graphs (tfgraph, the builder) write the new row in "
+        "place; transformers' graphs concatenate. Nodes: the decode graph as written.",
+        "",
+        "| model | tfgraph step at 512 | best peer step at 512 | ratio | tfgraph prefill "
+        "| best peer prefill | ratio | tfgraph step 1016 / 128 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in d["models"].items():
+        ours = row["peers"].get("tfgraph", {})
+        if "step_512_vs_best" not in row:
+            continue
+        best, bestp = row["peers"][row["best_peer_step"]], row["peers"][row["best_peer_prefill"]]
+        lines.append(
+            f"| {name} | {_ms(ours['step_seconds']['512'])} | {_ms(best['step_seconds']['512'])} "
+            f"({PEER_LABELS[row['best_peer_step']]}) | {row['step_512_vs_best']:.2f}× "
+            f"| {_ms(ours['prefill_seconds'])} | {_ms(bestp['prefill_seconds'])} "
+            f"({PEER_LABELS[row['best_peer_prefill']]}) | {row['prefill_vs_best']:.2f}× "
+            f"| {ours.get('step_1016_over_128', float('nan')):.2f} |"
+        )
+    lines.append("")
+    for name, row in d["models"].items():
+        lines += [
+            f"### {name}",
+            "",
+            "| exporter | nodes | prefill | " + " | ".join(f"step at {p}" for p in pasts)
+            + " | 1016 / 128 | note |",
+            "|---|---|---|" + "---|" * len(pasts) + "---|---|",
+        ]  # fmt: skip
+        for peer, e in row["peers"].items():
+            label = PEER_LABELS.get(peer, peer)
+            if not e.get("available"):
+                lines.append(f"| {label} | — | — | " + "— | " * len(pasts) + f"— | {e['note']} |")
+                continue
+            steps = [_ms(e["step_seconds"][p]) if p in e["step_seconds"] else "—" for p in pasts]
+            prefill = _ms(e["prefill_seconds"]) if "prefill_seconds" in e else "—"
+            ratio = f"{e['step_1016_over_128']:.2f}" if "step_1016_over_128" in e else "—"
+            lines.append(
+                f"| {label} | {e['nodes']} | {prefill} | " + " | ".join(steps)
+                + f" | {ratio} | {e.get('error', '')} |"
+            )  # fmt: skip
+        lines.append("")
+    return lines
+
+
 def _header(suite: dict | None) -> list[str]:
     lines = ["# Benchmarks", ""]
     if suite is None:
@@ -309,6 +373,7 @@ SECTIONS = {
     "decode": lambda d: decode_section(d),
     "compile_cost": lambda d: compile_section(d),
     "peers": lambda d: peers_section(d),
+    "exporters": lambda d: exporters_section(d),
     "norm_folding": lambda d: norm_section(d),
 }
 FILES = {  # section → JSON file in OUT/bench/ (the older scripts' names kept)
@@ -317,6 +382,7 @@ FILES = {  # section → JSON file in OUT/bench/ (the older scripts' names kept)
     "decode": "decode.json",
     "compile_cost": "compile_cost.json",
     "peers": "peers.json",
+    "exporters": "exporters.json",
     "norm_folding": "norm_folding.json",
 }
 

@@ -5,10 +5,11 @@ Sections (each a module of :mod:`tfgraph.bench` with ``run(quick, workdir, ...)`
 ``attention_memory`` (fused vs unfused attention at 8192), ``decode`` (tokens/s and time per
 token against past length, vs eager and Hugging Face ``generate``), ``compile_cost`` (export time
 against layers), ``peers`` (ONNX Runtime's transformers optimizer, onnxscript's
-``optimize_for_ort``) and, in full runs, ``norm_folding``. Writes ``DIR/bench/<section>.json``,
-``DIR/bench/*.png``, ``DIR/bench/suite.json`` (machine, command, per-section status) and
-``DIR/BENCHMARKS.md``. A section that fails is recorded with its error, the others still run,
-and :func:`run_suite` reports it (the CLI then exits 1).
+``optimize_for_ort``), ``exporters`` (cached decode and prefill against transformers' exporter
+and the onnxruntime-genai builder) and, in full runs, ``norm_folding``. Writes
+``DIR/bench/<section>.json``, ``DIR/bench/*.png``, ``DIR/bench/suite.json`` (machine, command,
+per-section status) and ``DIR/BENCHMARKS.md``. A section that fails is recorded with its error,
+the others still run, and :func:`run_suite` reports it (the CLI then exits 1).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ SECTIONS = {  # name → module; the order they run in
     "decode": "decode",
     "compile_cost": "compile_cost",
     "peers": "peers",
+    "exporters": "exporters",
     "norm_folding": "norm_folding",
 }
 

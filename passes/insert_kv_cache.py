@@ -52,6 +52,7 @@ from .canonical import AttentionOp
 from .fuse_attention import is_gating_softmax
 from .provenance import layer_name
 from .rewrite_utils import DOMAIN, LOWERED_FROM_KEY
+from .slice_machinery import Slicer
 from .split_encoder import CROSS_KV_KEY
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,6 @@ SHAPE_SLOTS = {
     ("Range", 2),
 }
 BIAS_SLOT = 3  # tfgraph.Attention(Q, K, V, bias)
-INT64_MAX = np.iinfo(np.int64).max
 
 
 class KVCacheError(ValueError):
@@ -399,6 +399,7 @@ class _Rewriter:
         self.memo: dict[ir.Value, ir.Value] = {m: m for m in analysis.masks}
         self.pending: list[ir.Node] = []
         self._consts = 0
+        self.slicer = Slicer(self, TOTAL_DIM)
 
     def const(self, array: np.ndarray) -> ir.Value:
         self._consts += 1
@@ -461,24 +462,9 @@ class _Rewriter:
         return self.memo[value]
 
     def last_rows(self, value: ir.Value, axes: list[int]) -> ir.Value:
-        """The clone of ``value`` at L, sliced to its last T entries along ``axes``."""
-        full = self.full(value)
-        if not axes:
-            return full
-        starts = (
-            self.past_len
-            if len(axes) == 1
-            else self.add("Concat", [self.past_len] * len(axes), {"axis": 0})
-        )
-        ends = self.const(np.full(len(axes), INT64_MAX, np.int64))
-        out = self.add("Slice", [full, starts, ends, self.const(np.array(axes, np.int64))])
-        out.type = value.type
-        dims = [
-            self.a.seq if i in axes else (TOTAL_DIM if d == self.a.seq else d)
-            for i, d in enumerate(_dims(value))
-        ]
-        out.shape = ir.Shape(dims)
-        return out
+        """``value`` at L, cut to its last T entries along ``axes``: the cut is pushed toward
+        the machinery's sources, so only the new rows are computed (:mod:`.slice_machinery`)."""
+        return self.slicer.last_rows(value, axes)
 
 
 class InsertKVCachePass(ir.passes.InPlacePass):
@@ -592,7 +578,12 @@ class InsertKVCachePass(ir.passes.InPlacePass):
         _name_cross_kv(model, analysis)
         for mask in analysis.masks:
             mask.shape = ir.Shape([TOTAL_DIM if d == seq else d for d in _dims(mask)])
-        logger.info("KV cache inserted for %d attention layers", len(analysis.layers))
+        logger.info(
+            "KV cache inserted for %d attention layers (%d machinery ops compute only the new "
+            "rows)",
+            len(analysis.layers),
+            rewriter.slicer.pushed,
+        )
         return ir.passes.PassResult(model, modified=True)
 
 

@@ -26,11 +26,12 @@ def test_bench_quick_writes_json_plots_and_markdown(tmp_path, capsys):
         "decode",
         "compile_cost",
         "peers",
+        "exporters",
         "norm_folding",
     }
     assert not [n for n, s in sections.items() if "error" in s], sections
     assert sections["norm_folding"]["skipped"]  # full runs only
-    for name in ("prefill", "attention_prefill", "decode", "compile_cost", "peers"):
+    for name in ("prefill", "attention_prefill", "decode", "compile_cost", "peers", "exporters"):
         data = json.loads((out / "bench" / f"{name}.json").read_text())
         assert "error" not in data and "skipped" not in data, name
     decode = json.loads((out / "bench" / "decode.json").read_text())["tiny"]
@@ -41,9 +42,24 @@ def test_bench_quick_writes_json_plots_and_markdown(tmp_path, capsys):
     assert {"prefill_latency.png", "prefill_memory.png", "decode.png", "compile_cost.png"} <= set(
         suite["plots"]
     )
+    exporters = json.loads((out / "bench" / "exporters.json").read_text())["models"]["llama"]
+    tfgraph_row = exporters["peers"]["tfgraph"]
+    assert tfgraph_row["available"] and "error" not in tfgraph_row, tfgraph_row
+    assert set(tfgraph_row["step_seconds"]) == {"128", "512", "1016"}
+    assert tfgraph_row["nodes"] > 0 and tfgraph_row["prefill_seconds"] > 0
+    for peer in ("transformers", "genai_builder"):  # measured, or the reason it was not
+        entry = exporters["peers"][peer]
+        assert ("error" not in entry and entry["step_seconds"]) or entry.get("note"), entry
     markdown = (out / "BENCHMARKS.md").read_text()
     assert "python -m tfgraph bench --quick" in markdown
-    for title in ("## Prefill", "## Attention fusion", "## Decode", "## Compile cost", "## Peers"):
+    for title in (
+        "## Prefill",
+        "## Attention fusion",
+        "## Decode",
+        "## Compile cost",
+        "## Peers",
+        "## Exporters",
+    ):
         assert title in markdown
     assert "section" in printed.out and "BENCHMARKS.md" in printed.out
 
