@@ -347,6 +347,9 @@ class Slicer:
         if any(d is None for d in _dims(value)[:upto]):
             return None
         rw = self.rw
+        of_cut = self._shape_of_cut(shape, rank, axes)
+        if of_cut is not None:
+            return self._rebuild(node, value, axes, [self._input(data, axes), of_cut])
         target = rw.full(shape) if shape in rw.a.machinery else shape
         minus = np.array([int(a in axes) for a in range(rank)], np.int64)
         shrunk = rw.add("Sub", [target, rw.add("Mul", [rw.const(minus), rw.past_len])])
@@ -366,6 +369,9 @@ class Slicer:
         if cut is None:
             return None
         rw = self.rw
+        of_cut = self._shape_of_cut(shape, rank, axes)
+        if of_cut is not None:  # the data broadcasts to, or already has, the cut length
+            return self._rebuild(node, value, axes, [self._input(data, cut), of_cut])
         shift = rank - len(data.shape)
         # the target's cut entries: 1 where the data is cut itself (broadcasting keeps its
         # length), L - past = T where the data broadcasts along the axis
@@ -379,6 +385,22 @@ class Slicer:
             keep = rw.const((1 - ones).astype(np.int64))
             target = rw.add("Add", [rw.add("Mul", [target, keep]), rw.const(ones)])
         return self._rebuild(node, value, axes, [self._input(data, cut), target])
+
+    def _shape_of_cut(self, shape: ir.Value, rank: int, axes: list[int]) -> ir.Value | None:
+        """``Shape(x)`` of machinery ``x`` as an Expand/Reshape target: ``Shape`` of ``x`` cut
+        along the same axes, so the full ``x`` is never computed just for its shape (HF T5's
+        ``zeros_like`` of the (L, L) relative positions)."""
+        node = shape.producer()
+        if node is None or node.op_type != "Shape" or node.domain not in ("", "ai.onnx"):
+            return None
+        if node.attributes.get_int("start", 0) != 0 or "end" in node.attributes:
+            return None
+        source = node.inputs[0]
+        if source not in self.rw.a.machinery or source.shape is None:
+            return None
+        if len(source.shape) != rank or self._cut_axes(source, rank, axes) != axes:
+            return None
+        return self.rw.add("Shape", [self.last_rows(source, axes)])
 
     def _range(self, node: ir.Node, value: ir.Value, axes: list[int]) -> ir.Value | None:
         if axes != [0]:
