@@ -268,8 +268,16 @@ def transformers_peer(src: Path, kind: str, work: Path) -> dict:
             elif "mask" in name:
                 length = ENCODER_LENGTH if kind == "seq2seq" else past + tokens
                 inputs[name] = {"shape": [1, length], "dtype": dtype, "fill": "ones"}
+            elif name.endswith("_sliding_window_tensor"):  # Mistral's window, a scalar
+                window = getattr(model.config, "sliding_window", None) or 4096
+                inputs[name] = {"shape": [], "dtype": dtype, "fill": {"value": window}}
             elif "cache" in name and len(dims) == 4:
                 cross = "cross" in name or "encoder" in name
+                if not cross and path == decode and isinstance(dims[2], int):
+                    raise RuntimeError(
+                        f"its decode graph fixes the self-attention cache length at {dims[2]} "
+                        f"('{name}'): no decode step at a longer past"
+                    )
                 inputs[name] = {
                     "shape": _kv(dims, 1, ENCODER_LENGTH if cross else past),
                     "dtype": dtype,
@@ -280,9 +288,13 @@ def transformers_peer(src: Path, kind: str, work: Path) -> dict:
                 raise RuntimeError(f"transformers' input '{name}' {dims} has no probe feed")
         return path, inputs, {}
 
+    if kind == "seq2seq" and "encoder" not in graphs:
+        raise RuntimeError(
+            f"no encoder graph among {sorted(graphs)} (its prefill takes the encoder's output)"
+        )
     first = graphs.get("encoder") if kind == "seq2seq" else graphs.get("prefill")
     if first is None:
-        raise RuntimeError(f"no prefill or encoder graph among {sorted(graphs)}")
+        raise RuntimeError(f"no prefill graph among {sorted(graphs)}")
     return {
         "nodes": node_count(decode),
         "prefill": lambda: feeds(first, PREFILL, 0),
@@ -304,8 +316,9 @@ def genai_peer(src: Path, kind: str, work: Path) -> dict:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     path = out / "model.onnx"
     if done.returncode or not path.is_file():
-        tail = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
-        raise RuntimeError((tail or ["builder failed"])[-1][:200])
+        lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+        errors = [line for line in lines if "Error:" in line]  # the raise, not the help text
+        raise RuntimeError(((errors or lines) or ["builder failed"])[-1][:200])
     config = json.loads((out / "genai_config.json").read_text())
     shared = bool(config.get("search", {}).get("past_present_share_buffer"))
     head_size = config["model"]["decoder"]["head_size"]

@@ -33,9 +33,11 @@ from .lower_norms import LowerNormsPass
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    """What the user asked for besides the target: ``kv_cache`` adds past/present K/V."""
+    """What the user asked for besides the target: ``kv_cache`` adds past/present K/V;
+    ``max_positions`` (the source's, when known) sizes tables such as RoPE's cos/sin caches."""
 
     kv_cache: bool = False
+    max_positions: int | None = None
 
 
 def _target(target):

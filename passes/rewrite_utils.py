@@ -155,3 +155,15 @@ def _same_dim(x, y) -> bool:
         return sympy.simplify(sympy.sympify(text, locals=symbols)) == 0
     except (sympy.SympifyError, TypeError, ValueError, SyntaxError):
         return False
+
+
+def add_initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    """A new initializer holding ``array``, named ``name`` (suffixed until unique)."""
+    unique, i = name, 0
+    while unique in graph.initializers:
+        i += 1
+        unique = f"{name}_{i}"
+    value = ir.Value(name=unique, const_value=ir.tensor(array), shape=ir.Shape(array.shape))
+    value.type = ir.TensorType(ir.DataType.from_numpy(array.dtype))
+    graph.register_initializer(value)
+    return value

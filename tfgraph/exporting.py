@@ -137,6 +137,7 @@ def export(
             dump_after=dump_after,
             dump_dir=stage,
             kv_cache=kv_cache,
+            max_positions=source.info.get("max_positions"),
         )
         fusions = count_fusions(graph, pipeline, target=target)
         files = []

@@ -275,6 +275,7 @@ def run_pipeline(
     dump_after: str | None = None,
     dump_dir: Path | None = None,
     kv_cache: bool = False,
+    max_positions: int | None = None,
 ) -> list[PassRecord]:
     """Apply pipeline ``name`` for target ``profile`` in place; one record per pass, named
     uniquely (:func:`tfgraph.passes.pass_names`). ``dump_after`` names one of those."""
@@ -282,7 +283,8 @@ def run_pipeline(
         raise TfgraphError(f"unknown pipeline '{name}': choose one of {', '.join(PIPELINES)}")
     target = get_target(profile)
     try:
-        passes = build_pipeline(target, PipelineOptions(kv_cache=kv_cache), name=name)
+        options = PipelineOptions(kv_cache=kv_cache, max_positions=max_positions)
+        passes = build_pipeline(target, options, name=name)
     except ValueError as exc:
         raise TfgraphError(f"{exc}: use --pipeline default with --kv-cache") from exc
     names = pass_names(passes)

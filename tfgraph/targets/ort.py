@@ -32,10 +32,15 @@ GELU: ``com.microsoft`` ``Gelu`` / ``FastGelu``.
 
 from __future__ import annotations
 
+import onnx_ir.passes.common as common
+
 from tfgraph.passes.expand_attention_mask import ExpandAttentionMaskPass
+from tfgraph.passes.fold_rotary import FoldRotaryPass
+from tfgraph.passes.kernel_layouts import KernelLayoutsPass
 from tfgraph.passes.lower_attention import AttentionCase, Lowered
 from tfgraph.passes.lower_gelu import ms_gelu
 from tfgraph.passes.lower_norms import NormCase
+from tfgraph.passes.pack_qkv import PackQKVPass
 from tfgraph.passes.share_kv_buffer import ShareKVBufferPass
 
 from . import register
@@ -108,6 +113,16 @@ def extra_passes(options) -> list:
     passes = []
     if options.kv_cache:  # GQA appends in place into buffers past and present share
         passes.append(ShareKVBufferPass())
+    # RoPE inside GroupQueryAttention; no layout round trips around the kernels; one packed
+    # Q/K/V projection; the layers' identical length subgraphs merged
+    passes += [
+        FoldRotaryPass(options.max_positions),
+        KernelLayoutsPass(),
+        common.RemoveUnusedNodesPass(),  # the bypassed layouts still read the projections
+        PackQKVPass(),
+        common.DeduplicateInitializersPass(),
+        common.CommonSubexpressionEliminationPass(),
+    ]
     # ORT's Attention kernel rejects a mask broadcast over the query axis (an unrecognized
     # ONNX Attention left in the graph)
     passes.append(ExpandAttentionMaskPass())
