@@ -30,6 +30,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -44,7 +45,9 @@ THREADS = 2
 PREFILL = 512
 PASTS = (128, 512, 1016)
 ENCODER_LENGTH = 512
-PEERS = ("tfgraph", "transformers", "genai_builder")
+PEERS = ("tfgraph", "transformers", "genai_builder", "optimum")
+# optimum-onnx pins transformers < 4.58: it runs from its own environment when this names one
+OPTIMUM_PYTHON_ENV = "TFGRAPH_OPTIMUM_PYTHON"
 TINY = {"vocab": 1000, "hidden": 256, "layers": 4, "heads": 8, "kv_heads": 4, "ffn": 512}
 
 
@@ -348,10 +351,76 @@ def genai_peer(src: Path, kind: str, work: Path) -> dict:
     }
 
 
+def _optimum_python() -> str:
+    python = os.environ.get(OPTIMUM_PYTHON_ENV, sys.executable)
+    check = subprocess.run(
+        [python, "-c", "import optimum.exporters.onnx"], capture_output=True, text=True
+    )
+    if check.returncode:
+        last = ([line for line in check.stderr.splitlines() if line.strip()] or ["?"])[-1]
+        raise ModuleNotFoundError(
+            f"optimum-onnx does not import ({last[:120]}); it needs transformers < 4.58: "
+            f"set {OPTIMUM_PYTHON_ENV} to a Python that has it"
+        )
+    return python
+
+
+def optimum_peer(src: Path, kind: str, work: Path) -> dict:
+    """Hugging Face Optimum's ONNX export (``optimum-cli export onnx --task …-with-past``),
+    no ORT optimizer pass: ``encoder_model.onnx`` + ``decoder_with_past_model.onnx`` for T5,
+    one ``model.onnx`` with past inputs for decoders (the cache grows by ``Concat``)."""
+    python = _optimum_python()
+    out = work / "optimum"
+    task = "text2text-generation-with-past" if kind == "seq2seq" else "text-generation-with-past"
+    cmd = [
+        python, "-m", "optimum.commands.optimum_cli", "export", "onnx", "--model", str(src),
+        "--task", task, str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
+    if done.returncode:
+        lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+        errors = [line for line in lines if "Error" in line]
+        raise RuntimeError(((errors or lines) or ["export failed"])[-1][:200])
+    step = out / ("decoder_with_past_model.onnx" if kind == "seq2seq" else "model.onnx")
+    if not step.is_file():
+        raise RuntimeError(f"no {step.name} among {sorted(p.name for p in out.glob('*.onnx'))}")
+
+    def feeds(path: Path, tokens: int, past: int) -> tuple[Path, dict, dict]:
+        inputs = {}
+        for name, dtype, dims in graph_inputs(path):
+            if name in ("input_ids", "decoder_input_ids"):
+                length = PREFILL if path.name == "encoder_model.onnx" else tokens
+                inputs[name] = {"shape": [1, length], "dtype": dtype, "high": 900}
+            elif name == "encoder_attention_mask" or (
+                name == "attention_mask" and kind == "seq2seq"
+            ):
+                inputs[name] = {"shape": [1, ENCODER_LENGTH], "dtype": dtype, "fill": "ones"}
+            elif name == "attention_mask":
+                inputs[name] = {"shape": [1, past + tokens], "dtype": dtype, "fill": "ones"}
+            elif name == "position_ids":
+                inputs[name] = {"shape": [1, tokens], "dtype": dtype, "fill": {"arange": past}}
+            elif name.startswith("past_key_values."):
+                cross = ".encoder." in name
+                length = ENCODER_LENGTH if cross else past
+                inputs[name] = {"shape": _kv(dims, 1, length), "dtype": dtype}
+            else:
+                raise RuntimeError(f"optimum's input '{name}' {dims} has no probe feed")
+        return path, inputs, {}
+
+    first = out / "encoder_model.onnx" if kind == "seq2seq" else step
+    return {
+        "nodes": node_count(step),
+        "prefill": lambda: feeds(first, PREFILL, 0),
+        "step": lambda p: feeds(step, 1, p),
+    }
+
+
 PEER_BUILDERS: dict[str, Callable[[Path, str, Path], dict]] = {
     "tfgraph": tfgraph_peer,
     "transformers": transformers_peer,
     "genai_builder": genai_peer,
+    "optimum": optimum_peer,
 }
 
 

@@ -276,6 +276,7 @@ PEER_LABELS = {
     "tfgraph": "tfgraph",
     "transformers": "transformers' exporter",
     "genai_builder": "onnxruntime-genai builder",
+    "optimum": "Optimum",
 }
 
 
@@ -293,7 +294,9 @@ def exporters_section(d: dict) -> list[str]:
         f"{d['prefill_tokens']} tokens (T5: its encoder), and one decode step on a cache of "
         f"{', '.join(pasts)} positions (T5: cross-attention to a {d['encoder_length']}-token "
         "encoder output). Shared-buffer graphs (tfgraph, the builder) write the new row in "
-        "place; transformers' graphs concatenate. Nodes: the decode graph as written.",
+        "place; transformers' and Optimum's graphs concatenate. Nodes: the decode graph as "
+        "written. Optimum (optimum-onnx, which needs transformers < 4.58) runs from the "
+        "environment `TFGRAPH_OPTIMUM_PYTHON` names, on the same checkpoints.",
         "",
         "| model | tfgraph step at 512 | best peer step at 512 | ratio | tfgraph prefill "
         "| best peer prefill | ratio | tfgraph step 1016 / 128 |",

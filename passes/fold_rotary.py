@@ -56,11 +56,19 @@ def dims_of(value: ir.Value) -> list | None:
 
 
 def _transposed(value: ir.Value | None) -> ir.Value | None:
-    """The input of a (0, 2, 1, 3) Transpose producing ``value``."""
-    node = _producer(value, "Transpose")
-    if node is None or list(node.attributes.get_ints("perm", [])) != HEADS_LAST:
-        return None
-    return node.inputs[0]
+    """x when ``value`` is x through Transposes composing to (0, 2, 1, 3) (HF T5 writes K as
+    ``permute(0, 2, 3, 1)`` then ``transpose(-1, -2)``)."""
+    total = None
+    while True:
+        node = _producer(value, "Transpose")
+        if node is None:
+            break
+        perm = list(node.attributes.get_ints("perm", []))
+        total = perm if total is None else [perm[t] for t in total]
+        value = node.inputs[0]
+        if total == HEADS_LAST:
+            return value
+    return None
 
 
 def bsh_source(value: ir.Value) -> ir.Value | None:

@@ -100,8 +100,28 @@ def _shortcut_layouts(node: ir.Node, keep: set[str]) -> int:
         if y is not None:
             node.replace_input_with(index, y)
             count += 1
+    count += _cross_kv_heads_first(node, keep)
     count += _shortcut_output(node)
     return count
+
+
+def _cross_kv_heads_first(node: ir.Node, keep: set[str]) -> int:
+    """A MultiHeadAttention over the cached cross K/V (B, H, S_enc, d) reads them as they are:
+    the kernel takes 4-D key/value in that layout, so a decode step does not transpose the
+    whole encoder output per layer (measured: 4 × ~45 µs of a ~1.4 ms T5 step)."""
+    if node.op_type != "MultiHeadAttention" or len(node.inputs) < 3:
+        return 0
+    heads = node.attributes.get_int("num_heads", 0)
+    sources = []
+    for value in node.inputs[1:3]:
+        x = bsh_source(value) if value is not None else None
+        dims = dims_of(x) if x is not None else None
+        if x is None or x.name not in keep or dims is None or len(dims) != 4 or dims[1] != heads:
+            return 0
+        sources.append(x)
+    node.replace_input_with(1, sources[0])
+    node.replace_input_with(2, sources[1])
+    return 1
 
 
 def _is_heads_last(node: ir.Node) -> bool:
