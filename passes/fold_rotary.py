@@ -33,7 +33,14 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from .rewrite_utils import add_initializer, constant, int_list, replace_value, same_dims
+from .rewrite_utils import (
+    add_initializer,
+    constant,
+    dims_of,
+    int_list,
+    replace_value,
+    same_dims,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +54,6 @@ def _producer(value: ir.Value | None, op: str) -> ir.Node | None:
     if node is None or node.op_type != op or node.domain not in ("", "ai.onnx"):
         return None
     return node
-
-
-def dims_of(value: ir.Value) -> list | None:
-    if value.shape is None:
-        return None
-    return [d.value if isinstance(d, ir.SymbolicDim) else d for d in value.shape]
 
 
 def _transposed(value: ir.Value | None) -> ir.Value | None:

@@ -51,7 +51,7 @@ from tfgraph import contract
 from .canonical import AttentionOp
 from .fuse_attention import is_gating_softmax
 from .provenance import layer_name
-from .rewrite_utils import DOMAIN, LOWERED_FROM_KEY
+from .rewrite_utils import DOMAIN, LOWERED_FROM_KEY, dims_of, int_list
 from .slice_machinery import Slicer
 from .split_encoder import CROSS_KV_KEY
 
@@ -106,11 +106,6 @@ def sequence_symbol(model: ir.Model) -> str:
     )
 
 
-def _const_ints(value: ir.Value | None) -> list[int] | None:
-    const = ir.convenience.get_const_tensor(value) if value is not None else None
-    return None if const is None else [int(v) for v in np.asarray(const.numpy()).reshape(-1)]
-
-
 def _bounded_by(dim, seq: str) -> bool:
     """Whether ``dim`` is ``Min(N, seq)`` (or ``Min(seq, N)``): a buffer of N rows sliced to
     the tokens, which tracing left unnamed (``trace`` names it ``seq`` within the limit)."""
@@ -118,11 +113,7 @@ def _bounded_by(dim, seq: str) -> bool:
 
 
 def _has(value: ir.Value | None, seq: str) -> bool:
-    return value is not None and value.shape is not None and seq in _dims(value)
-
-
-def _dims(value: ir.Value) -> list:
-    return [d.value if isinstance(d, ir.SymbolicDim) else d for d in value.shape]
+    return value is not None and value.shape is not None and seq in dims_of(value)
 
 
 class _Analysis:
@@ -160,7 +151,7 @@ class _Analysis:
         rank = len(src.shape)
         start = node.attributes.get_int("start", 0)
         end = node.attributes.get_int("end", rank)
-        return self.seq in _dims(src)[slice(start, end)]
+        return self.seq in dims_of(src)[slice(start, end)]
 
     def _mixes_tokens(self, node: ir.Node) -> str | None:
         """What in ``node`` combines different token positions (outside a canonical
@@ -176,9 +167,9 @@ class _Analysis:
         if node.op_type in ("Loop", "Scan"):
             return f"a {node.op_type} over token values (a recurrence) cannot be followed"
         outside = "mixes the tokens outside attention"
-        if data.shape is None or self.seq not in _dims(data):
+        if data.shape is None or self.seq not in dims_of(data):
             return None
-        dims = _dims(data)
+        dims = dims_of(data)
         axis = dims.index(self.seq)
         if node.op_type in ("Conv", "ConvTranspose") and axis >= 2:
             return (
@@ -186,14 +177,14 @@ class _Analysis:
                 "recurrent layer: Mamba, linear attention)"
             )
         if node.op_type == "CumSum":
-            axes = _const_ints(node.inputs[1])
+            axes = int_list(node.inputs[1])
             if axes is None or any(a % len(dims) == axis for a in axes):
                 return (
                     "a cumulative sum over the tokens (positions counted from the token ids, "
                     "as M2M100 counts the non-pad tokens, or a recurrent state)"
                 )
         if node.op_type.startswith("Reduce"):
-            axes = _const_ints(node.inputs[1]) if len(node.inputs) > 1 else None
+            axes = int_list(node.inputs[1]) if len(node.inputs) > 1 else None
             if axes is None:
                 axes = node.attributes.get_ints("axes")
             if axes is None or any(a % len(dims) == axis for a in axes):
@@ -237,12 +228,12 @@ class _Analysis:
                     "tokens would change earlier ones; a KV cache does not apply"
                 )
             for name, value in (("Q", q), ("K", k), ("V", v)):
-                if value.shape is None or len(value.shape) != 4 or _dims(value)[2] != self.seq:
+                if value.shape is None or len(value.shape) != 4 or dims_of(value)[2] != self.seq:
                     raise KVCacheError(
                         f"{_module(node)}: {name} is not (batch, heads, sequence, head_dim)"
                     )
             for name, value in (("K", k), ("V", v)):
-                if not all(isinstance(d, int) for d in _dims(value)[1::2]):
+                if not all(isinstance(d, int) for d in dims_of(value)[1::2]):
                     raise KVCacheError(
                         f"{_module(node)}: {name}'s head count or head size is not static"
                     )
@@ -290,12 +281,12 @@ def _shapes_from_tokens(model: ir.Model, seq: str) -> None:
         rank = len(src.shape)
         start = node.attributes.get_int("start", 0)
         end = node.attributes.get_int("end", rank)
-        if len(token.shape) == rank and _dims(src)[start:end] == _dims(token)[start:end]:
+        if len(token.shape) == rank and dims_of(src)[start:end] == dims_of(token)[start:end]:
             node.replace_input_with(0, token)
 
 
 def _dims_or_none(value: ir.Value, seq: str) -> bool:
-    return value.shape is None or seq in _dims(value)
+    return value.shape is None or seq in dims_of(value)
 
 
 ELEMENTWISE = {
@@ -331,7 +322,7 @@ def _input_key_axes(
     op = node.op_type
     if op in ELEMENTWISE:
         shift = out_rank - rank
-        return [a - shift for a in out_keys if a - shift >= 0 and _dims(value)[a - shift] != 1]
+        return [a - shift for a in out_keys if a - shift >= 0 and dims_of(value)[a - shift] != 1]
     if op == "Transpose":
         perm = node.attributes.get_ints("perm", list(reversed(range(rank))))
         return [perm[a] for a in out_keys]
@@ -362,7 +353,7 @@ def _key_axes(analysis: _Analysis) -> dict[tuple[ir.Node, int], list[int]]:
     for node in analysis.layers:
         bias = node.inputs[BIAS_SLOT] if len(node.inputs) > BIAS_SLOT else None
         if bias is not None and bias in analysis.token and _has(bias, analysis.seq):
-            if _dims(bias)[-1] == analysis.seq:
+            if dims_of(bias)[-1] == analysis.seq:
                 keys[bias] = [len(bias.shape) - 1]
     junctions: dict[tuple[ir.Node, int], list[int]] = {}
     for node in reversed(list(analysis.graph)):
@@ -375,7 +366,7 @@ def _key_axes(analysis: _Analysis) -> dict[tuple[ir.Node, int], list[int]]:
             if value.shape is None:
                 raise KVCacheError(f"{_module(node)}: the shape of '{value.name}' is unknown")
             axes = _input_key_axes(node, index, value, keys[out], len(out.shape))
-            axes = [a for a in axes if _dims(value)[a] == analysis.seq]
+            axes = [a for a in axes if dims_of(value)[a] == analysis.seq]
             if not axes:
                 continue
             if value in analysis.machinery:
@@ -425,7 +416,7 @@ class _Rewriter:
             start = node.attributes.get_int("start", 0) % (rank or 1)
             end = node.attributes.get_int("end", rank)
             end = end % rank if end < 0 else min(end, rank)
-            onehot = np.array([int(d == self.a.seq) for d in _dims(src)[start:end]], np.int64)
+            onehot = np.array([int(d == self.a.seq) for d in dims_of(src)[start:end]], np.int64)
             offset = self.add("Mul", [self.const(onehot), self.past_len])
             out = self.add("Add", [value, offset])
             self.memo[value] = out
@@ -454,7 +445,7 @@ class _Rewriter:
         for old, new in zip(node.outputs, clone.outputs, strict=True):
             new.type = old.type
             if old.shape is not None:
-                new.shape = ir.Shape([_at_total(d, self.a.seq) for d in _dims(old)])
+                new.shape = ir.Shape([_at_total(d, self.a.seq) for d in dims_of(old)])
             if old.name:
                 new.name = f"{old.name}__total"
             self.memo[old] = new
@@ -499,7 +490,7 @@ class InsertKVCachePass(ir.passes.InPlacePass):
         for i, node in enumerate(analysis.layers):
             k, v = node.inputs[1], node.inputs[2]
             for role, value in ((contract.PAST_KEY, k), (contract.PAST_VALUE, v)):
-                batch, heads, _, size = _dims(value)  # V's heads may be narrower (MLA)
+                batch, heads, _, size = dims_of(value)  # V's heads may be narrower (MLA)
                 past = ir.Value(
                     name=contract.tensor_name(role, i),
                     type=value.type,
@@ -513,7 +504,7 @@ class InsertKVCachePass(ir.passes.InPlacePass):
         rewriter = _Rewriter(analysis, shape_node.outputs[0])
         for value, axes in analysis.key_values.items():  # a token bias now spans L keys
             value.shape = ir.Shape(
-                [TOTAL_DIM if i in axes else d for i, d in enumerate(_dims(value))]
+                [TOTAL_DIM if i in axes else d for i, d in enumerate(dims_of(value))]
             )
         # Junctions: token ops reading machinery in a data slot get its last T rows.
         for node in list(graph):
@@ -529,7 +520,7 @@ class InsertKVCachePass(ir.passes.InPlacePass):
                         f"{_module(node)}: the shape of '{value.name}' is unknown, so its "
                         "sequence axes cannot be told apart"
                     )
-                dims = _dims(value)
+                dims = dims_of(value)
                 bounded = next((d for d in dims if _bounded_by(d, seq)), None)
                 if bounded is not None:
                     raise KVCacheError(
@@ -570,14 +561,14 @@ class InsertKVCachePass(ir.passes.InPlacePass):
                 concat = ir.node("Concat", [past, new], {"axis": 2})
                 out = concat.outputs[0]
                 out.name, out.type = present, new.type
-                out.shape = ir.Shape([TOTAL_DIM if d == seq else d for d in _dims(new)])
+                out.shape = ir.Shape([TOTAL_DIM if d == seq else d for d in dims_of(new)])
                 concat.metadata_props.update(node.metadata_props)
                 graph.insert_before(node, concat)
                 node.replace_input_with(slot, out)
                 graph.outputs.append(out)
         _name_cross_kv(model, analysis)
         for mask in analysis.masks:
-            mask.shape = ir.Shape([TOTAL_DIM if d == seq else d for d in _dims(mask)])
+            mask.shape = ir.Shape([TOTAL_DIM if d == seq else d for d in dims_of(mask)])
         logger.info(
             "KV cache inserted for %d attention layers (%d machinery ops compute only the new "
             "rows)",

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from .fold_rotary import HEADS_LAST, MS_DOMAIN, bsh_source, dims_of, projection_of
-from .rewrite_utils import int_list, replace_value, same_dims
+from .fold_rotary import HEADS_LAST, MS_DOMAIN, bsh_source, projection_of
+from .rewrite_utils import dims_of, int_list, replace_value, same_dims
 from .split_encoder import cross_kv_entries
 
 

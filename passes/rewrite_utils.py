@@ -124,6 +124,13 @@ def scalar(value: ir.Value | None) -> float | None:
     return float(array.reshape(-1)[0]) if array is not None and array.size == 1 else None
 
 
+def dims_of(value: ir.Value) -> list | None:
+    """A value's dims as ints and symbol names (None for an unknown dim), or None."""
+    if value.shape is None:
+        return None
+    return [d.value if isinstance(d, ir.SymbolicDim) else d for d in value.shape]
+
+
 def int_list(value: ir.Value | None) -> list[int] | None:
     """A constant integer tensor as a list (``axes`` inputs)."""
     array = constant(value)

@@ -28,6 +28,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from .rewrite_utils import dims_of, int_list
+
 UNARY = {
     "Cast",
     "Cos",
@@ -76,15 +78,6 @@ DATA_INPUTS = {"Clip": 1}
 INT64_MAX = np.iinfo(np.int64).max
 
 
-def _dims(value: ir.Value) -> list:
-    return [d.value if isinstance(d, ir.SymbolicDim) else d for d in value.shape]
-
-
-def _const_ints(value: ir.Value | None) -> list[int] | None:
-    const = ir.convenience.get_const_tensor(value) if value is not None else None
-    return None if const is None else [int(v) for v in np.asarray(const.numpy()).reshape(-1)]
-
-
 class Slicer:
     """Cuts machinery values to the new tokens' rows on top of a KV-cache rewriter (which
     provides ``full``, ``add``, ``const``, ``past_len``, ``a.seq``, ``a.machinery`` and the
@@ -116,7 +109,7 @@ class Slicer:
         return ir.Shape(
             [
                 seq if i in axes else (self.total if d == seq else d)
-                for i, d in enumerate(_dims(value))
+                for i, d in enumerate(dims_of(value))
             ]
         )
 
@@ -164,7 +157,7 @@ class Slicer:
         sequence nor 1 (an unknown dim: the cut cannot be told to apply)."""
         if operand.shape is None:
             return None
-        dims = _dims(operand)
+        dims = dims_of(operand)
         shift = out_rank - len(dims)
         cut = []
         for a in axes:
@@ -234,7 +227,7 @@ class Slicer:
 
     def _squeezes(self, node: ir.Node, value: ir.Value, axes: list[int]) -> ir.Value | None:
         data = node.inputs[0]
-        listed = _const_ints(node.inputs[1]) if len(node.inputs) > 1 else None
+        listed = int_list(node.inputs[1]) if len(node.inputs) > 1 else None
         if data is None or data.shape is None or listed is None:
             return None
         if node.op_type == "Unsqueeze":
@@ -292,7 +285,7 @@ class Slicer:
             for x in shifted:
                 if x < 0:
                     continue
-                d = _dims(operand)[x]
+                d = dims_of(operand)[x]
                 if d == 1:
                     continue
                 if d != self.rw.a.seq:
@@ -300,7 +293,7 @@ class Slicer:
                 cut.append(x)
             if own in axes:
                 local = operand_rank - 2 if own == rank - 2 else operand_rank - 1
-                if _dims(operand)[local] != self.rw.a.seq:
+                if dims_of(operand)[local] != self.rw.a.seq:
                     return None
                 cut.append(local)
             cuts.append(cut)
@@ -314,7 +307,7 @@ class Slicer:
         for operand in node.inputs:
             if operand is None or operand.shape is None:
                 return None
-            if any(_dims(operand)[x] != self.rw.a.seq for x in axes):
+            if any(dims_of(operand)[x] != self.rw.a.seq for x in axes):
                 return None
             inputs.append(self._input(operand, axes))
         return self._rebuild(node, value, axes, inputs)
@@ -339,20 +332,19 @@ class Slicer:
         rank = len(value.shape)
         if data is None or data.shape is None or shape is None or shape.shape is None:
             return None
-        if list(_dims(shape)) != [rank]:
+        if list(dims_of(shape)) != [rank]:
             return None
         upto = max(axes) + 1
-        if len(data.shape) < upto or _dims(data)[:upto] != _dims(value)[:upto]:
+        if len(data.shape) < upto or dims_of(data)[:upto] != dims_of(value)[:upto]:
             return None
-        if any(d is None for d in _dims(value)[:upto]):
+        if any(d is None for d in dims_of(value)[:upto]):
             return None
         rw = self.rw
         of_cut = self._shape_of_cut(shape, rank, axes)
         if of_cut is not None:
             return self._rebuild(node, value, axes, [self._input(data, axes), of_cut])
-        target = rw.full(shape) if shape in rw.a.machinery else shape
-        minus = np.array([int(a in axes) for a in range(rank)], np.int64)
-        shrunk = rw.add("Sub", [target, rw.add("Mul", [rw.const(minus), rw.past_len])])
+        target = self._target(shape)
+        shrunk = self._minus_past(target, [int(a in axes) for a in range(rank)])
         # 0 (copy the input's dim) and -1 (inferred) stay as they are
         special = rw.add("LessOrEqual", [target, rw.const(np.array(0, np.int64))])
         target = rw.add("Where", [special, target, shrunk])
@@ -363,7 +355,7 @@ class Slicer:
         rank = len(value.shape)
         if data is None or data.shape is None or shape is None or shape.shape is None:
             return None
-        if list(_dims(shape)) != [rank]:
+        if list(dims_of(shape)) != [rank]:
             return None  # a shape argument shorter than the output: not handled
         cut = self._cut_axes(data, rank, axes)
         if cut is None:
@@ -378,13 +370,23 @@ class Slicer:
         sliced_data = {a + shift for a in cut}
         minus = np.array([int(a in axes and a not in sliced_data) for a in range(rank)], np.int64)
         ones = np.array([int(a in sliced_data) for a in range(rank)], np.int64)
-        target = rw.full(shape) if shape in rw.a.machinery else shape
+        target = self._target(shape)
         if minus.any():
-            target = rw.add("Sub", [target, rw.add("Mul", [rw.const(minus), rw.past_len])])
+            target = self._minus_past(target, minus)
         if ones.any():
             keep = rw.const((1 - ones).astype(np.int64))
             target = rw.add("Add", [rw.add("Mul", [target, keep]), rw.const(ones)])
         return self._rebuild(node, value, axes, [self._input(data, cut), target])
+
+    def _target(self, shape: ir.Value) -> ir.Value:
+        """An Expand/Reshape target at the total length (machinery is used at full size)."""
+        return self.rw.full(shape) if shape in self.rw.a.machinery else shape
+
+    def _minus_past(self, target: ir.Value, mask) -> ir.Value:
+        """``target`` with the past length taken off the entries ``mask`` marks."""
+        rw = self.rw
+        minus = rw.const(np.asarray(mask, np.int64))
+        return rw.add("Sub", [target, rw.add("Mul", [minus, rw.past_len])])
 
     def _shape_of_cut(self, shape: ir.Value, rank: int, axes: list[int]) -> ir.Value | None:
         """``Shape(x)`` of machinery ``x`` as an Expand/Reshape target: ``Shape`` of ``x`` cut

@@ -22,6 +22,8 @@ import onnx_ir.passes.common as common
 
 from tfgraph import contract
 
+from .rewrite_utils import dims_of
+
 logger = logging.getLogger(__name__)
 
 CROSS_KV_KEY = "tfgraph.cross_kv"
@@ -80,12 +82,6 @@ def split_encoder(model: ir.Model) -> ir.Model | None:
     return encoder
 
 
-def _dims(value: ir.Value) -> list | None:
-    if value.shape is None:
-        return None
-    return [d.value if isinstance(d, ir.SymbolicDim) else d for d in value.shape]
-
-
 def _shapes_from_encoder_inputs(model: ir.Model) -> None:
     """Cross K/V often read the batch size off the decoder's tokens (``Shape`` of a decoder
     value, for a ``Reshape``). Take such dims from an encoder input with the same symbol, so
@@ -97,7 +93,7 @@ def _shapes_from_encoder_inputs(model: ir.Model) -> None:
         return
     sources = {}  # symbol → (encoder input, axis)
     for value in graph.inputs:
-        for axis, dim in enumerate(_dims(value) or []):
+        for axis, dim in enumerate(dims_of(value) or []):
             if isinstance(dim, str) and value not in decoder_inputs:
                 sources.setdefault(dim, (value, axis))
     reached = set(decoder_inputs)
@@ -107,7 +103,7 @@ def _shapes_from_encoder_inputs(model: ir.Model) -> None:
         if node.op_type != "Shape":
             reached.update(node.outputs)
             continue
-        dims = _dims(node.inputs[0])
+        dims = dims_of(node.inputs[0])
         if dims is None:
             continue
         start = node.attributes.get_int("start", 0)
