@@ -38,6 +38,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -495,6 +496,16 @@ def _ratios(row: dict) -> None:
     row["prefill_vs_best"] = ours["prefill_seconds"] / others[best_prefill]["prefill_seconds"]
 
 
+def _commit() -> str | None:
+    done = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent,
+    )
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
 def run(quick: bool, workdir: Path, progress=lambda step: None, only=None) -> dict:
     repeats = 3 if quick else 5
     models = {}
@@ -504,6 +515,8 @@ def run(quick: bool, workdir: Path, progress=lambda step: None, only=None) -> di
             continue
         models[name] = measure_model(name, kind, config, workdir, repeats, progress)
     return {
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": _commit(),
         "threads": THREADS,
         "prefill_tokens": PREFILL,
         "pasts": list(PASTS),

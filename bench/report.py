@@ -297,7 +297,8 @@ def exporters_section(d: dict) -> list[str]:
         "encoder output). Shared-buffer graphs (tfgraph, the builder) write the new row in "
         "place; transformers' and Optimum's graphs concatenate. Nodes: the decode graph as "
         "written. Optimum (optimum-onnx, which needs transformers < 4.58) runs from the "
-        "environment `TFGRAPH_OPTIMUM_PYTHON` names, on the same checkpoints.",
+        "environment `TFGRAPH_OPTIMUM_PYTHON` names, on the same checkpoints."
+        + (f" Measured on {d['date']} at commit {d['commit']}." if d.get("commit") else ""),
         "",
         "| model | tfgraph step at 512 | best peer step at 512 | ratio | tfgraph prefill "
         "| best peer prefill | ratio | tfgraph step 1016 / 128 |",

@@ -16,7 +16,9 @@ fragile. Instead, for each ``tfgraph.Attention`` with a bias input:
      (linear in i − j per head), ``relative`` (a function of i − j) or ``additive``;
    - nothing masked: all zero → dropped; else ``alibi`` / ``relative`` / ``additive``, kept;
    - it changes when a key is padded: kept, ``bias_kind="padding"`` (with ``causal=1`` when
-     the unpadded pattern is causal);
+     the unpadded pattern is causal); when it is exactly a key mask of ``attention_mask``
+     besides that pattern, it is rebuilt from the mask in three ops
+     (:mod:`.key_padding_bias`; the node's metadata says so);
    - it changes with the token ids (Shaw's ``q·r``, computed from activations): kept,
      ``bias_kind="additive"``; a bias computed from a fused op's output is not evaluated.
 3. Results at the two sizes must agree, where a window ``w`` shows only at sizes > ``w`` (a
@@ -41,6 +43,7 @@ import onnx_ir as ir
 from tfgraph.contract import ATTENTION_MASK, ENCODER_ATTENTION_MASK, names_with_role
 
 from .canonical import DOMAIN, AttentionOp, drop_attention_bias
+from .key_padding_bias import compact_key_padding
 
 logger = logging.getLogger(__name__)
 
@@ -249,6 +252,7 @@ class ClassifyAttentionBiasPass(ir.passes.InPlacePass):
         padded = evaluate_biases(model, values, SIZES[0], pad=True, subgraphs=subgraphs)
         other_tokens = evaluate_biases(model, values, SIZES[0], False, token=1, subgraphs=subgraphs)
         modified, checked = False, {}  # checked: the long check's result per bias value
+        compacted: dict = {}  # the key-padding verdict per bias value
         for k, node in enumerate(nodes):
             if any(run[k] is None for run in runs):
                 if _split_off_mask(model, node, subgraphs, checked):
@@ -262,6 +266,15 @@ class ClassifyAttentionBiasPass(ir.passes.InPlacePass):
                 attrs = {**attrs, "keep": True, "bias_kind": "additive"}
             elif not np.array_equal(np.asarray(padded[k]), np.asarray(runs[0][k])):
                 attrs = {**attrs, "keep": True, "bias_kind": "padding"}
+
+                def long_check(a, node=node, k=k):
+                    return _check_long(model, subgraphs, node, values[k], a, runs[0][k], checked)
+
+                compact = compact_key_padding(
+                    model, subgraphs, node, values[k], attrs, long_check, compacted
+                )
+                if compact is not None:
+                    attrs = {**attrs, **compact}
             elif attrs["causal"] and not attrs["keep"]:
                 attrs = _check_long(model, subgraphs, node, values[k], attrs, runs[0][k], checked)
             spec = AttentionOp.read(node)

@@ -211,6 +211,7 @@ class FoldRotaryPass(ir.passes.InPlacePass):
         self.max_positions = max_positions
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self._tables: dict[tuple, list[ir.Value]] = {}
         folded, skipped = 0, []
         for node in list(model.graph):
             if node.domain != MS_DOMAIN:
@@ -256,11 +257,15 @@ class FoldRotaryPass(ir.passes.InPlacePass):
         positions = np.arange(self.max_positions, dtype=np.float32)[:, None]
         angles = positions * inv_freq[None, :]  # float32, as torch computes them
         dtype = (xq.dtype or ir.DataType.FLOAT).numpy()
-        prefix = node.name or "gqa"
-        tables = []
-        for name, fn in (("cos_cache", np.cos), ("sin_cache", np.sin)):
-            array = (fn(angles) * np.float32(cos_t[1])).astype(dtype)
-            tables.append(add_initializer(graph, f"{prefix}_{name}", array))
+        key = (inv_freq.tobytes(), cos_t[1], np.dtype(dtype).str)
+        if key not in self._tables:  # one pair for all layers (dedup skips big tensors)
+            self._tables[key] = [
+                add_initializer(
+                    graph, f"rotary_{name}", (fn(angles) * np.float32(cos_t[1])).astype(dtype)
+                )
+                for name, fn in (("cos_cache", np.cos), ("sin_cache", np.sin))
+            ]
+        tables = self._tables[key]
         inputs = list(node.inputs) + [None] * max(0, 9 - len(node.inputs))
         inputs[0], inputs[1] = _bsh(graph, node, xq), _bsh(graph, node, xk)
         inputs[7], inputs[8] = tables
