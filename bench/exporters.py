@@ -496,6 +496,39 @@ def _ratios(row: dict) -> None:
     row["prefill_vs_best"] = ours["prefill_seconds"] / others[best_prefill]["prefill_seconds"]
 
 
+# zoo decoders whose positions extend past their declared 128 (RoPE, ALiBi, relative biases);
+# the probe runs their graphs at the same pasts as the Hugging Face models
+ZOO = {
+    "llama-tiny": "causal",
+    "mistral-tiny": "causal",
+    "bloom-tiny": "causal",
+    "mpt-tiny": "causal",
+    "shaw-tiny": "causal",
+    "t5-tiny": "seq2seq",
+}
+
+
+def measure_zoo(root: Path, repeats: int, progress) -> dict:
+    """tfgraph's decode step per zoo decoder and encoder-decoder at :data:`PASTS`."""
+    rows = {}
+    for preset, kind in ZOO.items():
+        progress(f"exporters: zoo {preset}")
+        work = root / f"zoo-{preset}"
+        work.mkdir()
+        try:
+            built = tfgraph_peer(preset, kind, work)
+            steps = {str(p): _time(*built["step"](p), repeats * 4) for p in PASTS}
+        except Exception as exc:  # noqa: BLE001 - recorded as the row
+            rows[preset] = {"error": _failure(exc)}
+            continue
+        rows[preset] = {
+            "nodes": built["nodes"],
+            "step_seconds": steps,
+            "step_1016_over_128": steps["1016"] / steps["128"],
+        }
+    return rows
+
+
 def _commit() -> str | None:
     done = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"],
@@ -514,7 +547,9 @@ def run(quick: bool, workdir: Path, progress=lambda step: None, only=None) -> di
         if only and name not in only:
             continue
         models[name] = measure_model(name, kind, config, workdir, repeats, progress)
+    zoo = {} if quick or only else measure_zoo(workdir, repeats, progress)
     return {
+        "zoo": zoo,
         "date": time.strftime("%Y-%m-%d"),
         "commit": _commit(),
         "threads": THREADS,

@@ -317,6 +317,25 @@ def exporters_section(d: dict) -> list[str]:
             f"| {ours.get('step_1016_over_128', float('nan')):.2f} |"
         )
     lines.append("")
+    if d.get("zoo"):
+        lines += [
+            "### tfgraph's zoo decoders and encoder-decoders: the step against the past",
+            "",
+            "Our own presets (d_model 64, 2 layers, head size 8), `ort` target, same probe. "
+            "Their declared `max_seq_len` is 128; the graphs of these position schemes "
+            "(RoPE, ALiBi, relative biases) run longer, so the probe measures them at the "
+            "same pasts (the runtime itself refuses positions beyond `max_positions`).",
+            "",
+            "| preset | nodes | " + " | ".join(f"step at {p}" for p in pasts) + " | 1016 / 128 |",
+            "|---|---|" + "---|" * len(pasts) + "---|",
+        ]  # fmt: skip
+        for preset, e in d["zoo"].items():
+            if "error" in e:
+                lines.append(f"| {preset} | — | " + "— | " * len(pasts) + f"{e['error']} |")
+                continue
+            steps = " | ".join(_ms(e["step_seconds"][p]) for p in pasts)
+            lines.append(f"| {preset} | {e['nodes']} | {steps} | {e['step_1016_over_128']:.2f} |")
+        lines.append("")
     for name, row in d["models"].items():
         lines += [
             f"### {name}",

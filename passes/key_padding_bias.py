@@ -82,7 +82,7 @@ def compact_key_padding(
     """New attrs (``causal``, ``window``) with ``node``'s bias replaced, or None (kept).
     ``done``: the verdict and the rebuilt bias per bias value (layers share one)."""
     if value.name not in done:
-        done[value.name] = _verdict(model, subgraphs, node, value, attrs, check_long)
+        done[value.name] = _verdict(model, subgraphs, node, value, attrs, check_long, done)
     verdict = done[value.name]
     if verdict is None:
         return None
@@ -93,7 +93,7 @@ def compact_key_padding(
     return result
 
 
-def _verdict(model, subgraphs, node, value, attrs: dict, check_long):
+def _verdict(model, subgraphs, node, value, attrs: dict, check_long, done: dict):
     mask_value, session_sub = _mask_input(model, subgraphs, value)
     if mask_value is None:
         return None
@@ -117,7 +117,10 @@ def _verdict(model, subgraphs, node, value, attrs: dict, check_long):
         return None
     if np.any(np.where(rows & ~got_masked, bias, 0) != 0):
         return None  # finite values besides the mask (a position bias)
-    bias = _build(model.graph, node, mask_value, value)
+    key = ("built", mask_value.name, value.dtype)  # one rebuilt bias per mask (GPT-OSS:
+    if key not in done:  # sliding and full layers differ only in the window attribute)
+        done[key] = _build(model.graph, node, mask_value, value)
+    bias = done[key]
     return {"causal": attrs["causal"], "window": window}, bias
 
 
