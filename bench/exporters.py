@@ -17,12 +17,14 @@ tokenizer, nothing downloaded) go through each exporter that supports them:
 
 Each graph is timed by :func:`tfgraph.bench.ort_probe.probe`, in a fresh process that never
 imports torch (the fastest median of three such processes), batch 1, the same threads for
-all: prefill of 512 tokens, and one decode step
-(one token) on a cache holding 128, 512 and 1016 positions (a T5 step attends to a 512-token
-encoder output). Shared-buffer graphs are fed a buffer of past + 1 positions and write the
-new row in place (``bind``), as their runtimes do; ``Concat`` graphs get a past of exactly that
+all: prefill of 512 tokens, and one decode step (one token) on a cache holding 128, 512 and
+1016 positions (a T5 step attends to a 512-token encoder output; a T5 prefill is the encoder
+plus the first decoder step, where Optimum's graphs project the cross K/V and tfgraph's
+encoder does). Shared-buffer graphs are fed a buffer of past + 1 positions and write the new
+row in place (``bind``), as their runtimes do; ``Concat`` graphs get a past of exactly that
 length. Node counts are those of the decode graph as written. A peer that is not installed,
 or that does not support an architecture, is recorded with its reason, not left out silently.
+Tfgraph's own zoo decoders (:data:`ZOO`) are timed at the same pasts.
 
     python -m tfgraph.bench.exporters [--quick] [--out exporters.json]
     (or as the ``exporters`` section of ``python -m tfgraph bench``)
@@ -199,6 +201,13 @@ def _time(path: Path, inputs: dict, bind: dict | None, repeats: int) -> float:
 # --- the peers ------------------------------------------------------------------------------------
 
 
+def _time_all(graphs, repeats: int) -> float:
+    """One graph's time, or the sum over a list of them (a T5 prefill: encoder + first step)."""
+    if isinstance(graphs, tuple):
+        return _time(*graphs, repeats)
+    return sum(_time(*g, repeats) for g in graphs)
+
+
 def tfgraph_peer(src: Path, kind: str, work: Path) -> dict:
     import tfgraph
 
@@ -242,7 +251,7 @@ def tfgraph_peer(src: Path, kind: str, work: Path) -> dict:
                 name: {"shape": [1, PREFILL], "dtype": dtype, "high": 900}
                 for name, dtype, _ in graph_inputs(encoder)
             }
-            return encoder, inputs, {}
+            return [(encoder, inputs, {}), feeds(1, 0)]  # the encoder, then the first step
         return feeds(PREFILL, 0)
 
     return {"nodes": node_count(step_graph), "prefill": prefill, "step": lambda p: feeds(1, p)}
@@ -417,14 +426,21 @@ def optimum_peer(src: Path, kind: str, work: Path) -> dict:
                 cross = ".encoder." in name
                 length = ENCODER_LENGTH if cross else past
                 inputs[name] = {"shape": _kv(dims, 1, length), "dtype": dtype}
+            elif name == "encoder_hidden_states":
+                inputs[name] = {"shape": [1, ENCODER_LENGTH, int(dims[2])], "dtype": dtype}
             else:
                 raise RuntimeError(f"optimum's input '{name}' {dims} has no probe feed")
         return path, inputs, {}
 
-    first = out / "encoder_model.onnx" if kind == "seq2seq" else step
+    def prefill():
+        if kind == "seq2seq":  # the encoder, then the first step (it projects the cross K/V)
+            return [feeds(out / "encoder_model.onnx", PREFILL, 0),
+                    feeds(out / "decoder_model.onnx", 1, 0)]  # fmt: skip
+        return feeds(step, PREFILL, 0)
+
     return {
         "nodes": node_count(step),
-        "prefill": lambda: feeds(first, PREFILL, 0),
+        "prefill": prefill,
         "step": lambda p: feeds(step, 1, p),
     }
 
@@ -457,7 +473,7 @@ def measure_model(name: str, kind: str, config, root: Path, repeats: int, progre
             continue
         entry = {"available": True, "nodes": built["nodes"], "step_seconds": {}}
         try:
-            entry["prefill_seconds"] = _time(*built["prefill"](), repeats)
+            entry["prefill_seconds"] = _time_all(built["prefill"](), repeats)
             for past in PASTS:
                 entry["step_seconds"][str(past)] = _time(*built["step"](past), repeats * 4)
         except Exception as exc:  # noqa: BLE001 - recorded; the other peers still run
