@@ -21,9 +21,10 @@ The kernel takes the positions from the cache slots (the past length + s; measur
 graph's position ids. RoPE scores depend only on position differences, so the two agree
 wherever positions are the slots shifted by a constant per row: unpadded and left-padded
 batches, which is what ``tfgraph.runtime`` feeds (the cache parity checks it, padded rows
-included). Not folded (left as they are): head sizes that are not a multiple of 16 (the CPU
-kernel's rotary requirement, measured), partial or interleaved rotation, tables not built
-from a constant frequency vector, and models without a known ``max_positions``.
+included). Not folded (left as they are): head sizes that are not a multiple of the target's
+``head_multiple`` (16 for ORT's CPU kernel, measured; set in ``tfgraph/targets/ort.py``),
+partial or interleaved rotation, tables not built from a constant frequency vector, and
+models without a known ``max_positions``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from .lower_attention import MS_DOMAIN
 from .rewrite_utils import (
     add_initializer,
     constant,
@@ -44,9 +46,7 @@ from .rewrite_utils import (
 
 logger = logging.getLogger(__name__)
 
-MS_DOMAIN = "com.microsoft"
 HEADS_LAST = [0, 2, 1, 3]
-INT64_MAX = np.iinfo(np.int64).max
 
 
 def _producer(value: ir.Value | None, op: str) -> ir.Node | None:
@@ -206,9 +206,10 @@ def _frequencies(e: ir.Value, half: int) -> np.ndarray | None:
 class FoldRotaryPass(ir.passes.InPlacePass):
     """See the module docstring. ``max_positions``: the table length (None: no fold)."""
 
-    def __init__(self, max_positions: int | None) -> None:
+    def __init__(self, max_positions: int | None, head_multiple: int = 1) -> None:
         super().__init__()
         self.max_positions = max_positions
+        self.head_multiple = head_multiple  # the target kernel's rotary head-size rule
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self._tables: dict[tuple, list[ir.Value]] = {}
@@ -244,8 +245,10 @@ class FoldRotaryPass(ir.passes.InPlacePass):
         if cos is not cos_k or sin is not sin_k:
             return "Q and K rotated by different tables"
         head = dims_of(xq)[3]
-        if head % 16:
-            return f"head size {head} is not a multiple of 16 (the CPU kernel's rotary)"
+        if head % self.head_multiple:
+            return (
+                f"head size {head} is not a multiple of {self.head_multiple} (the kernel's rotary)"
+            )
         cos_t, sin_t = _table(cos, "Cos"), _table(sin, "Sin")
         if cos_t is None or sin_t is None or cos_t[0] is not sin_t[0] or cos_t[1] != sin_t[1]:
             return "cos/sin are not Cos/Sin of one angle table"

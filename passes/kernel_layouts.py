@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from .fold_rotary import HEADS_LAST, MS_DOMAIN, bsh_source, projection_of
+from .fold_rotary import HEADS_LAST, bsh_source, projection_of
+from .lower_attention import MS_DOMAIN
 from .rewrite_utils import dims_of, int_list, replace_value, same_dims
 from .split_encoder import cross_kv_entries
 
@@ -130,33 +131,40 @@ def _is_heads_last(node: ir.Node) -> bool:
     )
 
 
+def _users(value: ir.Value, accept) -> list[ir.Node]:
+    return [user for user, _ in list(value.uses()) if accept(user)]
+
+
+def _splits_heads(node: ir.Node) -> bool:
+    """``Reshape(y, (0, 0, H, -1))``."""
+    heads = int_list(node.inputs[1]) if node.op_type == "Reshape" else None
+    return heads is not None and len(heads) == 4 and heads[:2] == [0, 0] and heads[3] == -1
+
+
+def _round_trips(y: ir.Value):
+    """(y4, merge) for each ``Reshape(y, (0, 0, H, -1)) → Transpose → Transpose → Reshape``:
+    y4 the first Transpose's output, merge the final Reshape."""
+    for split in _users(y, _splits_heads):
+        for first in _users(split.outputs[0], _is_heads_last):
+            for second in _users(first.outputs[0], _is_heads_last):
+                for merge in _users(second.outputs[0], lambda n: n.op_type == "Reshape"):
+                    yield first.outputs[0], merge
+
+
 def _shortcut_output(node: ir.Node) -> int:
-    """``Reshape(Transpose(Transpose(Reshape(y, (0, 0, H, -1)))))`` to (B, S, H·d) is y: the
-    first Transpose's output is the attention's (B, H, S, d), whose shape says (B, S, H·d)."""
-    count = 0
-    for split, _ in list(node.outputs[0].uses()):
-        heads = int_list(split.inputs[1]) if split.op_type == "Reshape" else None
-        if heads is None or len(heads) != 4 or heads[:2] != [0, 0] or heads[3] != -1:
+    """The round trip of the kernel's output y back to (B, S, H·d) is y: the first
+    Transpose's output is the attention's (B, H, S, d), whose shape says (B, S, H·d)."""
+    y, count = node.outputs[0], 0
+    for y4, merge in list(_round_trips(y)):
+        dims, out = dims_of(y4), merge.outputs[0]
+        od = dims_of(out)
+        if dims is None or len(dims) != 4 or not all(isinstance(d, int) for d in dims[1::2]):
             continue
-        for first, _ in list(split.outputs[0].uses()):
-            y4 = first.outputs[0]
-            dims = dims_of(y4) if _is_heads_last(first) else None
-            if dims is None or len(dims) != 4 or not all(isinstance(d, int) for d in dims[1::2]):
-                continue
-            for second, _ in list(y4.uses()):
-                if not _is_heads_last(second):
-                    continue
-                for merge, _ in list(second.outputs[0].uses()):
-                    out = merge.outputs[0]
-                    od = dims_of(out) if merge.op_type == "Reshape" else None
-                    if od is None or len(od) != 3 or od[2] != dims[1] * dims[3]:
-                        continue
-                    if out.is_graph_output() or not same_dims(
-                        [out.shape[0], out.shape[1]], [y4.shape[0], y4.shape[2]]
-                    ):
-                        continue
-                    y = node.outputs[0]  # the kernel's output had no shape or type
-                    y.shape, y.type = ir.Shape(out.shape), out.type
-                    replace_value(out, node.outputs[0])
-                    count += 1
+        if od is None or len(od) != 3 or od[2] != dims[1] * dims[3] or out.is_graph_output():
+            continue
+        if not same_dims([out.shape[0], out.shape[1]], [y4.shape[0], y4.shape[2]]):
+            continue
+        y.shape, y.type = ir.Shape(out.shape), out.type  # the kernel's output had neither
+        replace_value(out, y)
+        count += 1
     return count

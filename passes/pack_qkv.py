@@ -18,11 +18,10 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from .lower_attention import MS_DOMAIN
 from .rewrite_utils import add_initializer, constant
 
 logger = logging.getLogger(__name__)
-
-MS_DOMAIN = "com.microsoft"
 
 
 def _projection(value: ir.Value | None, user: ir.Node):

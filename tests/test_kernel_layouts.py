@@ -3,12 +3,12 @@
 HF T5's decoder step: self-attention reads the packed projection (its K went through
 ``permute(0, 2, 3, 1)`` + ``transpose(-1, -2)``, two Transposes composing to (0, 2, 1, 3)),
 cross-attention reads the cached cross K/V graph inputs as they are (4-D), and no Transpose
-is left in the step graph; parity and greedy tokens against eager PyTorch hold."""
+or Reshape stands between a projection and a kernel; parity and greedy tokens against eager
+PyTorch hold."""
 
 import numpy as np
 import onnx
-import pytest
-import torch
+from test_slice_machinery import save_hf_t5
 
 import tfgraph
 from tfgraph.generation_parity import compare_greedy
@@ -18,14 +18,7 @@ from tfgraph.sources import load_source
 
 
 def test_hf_t5_step_has_no_transposes_and_reads_cross_kv_as_is(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.T5Config(
-        vocab_size=200, d_model=64, d_ff=96, d_kv=16, num_layers=2, num_decoder_layers=2,
-        num_heads=4, decoder_start_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.T5ForConditionalGeneration(config).eval().save_pretrained(tmp_path / "hf")
-    source = str(tmp_path / "hf")
+    source = save_hf_t5(tmp_path / "hf", vocab=200, d_model=64, d_kv=16)
     result = tfgraph.export(source, tmp_path / "a", kv_cache=True)
     parity = result.report["parity"]
     assert parity["prefill"]["passed"] and parity["decode"]["passed"]

@@ -111,17 +111,22 @@ def test_rope_tables_are_computed_for_the_new_positions_only(source, tmp_path):
         assert found == []
 
 
+def save_hf_t5(path, vocab: int = 100, d_model: int = 32, d_kv: int = 8) -> str:
+    """A random-init 2 + 2-layer HF T5 with 4 heads saved at ``path``; its path."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(
+        vocab_size=vocab, d_model=d_model, d_ff=2 * d_model, d_kv=d_kv, num_layers=2,
+        num_decoder_layers=2, num_heads=4, decoder_start_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.T5ForConditionalGeneration(config).eval().save_pretrained(path)
+    return str(path)
+
+
 def test_hugging_face_t5_bias_never_builds_the_square(tmp_path):
     """HF T5 buckets ``Min(rel, zeros_like(rel))``: the ``zeros_like`` is an ``Expand`` to
     ``Shape`` of the (L, L) positions, so its target must come from the cut positions, or the
     whole square is computed just for its shape (1 ms of a 1.8 ms step at past 1016)."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.T5Config(
-        vocab_size=100, d_model=32, d_ff=64, d_kv=8, num_layers=2, num_decoder_layers=2,
-        num_heads=4, decoder_start_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.T5ForConditionalGeneration(config).eval().save_pretrained(tmp_path / "hf")
-    result = tfgraph.export(str(tmp_path / "hf"), tmp_path / "a", kv_cache=True)
+    result = tfgraph.export(save_hf_t5(tmp_path / "hf"), tmp_path / "a", kv_cache=True)
     _passes(result)
     assert square_values(tmp_path / "a" / "model.onnx") == []

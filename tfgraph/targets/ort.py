@@ -109,6 +109,9 @@ def lower_norm_with_skip(case: NormCase) -> Lowered:
     return case.simplified() if case.rms else case.layer_normalization()
 
 
+ROTARY_HEAD_MULTIPLE = 16  # GroupQueryAttention do_rotary on the CPU provider
+
+
 def extra_passes(options) -> list:
     passes = []
     if options.kv_cache:  # GQA appends in place into buffers past and present share
@@ -116,7 +119,8 @@ def extra_passes(options) -> list:
     # RoPE inside GroupQueryAttention; no layout round trips around the kernels; one packed
     # Q/K/V projection; the layers' identical length subgraphs merged
     passes += [
-        FoldRotaryPass(options.max_positions),
+        # measured on ORT 1.32: rotary needs "head_size shall be a multiple of 16"
+        FoldRotaryPass(options.max_positions, head_multiple=ROTARY_HEAD_MULTIPLE),
         KernelLayoutsPass(),
         common.RemoveUnusedNodesPass(),  # the bypassed layouts still read the projections
         PackQKVPass(),
