@@ -18,7 +18,11 @@ from tfgraph.models import PRESETS
 from tfgraph.trace import trace
 
 STANDARD_NORM_OPS = {"LayerNormalization", "RMSNormalization"}
-ORT_NORM_OPS = {"LayerNormalization", "SimplifiedLayerNormalization"}
+ORT_NORM_OPS = {
+    "LayerNormalization",
+    "SimplifiedLayerNormalization",
+    "com.microsoft::SkipSimplifiedLayerNormalization",
+}
 
 
 def _attention_cores(cfg) -> int:

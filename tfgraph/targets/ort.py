@@ -20,7 +20,10 @@ Attention:
    ``attention_bias`` (GQA rejects S ≠ T without a past; ``MultiHeadAttention(unidirectional=1)``
    is wrong for 1 < T < S; ``Attention``-23 with a mask measured no better).
 
-Norms: ``LayerNormalization``; RMSNorm as ``SimplifiedLayerNormalization``. No skip kernels:
+Norms: ``LayerNormalization``; RMSNorm as ``SkipSimplifiedLayerNormalization`` where it reads a
+residual ``Add`` (else ``SimplifiedLayerNormalization``): on a ~120M Llama (2 threads) the
+decode step went from 12.2 to 11.5 ms, prefill at 512 within noise, 172 → 148 nodes, as the
+onnxruntime-genai builder's graph. No skip kernel for LayerNorm:
 on the CPU (ORT 1.32, 2 threads, (1, 512, 768)) ``SkipLayerNormalization`` took 1.14 ms where
 ``Add`` + ``LayerNormalization`` took 0.20 ms (``ort-cuda`` uses them). ONNX Runtime's own
 ``SkipLayerNormFusion`` would make one from a residual ``Add`` feeding only the norm, in any
@@ -96,8 +99,8 @@ def lower_attention(case: AttentionCase) -> Lowered:
 
 
 def lower_norm(case: NormCase) -> Lowered:
-    if case.rms:
-        return case.simplified()  # ORT fuses no skip kernel onto it on the CPU (measured)
+    if case.rms:  # the residual Add inside the kernel: one node fewer per norm (measured)
+        return case.skip() or case.simplified()
     return case.layer_normalization(keep_residual_apart=True)
 
 
