@@ -189,11 +189,16 @@ def _kv(dims: list, batch: int, length: int, head_size: int | None = None) -> li
 TRIALS = 3  # fresh processes per measurement; the fastest median is kept
 
 
-def _time(path: Path, inputs: dict, bind: dict | None, repeats: int) -> float:
+def _time(
+    path: Path, inputs: dict, bind: dict | None, repeats: int, kernels_only: bool = False
+) -> float:
     """The lowest of :data:`TRIALS` medians, each from a fresh process: on these shared
-    machines one process's median moved ±25% between identical runs (measured)."""
+    machines one process's median moved ±25% between identical runs (measured).
+    ``kernels_only``: the graph's attention kernels alone, on the inputs the graph gave them."""
     return min(
-        probe(path, inputs, repeats=repeats, threads=THREADS, bind=bind)["seconds"]
+        probe(path, inputs, repeats=repeats, threads=THREADS, bind=bind, kernels_only=kernels_only)[
+            "seconds"
+        ]
         for _ in range(TRIALS)
     )
 
@@ -525,7 +530,9 @@ ZOO = {
 
 
 def measure_zoo(root: Path, repeats: int, progress) -> dict:
-    """tfgraph's decode step per zoo decoder and encoder-decoder at :data:`PASTS`."""
+    """tfgraph's decode step per zoo decoder and encoder-decoder at :data:`PASTS`, and its
+    attention kernels alone at the shortest and longest past: ``kernel_floor`` is the
+    1016 / 128 ratio the step would have if nothing but the kernels grew."""
     rows = {}
     for preset, kind in ZOO.items():
         progress(f"exporters: zoo {preset}")
@@ -534,13 +541,17 @@ def measure_zoo(root: Path, repeats: int, progress) -> dict:
         try:
             built = tfgraph_peer(preset, kind, work, high=250)  # the zoo's vocab is 256
             steps = {str(p): _time(*built["step"](p), repeats * 4) for p in PASTS}
+            ends = (str(PASTS[0]), str(PASTS[-1]))
+            kernels = {p: _time(*built["step"](int(p)), repeats * 4, True) for p in ends}
         except Exception as exc:  # noqa: BLE001 - recorded as the row
             rows[preset] = {"error": _failure(exc)}
             continue
         rows[preset] = {
             "nodes": built["nodes"],
             "step_seconds": steps,
-            "step_1016_over_128": steps["1016"] / steps["128"],
+            "step_1016_over_128": steps[ends[1]] / steps[ends[0]],
+            "kernel_seconds": kernels,
+            "kernel_floor": (steps[ends[0]] + kernels[ends[1]] - kernels[ends[0]]) / steps[ends[0]],
         }
     return rows
 

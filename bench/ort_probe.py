@@ -15,6 +15,11 @@ for floats); ``"fill"`` overrides that: ``"ones"``, ``"zeros"``, ``{"value": v}`
 ``{"arange": start}`` (along the last axis: position ids). ``bind`` (``{output: input}``)
 writes those outputs into their inputs' buffers through an IOBinding, as a runtime with a
 shared past/present KV buffer does; the other outputs are allocated by ONNX Runtime.
+
+``kernels_only`` times the graph's attention kernels alone (:data:`KERNELS`): one run of the
+whole graph captures their inputs, then a graph holding only those nodes is timed on them,
+bound the same way. What a step costs beyond them is the rest of the graph; how they grow
+with the past is the least any graph built on those kernels can grow.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ def probe(
     optimize: bool = True,
     timeout: float = 1800,
     bind: dict[str, str] | None = None,
+    kernels_only: bool = False,
 ) -> dict:
     spec = json.dumps(
         {
@@ -42,6 +48,7 @@ def probe(
             "threads": threads,
             "optimize": optimize,
             "bind": bind or {},
+            "kernels_only": kernels_only,
         }
     )
     out = subprocess.run(
@@ -61,8 +68,16 @@ def _status(key: str) -> float:
     return int(line.split()[1]) / 1024
 
 
-def _main(model: str, spec: dict) -> dict:
-    import numpy as np
+# the attention kernels ``kernels_only`` keeps: (domain, op type)
+KERNELS = {
+    ("com.microsoft", "GroupQueryAttention"),
+    ("com.microsoft", "MultiHeadAttention"),
+    ("com.microsoft", "Attention"),
+    ("", "Attention"),
+}
+
+
+def _session(model, spec: dict):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -71,28 +86,71 @@ def _main(model: str, spec: dict) -> dict:
     options.log_severity_level = 3
     if not spec["optimize"]:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(
+    return ort.InferenceSession(
         model,
         options,
         providers=["CPUExecutionProvider"],
         disabled_optimizers=["SkipLayerNormFusion"],
     )
-    rng = np.random.default_rng(0)
-    feeds = {name: _feed(name, desc, rng) for name, desc in spec["inputs"].items()}
-    bind = spec.get("bind") or {}
+
+
+def _runner(session, feeds: dict, bind: dict):
+    """A no-argument callable running ``session`` on ``feeds``; outputs named in ``bind``
+    write into their inputs' buffers through an IOBinding."""
+    import onnxruntime as ort
+
+    bind = {o: i for o, i in bind.items() if o in {x.name for x in session.get_outputs()}}
     if not bind:
-        return measure(lambda: session.run(None, feeds), spec["repeats"])
+        return lambda: session.run(None, feeds)
     binding = session.io_binding()
+    values = {}
     for name, array in feeds.items():
-        value = ort.OrtValue.ortvalue_from_numpy(array)
-        feeds[name] = value  # kept alive: the binding refers to it
-        binding.bind_ortvalue_input(name, value)
+        values[name] = ort.OrtValue.ortvalue_from_numpy(array)  # kept alive by the closure
+        binding.bind_ortvalue_input(name, values[name])
     for out in session.get_outputs():
         if out.name in bind:
-            binding.bind_ortvalue_output(out.name, feeds[bind[out.name]])
+            binding.bind_ortvalue_output(out.name, values[bind[out.name]])
         else:
             binding.bind_output(out.name)
-    return measure(lambda: session.run_with_iobinding(binding), spec["repeats"])
+    return lambda: (values, session.run_with_iobinding(binding))
+
+
+def _kernels_alone(model: str, spec: dict, feeds: dict):
+    """(a session of the kernel nodes alone, their feeds): their inputs that the graph
+    computes are captured from one run of the whole graph."""
+    import onnx
+    from onnx.utils import Extractor
+
+    proto = onnx.load(model)
+    graph = proto.graph
+    kernels = [n for n in graph.node if (n.domain or "", n.op_type) in KERNELS]
+    if not kernels:
+        raise SystemExit(f"{model}: no attention kernel to time alone")
+    constants = {i.name for i in graph.initializer}
+    needed = list(dict.fromkeys(i for n in kernels for i in n.input if i and i not in constants))
+    computed = [name for name in needed if name not in feeds]
+    infos = {v.name: v for v in graph.value_info}
+    capture = onnx.ModelProto()
+    capture.CopyFrom(proto)
+    capture.graph.output.extend(infos[name] for name in computed)
+    session = _session(capture.SerializeToString(), spec)
+    names = [o.name for o in session.get_outputs()]
+    values = dict(zip(names, session.run(None, feeds), strict=True))
+    alone = Extractor(proto).extract_model(needed, [o for n in kernels for o in n.output if o])
+    sub_feeds = {name: feeds[name] if name in feeds else values[name] for name in needed}
+    return _session(alone.SerializeToString(), spec), sub_feeds
+
+
+def _main(model: str, spec: dict) -> dict:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    feeds = {name: _feed(name, desc, rng) for name, desc in spec["inputs"].items()}
+    if spec.get("kernels_only"):
+        session, feeds = _kernels_alone(model, spec, feeds)
+    else:
+        session = _session(model, spec)
+    return measure(_runner(session, feeds, spec.get("bind") or {}), spec["repeats"])
 
 
 def _feed(name: str, desc: dict, rng):

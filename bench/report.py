@@ -325,17 +325,28 @@ def exporters_section(d: dict) -> list[str]:
             "Our own presets (d_model 64, 2 layers, head size 8), `ort` target, same probe. "
             "Their declared `max_seq_len` is 128; the graphs of these position schemes "
             "(RoPE, ALiBi, relative biases) run longer, so the probe measures them at the "
-            "same pasts (the runtime itself refuses positions beyond `max_positions`).",
+            "same pasts (the runtime itself refuses positions beyond `max_positions`). "
+            "*Kernels alone*: the graph's attention kernels timed by themselves on the inputs "
+            "the graph gave them (`ort_probe` `kernels_only`); *kernel floor*: the 1016 / 128 "
+            "ratio the step would have if nothing but the kernels grew — what any graph on "
+            "these kernels pays.",
             "",
-            "| preset | nodes | " + " | ".join(f"step at {p}" for p in pasts) + " | 1016 / 128 |",
-            "|---|---|" + "---|" * len(pasts) + "---|",
+            "| preset | nodes | " + " | ".join(f"step at {p}" for p in pasts)
+            + f" | 1016 / 128 | kernels alone at {pasts[0]} / {pasts[-1]} | kernel floor |",
+            "|---|---|" + "---|" * len(pasts) + "---|---|---|",
         ]  # fmt: skip
         for preset, e in d["zoo"].items():
             if "error" in e:
-                lines.append(f"| {preset} | — | " + "— | " * len(pasts) + f"{e['error']} |")
+                lines.append(f"| {preset} | — | " + "— | " * len(pasts) + f"— | — | {e['error']} |")
                 continue
             steps = " | ".join(_ms(e["step_seconds"][p]) for p in pasts)
-            lines.append(f"| {preset} | {e['nodes']} | {steps} | {e['step_1016_over_128']:.2f} |")
+            kernels = e.get("kernel_seconds")
+            alone = f"{_ms(kernels[pasts[0]])} / {_ms(kernels[pasts[-1]])}" if kernels else "—"
+            floor = f"{e['kernel_floor']:.2f}" if "kernel_floor" in e else "—"
+            lines.append(
+                f"| {preset} | {e['nodes']} | {steps} | {e['step_1016_over_128']:.2f} "
+                f"| {alone} | {floor} |"
+            )
         lines.append("")
     for name, row in d["models"].items():
         lines += [

@@ -5,8 +5,9 @@
   duplicate initializers, topological order).
 - ``default``: cleanup; recognition into canonical ``tfgraph`` ops (norms, GELU, attention,
   whose masks and biases are classified by evaluating them); the KV cache when asked
-  (``PipelineOptions.kv_cache``); lowering of the canonical ops as the target says; the
-  target's own passes (``Target.extra_passes``); cleanup.
+  (``PipelineOptions.kv_cache``); relative-key tables contracted before their gather;
+  lowering of the canonical ops as the target says; the target's own passes
+  (``Target.extra_passes``); cleanup.
 
 :func:`build_pipeline` composes them; nothing is spliced in afterwards. Passes that depend on
 others say so in ``requires()`` (e.g. :class:`~.insert_kv_cache.InsertKVCachePass` needs
@@ -25,6 +26,7 @@ from .classify_attention_bias import ClassifyAttentionBiasPass
 from .fuse_attention import FuseAttentionPass
 from .fuse_gelu import FuseGeluPass
 from .fuse_norms import FuseNormsPass
+from .gather_after_contraction import GatherAfterContractionPass
 from .insert_kv_cache import InsertKVCachePass
 from .lower_attention import LowerAttentionPass
 from .lower_gelu import LowerGeluPass
@@ -68,6 +70,8 @@ def _default(target, options: PipelineOptions = PipelineOptions()) -> list[ir.pa
         ClassifyAttentionBiasPass(),
         *([InsertKVCachePass()] if options.kv_cache else []),
         common.RemoveUnusedNodesPass(),  # masks the kernels compute themselves are dead now
+        GatherAfterContractionPass(),  # relative-key tables: contract, then gather
+        common.RemoveUnusedNodesPass(),
         LowerNormsPass(target),
         LowerGeluPass(target),
         LowerAttentionPass(target),
