@@ -139,7 +139,8 @@ class TransformerStack(nn.Module):
         cross_mask = None if memory_mask is None else padding_mask(memory_mask, x.dtype)
         rope = None
         if self.rotary is not None:
-            rope = self.rotary(torch.arange(T, device=device))
+            cos, sin = self.rotary(torch.arange(T, device=device))  # angles in fp32
+            rope = cos.to(x.dtype), sin.to(x.dtype)  # (T, d) each, in the model's precision
         for block in self.blocks:
             x = block(x, mask, rope, memory, cross_mask)
         return self.ln_f(x)

@@ -55,7 +55,9 @@ def _cmd_export(args) -> int:
         dump_after=args.dump_after,
         kv_cache=args.kv_cache,
         tolerance=Tolerance(args.atol, args.rtol),
-        progress=_progress(len(EXPORT_STEPS)),
+        precision=args.precision,
+        keep_io_types=args.keep_io_types,
+        progress=_progress(len(EXPORT_STEPS) + (args.precision != "fp32")),
     )
     report = result.report
     if args.verbose:
@@ -68,13 +70,14 @@ def _cmd_export(args) -> int:
     files = [*result.manifest["files"], "manifest.json", "report.json"]
     print(f"wrote {result.out_dir}/ ({', '.join(files)})")
     _print_fusions(report["fusions"], verbose=args.verbose)
+    _print_precision(report.get("precision") or {}, verbose=args.verbose)
     parity = report["parity"]
     rows = [
         [
             o["name"],
             f"{o['max_abs_err']:.3g}",
             f"{o['max_rel_err']:.3g}",
-            f"atol {o['tolerance']['atol']:g} rtol {o['tolerance']['rtol']:g}",
+            _tolerance_text(o),
             "pass" if o["passed"] else "FAIL",
         ]
         for o in parity["outputs"]
@@ -98,6 +101,46 @@ def _cmd_export(args) -> int:
         print(f"error: parity failed; see {result.out_dir / 'report.json'}", file=sys.stderr)
         return 1
     return 0
+
+
+def _tolerance_text(row: dict) -> str:
+    tol = row["tolerance"]
+    if "atol" in tol:
+        return f"atol {tol['atol']:g} rtol {tol['rtol']:g}"
+    eager = row.get("eager_low_err", float("nan"))
+    if eager == float("inf"):
+        return f"eager {tol['precision']} overflows: within 1e-2 of scale"
+    return f"{tol['factor']:g} x eager {tol['precision']} err {eager:.3g} + {tol['floor_ulps']} ulp"
+
+
+def _print_precision(precision: dict, *, verbose: bool) -> None:
+    """The fp32 islands of a low-precision export, and where the model leaves fp16."""
+    if precision.get("precision", "fp32") == "fp32":
+        return
+    islands = precision["islands"]
+    print(
+        f"precision {precision['precision']}: {len(islands)} node(s) kept in fp32"
+        + (" (inputs/outputs fp32)" if precision.get("keep_io_types") else "")
+    )
+    overflow = precision.get("first_overflow")
+    if overflow:
+        what = (
+            "overflows fp16 (max 65504)"
+            if overflow["max_abs"] > 65504
+            else (f"leaves fp16's headroom (|x| > {precision['overflow_limit']:.5g})")
+        )
+        print(
+            f"  {what} first at {overflow['module'] or '<top level>'}: {overflow['value']} "
+            f"reaches {overflow['max_abs']:.4g}; kept in fp32 there"
+        )
+    shown = islands if verbose else islands[:5]
+    for island in shown:
+        print(f"  fp32 {island['op']} in {island['module'] or '<top level>'}: {island['reason']}")
+    if len(islands) > len(shown):
+        print(f"  … {len(islands) - len(shown)} more (-v lists all)")
+    for stray in precision.get("unresolved", []):
+        where = stray["module"] or "<top level>"
+        print(f"  still off in {where}: {stray['value']} strays {stray['error']:.3g}")
 
 
 def _print_fusions(fusions: dict, *, verbose: bool) -> None:
@@ -603,6 +646,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--atol", type=float, default=1e-4, help="parity: absolute tolerance")
     p.add_argument("--rtol", type=float, default=1e-3, help="parity: relative tolerance")
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "fp16", "bf16"],
+        default="fp32",
+        help="the graph's float type; fp32 islands are kept where measured values need them "
+        "(targets list what they take: `tfgraph targets`)",
+    )
+    p.add_argument(
+        "--keep-io-types",
+        action="store_true",
+        help="with --precision fp16/bf16: fp32 inputs and outputs (cast at the graph's edge)",
+    )
     p.add_argument(
         "--attn-implementation",
         choices=["eager", "sdpa"],

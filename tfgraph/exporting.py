@@ -32,7 +32,8 @@ from .errors import TfgraphError
 from .fusions import count_fusions
 from .manifest import build_manifest
 from .parity import FP32, PARITY_SHAPES, Tolerance, check_parity
-from .pipeline import check_model, run_pipeline
+from .pipeline import PassRecord, check_model, run_pipeline
+from .precision import apply_precision, check_precision
 from .sources import ModelSource, load_source
 from .trace import TraceCache, trace
 
@@ -72,14 +73,20 @@ def export(
     progress: Callable[[str], None] = _no_progress,
     target: str | Target | None = None,
     trace_cache: TraceCache | None = None,
+    precision: str = "fp32",
+    keep_io_types: bool = False,
 ) -> ExportResult:
     """Export ``model`` (a MODEL string as the CLI takes it, or a :class:`ModelSource`) for
     target ``profile`` (a :class:`tfgraph.targets.Target` or a registered name such as
     ``ort``, ``onnx``, ``tensorrt@10.14``); ``target`` is the same, and wins when given.
-    ``trace_cache`` reuses an earlier export's trace of the same source and opset."""
+    ``trace_cache`` reuses an earlier export's trace of the same source and opset.
+    ``precision`` (``fp16``, ``bf16``): the graph's floats in that type outside the fp32
+    islands measured on the parity inputs (:mod:`tfgraph.precision`), fp32 inputs and outputs
+    with ``keep_io_types``; parity then follows the precision's rule."""
     out_dir = Path(out_dir)
     target = get_target(target if target is not None else profile)
     check_target(out_dir)  # before any slow work
+    check_precision(precision, keep_io_types, target)
     if opset is None:
         opset = target.opset
     check_opset(opset)
@@ -139,6 +146,20 @@ def export(
             kv_cache=kv_cache,
             max_positions=source.info.get("max_positions"),
         )
+        parity_shapes = _within(parity_shapes, source.info.get("max_positions"))
+        precision_report = None
+        if precision != "fp32":
+            precision_report = step(
+                "precision",
+                apply_precision,
+                graph,
+                source,
+                precision,
+                keep_io_types=keep_io_types,
+                shapes=parity_shapes,
+            )
+            check_model(graph, "ConvertPrecisionPass", target)
+            records.append(PassRecord("ConvertPrecisionPass", timings["precision"], True))
         fusions = count_fusions(graph, pipeline, target=target)
         files = []
         encoder = None
@@ -163,8 +184,8 @@ def export(
             max_positions=source.info.get("max_positions"),
             encoder=encoder,
         )
+        manifest["precision"] = precision
         write_json(stage / "manifest.json", manifest)  # the runner reads it
-        parity_shapes = _within(parity_shapes, source.info.get("max_positions"))
         parity = step(
             "parity",
             check_cache_parity if kv_cache else check_parity,
@@ -172,6 +193,7 @@ def export(
             stage / files[0],
             shapes=parity_shapes,
             tolerance=tolerance,
+            precision=precision,
         )
         report = {
             "model": source.origin,
@@ -183,6 +205,7 @@ def export(
             "target": manifest["target"],
             "opset": graph.opset_imports.get("", opset),
             "pipeline": pipeline,
+            "precision": precision_report or {"precision": "fp32"},
             "passes": passes,
             "timings": timings,
         }

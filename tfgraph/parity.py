@@ -87,6 +87,34 @@ def compare(
     }
 
 
+def compare_in(
+    name: str,
+    got: np.ndarray,
+    want: np.ndarray,
+    want_low: np.ndarray,
+    precision: str,
+    keep: np.ndarray | None = None,
+) -> dict:
+    """An output of an export in ``precision`` (fp16, bf16) against fp32 eager (``want``) and
+    eager in that precision (``want_low``): :func:`tfgraph.precision.judge`'s rule, in the row
+    format of :func:`compare`."""
+    from .precision import judge, rule
+
+    row = judge(got, want, want_low, precision, keep)
+    return {"name": name, "tolerance": rule(precision), **row}
+
+
+def eager_outputs(source: ModelSource, inputs: dict, precision: str) -> tuple[dict, dict | None]:
+    """fp32 eager outputs, and eager outputs in ``precision`` (None for fp32), as arrays."""
+    want = {n: v.float().numpy() for n, v in source.eager(inputs).items()}
+    if precision == "fp32":
+        return want, None
+    from .precision import TORCH_TYPES
+
+    low = source.eager_in(inputs, TORCH_TYPES[precision])
+    return want, {n: v.float().numpy() for n, v in low.items()}
+
+
 def check_parity(
     source: ModelSource,
     model_file: Path,
@@ -94,18 +122,23 @@ def check_parity(
     shapes=PARITY_SHAPES,
     tolerance: Tolerance = FP32,
     seed: int = 0,
+    precision: str = "fp32",
 ) -> dict:
     """Run both sides at each shape; ``outputs[]`` holds the worst case per output; ``runner``
-    says what ran the artifact (the runner its target names)."""
+    says what ran the artifact (the runner its target names). In fp16/bf16 the rule is
+    :func:`compare_in`'s and ``tolerance`` is not used."""
     session = open_runner(model_file)
     cases = []
     for i, (batch, seq) in enumerate(shapes):
         inputs = source.inputs(batch, seq, seed=seed + i)
-        want = source.eager(inputs)
+        want, want_low = eager_outputs(source, inputs, precision)
         got = session.run(inputs)
         keep = defined_positions(_mask_of(source, session, inputs))
         for name in source.output_names:
-            row = compare(name, got[name], want[name].float().numpy(), tolerance, keep)
+            if want_low is None:
+                row = compare(name, got[name], want[name], tolerance, keep)
+            else:
+                row = compare_in(name, got[name], want[name], want_low[name], precision, keep)
             cases.append({"batch": batch, "sequence": seq, **row})
             logger.info(
                 "parity %s b=%d s=%d: max_abs=%.3g passed=%s",
@@ -118,15 +151,7 @@ def check_parity(
     outputs = []
     for name in source.output_names:
         rows = [c for c in cases if c["name"] == name]
-        outputs.append(
-            {
-                "name": name,
-                "max_abs_err": max(r["max_abs_err"] for r in rows),
-                "max_rel_err": max(r["max_rel_err"] for r in rows),
-                "tolerance": tolerance.as_dict(),
-                "passed": all(r["passed"] for r in rows),
-            }
-        )
+        outputs.append(summarize(name, rows, tolerance))
     return {
         "passed": all(o["passed"] for o in outputs),
         "outputs": outputs,
@@ -134,6 +159,20 @@ def check_parity(
         "shapes": [list(s) for s in shapes],
         "runner": runner_info(session),
     }
+
+
+def summarize(name: str, rows: list[dict], tolerance: Tolerance) -> dict:
+    """The worst case of one output over its rows (and eager's own error in a low precision)."""
+    out = {
+        "name": name,
+        "max_abs_err": max(r.get("max_abs_err", float("inf")) for r in rows),
+        "max_rel_err": max(r.get("max_rel_err", float("inf")) for r in rows),
+        "tolerance": rows[0].get("tolerance", tolerance.as_dict()),
+        "passed": all(r["passed"] for r in rows),
+    }
+    if any("eager_low_err" in r for r in rows):
+        out["eager_low_err"] = max(r["eager_low_err"] for r in rows)
+    return out
 
 
 def _mask_of(source: ModelSource, runner: Runner, inputs: dict) -> np.ndarray | None:

@@ -61,7 +61,7 @@ register(
         extra_passes=extra_passes,
         session=SessionSettings(providers=("cpu",)),
         runner="onnxruntime",
-        precisions=("fp32",),
+        precisions=("fp32", "fp16"),
         facts=("verified with ONNX Runtime's CPU provider",),
     )
 )

@@ -149,7 +149,7 @@ ORT = register(
         nonstandard_default_ops=frozenset({"SimplifiedLayerNormalization"}),
         session=SessionSettings(providers=("cpu",)),
         runner="onnxruntime",
-        precisions=("fp32",),
+        precisions=("fp32", "fp16"),
         facts=(
             "GroupQueryAttention: flash path on the CPU (O(n) memory) with present_* declared",
             "head size must be a multiple of 8 for GroupQueryAttention; else MultiHeadAttention",

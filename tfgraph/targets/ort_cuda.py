@@ -21,7 +21,7 @@ register(
         description="ONNX Runtime, CUDA provider: contrib kernels with skip (residual) norms",
         lower_norm=lower_norm_with_skip,
         session=SessionSettings(providers=("cuda", "cpu")),
-        precisions=("fp32",),
+        precisions=("fp32", "fp16"),
         facts=(*ORT.facts, "SkipLayerNormalization folds the residual Add (slower on the CPU)"),
     )
 )

@@ -85,7 +85,7 @@ def tensorrt_target(version: tuple[int, ...] = DEFAULT_VERSION) -> Target:
         extra_passes=extra_passes,
         session=SessionSettings(providers=("tensorrt", "cuda", "cpu")),
         runner="onnxruntime",  # until the TensorRT runner lands; see docs/architecture.md
-        precisions=("fp32",),
+        precisions=("fp32", "fp16"),
         version=tuple(version),
         facts=(
             f"TensorRT {'.'.join(map(str, version))}",
