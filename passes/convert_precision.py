@@ -8,16 +8,20 @@ the names of the island nodes:
    ``low``; an attribute that fixes fp32 (``Cast``'s ``to``, ``ConstantOfShape``'s and
    ``Constant``'s value, ``EyeLike``/``Random*``'s ``dtype``) names ``low`` instead.
 2. An island node computes in fp32 as before.
-3. An fp32 initializer becomes ``low`` unless only island nodes read it. Converted fp16
-   constants are clipped to ±65504: a mask's ``finfo(float32).min`` becomes the lowest finite
-   fp16, never ``-inf`` (a fully masked row of ``-inf`` turns into NaN in a softmax).
+3. An fp32 initializer (or ``Constant``) becomes ``low`` unless only island nodes read it.
+   Converted fp16 constants are clipped to ±65504: a mask's ``finfo(float32).min`` becomes the
+   lowest finite fp16, never ``-inf`` (a fully masked row of ``-inf`` turns into NaN in a
+   softmax).
 4. Where a value crosses between the two, one ``Cast`` per value and direction is inserted.
    Ops that read only their input's shape or cast it themselves (``Shape``, ``Size``,
    ``Cast``) take it as it is.
 5. Graph inputs and outputs become ``low``; with ``keep_io_types`` they stay fp32 and are cast
    at the graph's edge.
 
-Integer and boolean values are never touched. ``modified`` is False when nothing is fp32.
+Integer and boolean values are never touched. An output nothing reads loses its stated type
+outside the islands: a norm kernel returns some statistics in fp32 whatever its input type,
+others in it, and ONNX Runtime checks what is stated. ``modified`` is False when nothing is
+fp32.
 """
 
 from __future__ import annotations
@@ -56,6 +60,23 @@ def _low_array(array: np.ndarray, low: ir.DataType) -> ir.TensorProtocol:
     return ir.tensor(array.astype(ml_dtypes.bfloat16), dtype=low)
 
 
+def fill_float_types(model: ir.Model) -> int:
+    """Type the untyped outputs of nodes outside the standard domain whose first input is
+    fp32 (ONNX's shape inference does not know ``GroupQueryAttention``'s or
+    ``SkipSimplifiedLayerNormalization``'s outputs, and they follow that input's type); the
+    number typed."""
+    count = 0
+    for node in model.graph:
+        first = node.inputs[0] if node.inputs else None
+        if node.domain in ("", "ai.onnx") or not _is_fp32(first):
+            continue
+        for out in node.outputs:
+            if out.dtype is None and out.name and out.uses():  # unread: a fixed-type statistic
+                out.dtype = FP32
+                count += 1
+    return count
+
+
 class ConvertPrecisionPass(ir.passes.InPlacePass):
     """fp32 → ``low`` outside the ``keep`` islands (the cases of the module doc)."""
 
@@ -70,9 +91,17 @@ class ConvertPrecisionPass(ir.passes.InPlacePass):
     def _island(self, node: ir.Node) -> bool:
         return node.name in self.keep
 
+    def _island_constant(self, node: ir.Node) -> bool:
+        """A ``Constant`` only island nodes read stays fp32, as such an initializer does."""
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+            return False
+        users = [u.node for u in node.outputs[0].uses()]
+        return bool(users) and all(map(self._island, users))
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         low = self.low
+        fill_float_types(model)
         home: dict[ir.Value, ir.DataType] = {}  # the type each fp32 value will have
         for value in graph.inputs:
             if _is_fp32(value):
@@ -81,11 +110,18 @@ class ConvertPrecisionPass(ir.passes.InPlacePass):
             if _is_fp32(value) and not value.is_graph_input():
                 users = [u.node for u in value.uses()]
                 home[value] = FP32 if users and all(map(self._island, users)) else low
+        outputs = set(graph.outputs)
         for node in graph:
-            island = self._island(node)
+            island = self._island(node) or self._island_constant(node)
             for out in node.outputs:
-                if _is_fp32(out):
+                # an unread output keeps its type: statistics a norm kernel returns in fp32
+                # whatever its input (LayerNormalization's mean, the skip norms' inv_std_var)
+                if not _is_fp32(out):
+                    continue
+                if out.uses() or out in outputs:
                     home[out] = FP32 if island else low
+                elif not island:
+                    out.type = None  # the kernel decides (T or its fixed fp32): not stated
         if not home:
             return ir.passes.PassResult(model, modified=False)
         self._retype_nodes(graph)
@@ -105,7 +141,9 @@ class ConvertPrecisionPass(ir.passes.InPlacePass):
     def _retype_nodes(self, graph: ir.Graph) -> None:
         """Case 1: attributes that fix fp32 in nodes outside the islands."""
         for node in graph:
-            if self._island(node) or node.domain not in ("", "ai.onnx"):
+            if self._island(node) or self._island_constant(node):
+                continue
+            if node.domain not in ("", "ai.onnx"):
                 continue
             attr = TYPED_BY_ATTRIBUTE.get(node.op_type)
             if attr is not None and node.attributes.get_int(attr) == FP32:

@@ -33,10 +33,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
+import onnx_ir.passes.common as common
 import torch
 
 from tfgraph import contract
-from tfgraph.passes.convert_precision import FP16_MAX, ConvertPrecisionPass
+from tfgraph.passes.convert_precision import FP16_MAX, ConvertPrecisionPass, fill_float_types
 from tfgraph.passes.provenance import layer_name
 
 logger = logging.getLogger(__name__)
@@ -173,7 +174,10 @@ def emulate(model: ir.Model, low: ir.DataType, keep: frozenset[str]) -> ir.Model
         if node.name in island:
             continue
         if node.op_type == "Constant":
+            users = [u.node for u in node.outputs[0].uses()]
             tensor = node.attributes.get_tensor("value")
+            if users and all(u.name in island for u in users):
+                continue  # read by islands only: stays fp32 (ConvertPrecisionPass case 3)
             if tensor is not None and tensor.dtype == ir.DataType.FLOAT:
                 rounded = ir.tensor(_round(tensor.numpy(), low))
                 node.attributes["value"] = ir.AttrTensor("value", rounded)
@@ -256,6 +260,8 @@ def _index_arithmetic(model: ir.Model) -> list[tuple[ir.Node, ir.Node]]:
 def measure_islands(model: ir.Model, feeds: list[dict], precision: str) -> IslandReport:
     """The fp32 islands ``model`` (lowered, fp32) needs in ``precision`` (module doc)."""
     low = LOW_TYPES[precision]
+    common.ShapeInferencePass()(model)  # values later passes made may carry no type yet
+    fill_float_types(model)
     names = _float_values(model)
     producer = {out.name: node for node in model.graph for out in node.outputs}
     reference = _run_exposed(model, names, feeds)
@@ -324,8 +330,12 @@ def measure_islands(model: ir.Model, feeds: list[dict], precision: str) -> Islan
 
 
 def island_feeds(model: ir.Model, source, shapes) -> list[dict]:
-    """The parity inputs as graph feeds: the source's inputs, and for a cached graph an empty
-    past (a shared buffer with room for the prompt) and past length 0."""
+    """The parity inputs as graph feeds: the source's inputs with attention masks of ones
+    (a left-padded row's leading positions attend to nothing: any value is right there), and
+    for a cached graph an empty past (a shared buffer with room for the prompt), length 0."""
+    masks = set(
+        contract.names_with_role(model, contract.ATTENTION_MASK, contract.ENCODER_ATTENTION_MASK)
+    )
     shared = bool(contract.names_with_role(model, contract.PAST_LENGTH))
     pasts = set(contract.names_with_role(model, contract.PAST_KEY, contract.PAST_VALUE))
     lengths = set(contract.names_with_role(model, contract.PAST_LENGTH))
@@ -334,7 +344,9 @@ def island_feeds(model: ir.Model, source, shapes) -> list[dict]:
         inputs = {n: v.numpy() for n, v in source.inputs(batch, seq, seed=i).items()}
         feed = {}
         for value in model.graph.inputs:
-            if value.name in inputs:
+            if value.name in masks:  # no padding: a padded row's leading positions attend
+                feed[value.name] = np.ones_like(inputs[value.name])  # to nothing, any value
+            elif value.name in inputs:
                 feed[value.name] = inputs[value.name]
             elif value.name in pasts:
                 dims = list(value.shape)
