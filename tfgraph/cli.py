@@ -57,7 +57,13 @@ def _cmd_export(args) -> int:
         tolerance=Tolerance(args.atol, args.rtol),
         precision=args.precision,
         keep_io_types=args.keep_io_types,
-        progress=_progress(len(EXPORT_STEPS) + (args.precision != "fp32")),
+        weights=args.weights,
+        block_size=args.block_size,
+        symmetric=args.symmetric,
+        quantize_lm_head=not args.no_quantize_lm_head,
+        progress=_progress(
+            len(EXPORT_STEPS) + (args.precision != "fp32") + 2 * (args.weights is not None)
+        ),
     )
     report = result.report
     if args.verbose:
@@ -71,6 +77,7 @@ def _cmd_export(args) -> int:
     print(f"wrote {result.out_dir}/ ({', '.join(files)})")
     _print_fusions(report["fusions"], verbose=args.verbose)
     _print_precision(report.get("precision") or {}, verbose=args.verbose)
+    _print_weights(report.get("weights"), verbose=args.verbose)
     parity = report["parity"]
     rows = [
         [
@@ -141,6 +148,28 @@ def _print_precision(precision: dict, *, verbose: bool) -> None:
     for stray in precision.get("unresolved", []):
         where = stray["module"] or "<top level>"
         print(f"  still off in {where}: {stray['value']} strays {stray['error']:.3g}")
+
+
+def _print_weights(weights: dict | None, *, verbose: bool) -> None:
+    """What ``--weights`` quantized, the bytes, and how far it moved the fp32 model."""
+    if not weights:
+        return
+    kind = "symmetric" if weights["symmetric"] else "asymmetric"
+    before, after = (weights[k] / (1 << 20) for k in ("weight_bytes_before", "weight_bytes_after"))
+    print(
+        f"weights {weights['weights']} (block {weights['block_size']}, {kind}): "
+        f"{len(weights['quantized'])} MatMul weights in MatMulNBits, "
+        f"{before:.2f} -> {after:.2f} MiB"
+    )
+    shown = weights["unquantized"] if verbose else weights["unquantized"][:3]
+    for row in shown:
+        print(f"  kept {row.get('module') or row.get('node')}: {row['reason']}")
+    error = weights.get("error_vs_fp32") or {}
+    if error:
+        line = f"  vs the fp32 model: max logits err {error['max_logits_err']:.3g}"
+        if "greedy_tokens" in error:
+            line += f", greedy tokens {error['greedy_agreement']}/{error['greedy_tokens']} equal"
+        print(line)
 
 
 def _print_fusions(fusions: dict, *, verbose: bool) -> None:
@@ -652,6 +681,26 @@ def build_parser() -> argparse.ArgumentParser:
         default="fp32",
         help="the graph's float type; fp32 islands are kept where measured values need them "
         "(targets list what they take: `tfgraph targets`)",
+    )
+    p.add_argument(
+        "--weights",
+        choices=["int8", "int4"],
+        help="weight-only quantization of MatMul weights (MatMulNBits, ort targets); parity "
+        "then runs against eager with the same dequantized weights",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=32,
+        help="--weights: rows of K per scale (a power of two >= 16; default 32)",
+    )
+    p.add_argument(
+        "--symmetric", action="store_true", help="--weights: no zero points (default asymmetric)"
+    )
+    p.add_argument(
+        "--no-quantize-lm-head",
+        action="store_true",
+        help="--weights: keep the LM head in fp32 (embeddings always stay fp32)",
     )
     p.add_argument(
         "--keep-io-types",

@@ -36,6 +36,13 @@ from .pipeline import PassRecord, check_model, run_pipeline
 from .precision import apply_precision, check_precision
 from .sources import ModelSource, load_source
 from .trace import TraceCache, trace
+from .weights import (
+    DEFAULT_BLOCK_SIZE,
+    check_weights,
+    dequantized_source,
+    quantization_error,
+    quantize,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +82,10 @@ def export(
     trace_cache: TraceCache | None = None,
     precision: str = "fp32",
     keep_io_types: bool = False,
+    weights: str | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    symmetric: bool = False,
+    quantize_lm_head: bool = True,
 ) -> ExportResult:
     """Export ``model`` (a MODEL string as the CLI takes it, or a :class:`ModelSource`) for
     target ``profile`` (a :class:`tfgraph.targets.Target` or a registered name such as
@@ -82,11 +93,14 @@ def export(
     ``trace_cache`` reuses an earlier export's trace of the same source and opset.
     ``precision`` (``fp16``, ``bf16``): the graph's floats in that type outside the fp32
     islands measured on the parity inputs (:mod:`tfgraph.precision`), fp32 inputs and outputs
-    with ``keep_io_types``; parity then follows the precision's rule."""
+    with ``keep_io_types``; parity then follows the precision's rule. ``weights`` (``int8``,
+    ``int4``): MatMul weights block-wise in ``MatMulNBits`` (:mod:`tfgraph.weights`); parity
+    then runs against eager PyTorch with the same dequantized weights."""
     out_dir = Path(out_dir)
     target = get_target(target if target is not None else profile)
     check_target(out_dir)  # before any slow work
     check_precision(precision, keep_io_types, target)
+    check_weights(weights, block_size, target)
     if opset is None:
         opset = target.opset
     check_opset(opset)
@@ -160,6 +174,22 @@ def export(
             )
             check_model(graph, "ConvertPrecisionPass", target)
             records.append(PassRecord("ConvertPrecisionPass", timings["precision"], True))
+        weights_report = None
+        reference = source
+        if weights is not None:
+            graph, weights_report = step(
+                "weights",
+                quantize,
+                graph,
+                weights,
+                block_size=block_size,
+                symmetric=symmetric,
+                lm_head=quantize_lm_head,
+            )
+            check_model(graph, "MatMulNBitsQuantizer", target)
+            records.append(PassRecord("MatMulNBitsQuantizer", timings["weights"], True))
+            reference, placed = dequantized_source(source, weights_report.pop("_dequantized"))
+            weights_report["parameters"] = placed
         fusions = count_fusions(graph, pipeline, target=target)
         files = []
         encoder = None
@@ -189,7 +219,7 @@ def export(
         parity = step(
             "parity",
             check_cache_parity if kv_cache else check_parity,
-            source,
+            reference,
             stage / files[0],
             shapes=parity_shapes,
             tolerance=tolerance,
@@ -206,9 +236,19 @@ def export(
             "opset": graph.opset_imports.get("", opset),
             "pipeline": pipeline,
             "precision": precision_report or {"precision": "fp32"},
+            "weights": weights_report,
             "passes": passes,
             "timings": timings,
         }
+        if weights_report is not None:
+            weights_report["error_vs_fp32"] = step(
+                "quantization error",
+                quantization_error,
+                source,
+                reference,
+                stage / files[0] if kv_cache else None,
+                parity_shapes,
+            )
         write_json(stage / "report.json", report)
     return ExportResult(out_dir, manifest, report)
 

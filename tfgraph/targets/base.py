@@ -54,6 +54,7 @@ class Target:
       (the checker is shown them as a custom domain).
     - ``session``, ``runner``: how its graphs run (:mod:`tfgraph.runtime` picks the runner).
     - ``precisions``: the ``--precision`` values it accepts.
+    - ``weight_formats``: the ``--weights`` formats it runs (``int8``, ``int4``: MatMulNBits).
     - ``facts``: what the target's choices rest on, for ``python -m tfgraph targets``.
     """
 
@@ -69,6 +70,7 @@ class Target:
     session: SessionSettings = SessionSettings()
     runner: str = "onnxruntime"
     precisions: tuple[str, ...] = ("fp32",)
+    weight_formats: tuple[str, ...] = ()
     version: tuple[int, ...] | None = None
     facts: tuple[str, ...] = ()
 

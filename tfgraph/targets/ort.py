@@ -150,6 +150,7 @@ ORT = register(
         session=SessionSettings(providers=("cpu",)),
         runner="onnxruntime",
         precisions=("fp32", "fp16"),
+        weight_formats=("int8", "int4"),  # com.microsoft.MatMulNBits
         facts=(
             "GroupQueryAttention: flash path on the CPU (O(n) memory) with present_* declared",
             "head size must be a multiple of 8 for GroupQueryAttention; else MultiHeadAttention",

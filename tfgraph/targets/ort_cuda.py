@@ -22,6 +22,7 @@ register(
         lower_norm=lower_norm_with_skip,
         session=SessionSettings(providers=("cuda", "cpu")),
         precisions=("fp32", "fp16"),
+        weight_formats=("int8", "int4"),  # com.microsoft.MatMulNBits
         facts=(*ORT.facts, "SkipLayerNormalization folds the residual Add (slower on the CPU)"),
     )
 )

@@ -1,0 +1,329 @@
+"""Weight-only int8 / int4 quantization (``--weights``): ``com.microsoft.MatMulNBits``.
+
+ONNX Runtime's own quantizer (``onnxruntime.quantization.matmul_nbits_quantizer``) turns every
+``MatMul`` with a constant 2-D weight into ``MatMulNBits``: block-wise along the reduction
+axis K, one scale (and, asymmetric, one zero point) per block of ``block_size`` rows and per
+output column. Block sizes are powers of two ≥ 16 (ONNX Runtime rejects 8 at session
+creation; measured).
+
+- **LM head**: quantized unless ``lm_head=False``. A head tied to the embedding reads the
+  embedding through a ``Transpose``; it gets its own transposed copy to quantize (the embedding
+  ``Gather`` keeps the fp32 table).
+- **Embeddings** stay fp32 (a ``Gather`` reads one row per token; nothing to gain in decode).
+- **The reference**: :func:`dequantized` returns the weights as the kernel computes with them,
+  ``(q − zero_point) · scale``, so :func:`apply_to_module` can give the eager model exactly
+  those weights: parity against it is exact up to fp32 noise. Each quantized matrix is found
+  among the module's parameters by content (a ``Linear``'s weight transposed, GPT-2's
+  ``Conv1D`` as it is, or a column block of a packed Q/K/V).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx_ir as ir
+
+from tfgraph import contract
+
+from .errors import TfgraphError
+from .passes.provenance import layer_name
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_FORMATS = {"int8": 8, "int4": 4}
+DEFAULT_BLOCK_SIZE = 32
+MIN_BLOCK_SIZE = 16
+
+
+def check_weights(weights: str | None, block_size: int, target) -> None:
+    """Refuse a format the target cannot run or a block size the kernel rejects."""
+    if weights is None:
+        return
+    if weights not in WEIGHT_FORMATS:
+        raise TfgraphError(
+            f"unknown --weights '{weights}': choose one of {', '.join(WEIGHT_FORMATS)}"
+        )
+    if weights not in target.weight_formats:
+        supported = ", ".join(target.weight_formats) or "none"
+        raise TfgraphError(
+            f"target '{target.label}' does not run --weights {weights} (MatMulNBits is an ONNX "
+            f"Runtime kernel): use --target ort or ort-cuda (this target takes: {supported})"
+        )
+    if block_size < MIN_BLOCK_SIZE or block_size & (block_size - 1):
+        raise TfgraphError(
+            f"--block-size {block_size} is not supported: use a power of two ≥ {MIN_BLOCK_SIZE} "
+            "(MatMulNBits rejects others)"
+        )
+
+
+def _logits_head(model: ir.Model) -> ir.Node | None:
+    """The MatMul that computes the logits output (through a bias Add, if any)."""
+    names = set(contract.names_with_role(model, contract.LOGITS))
+    for value in model.graph.outputs:
+        if value.name not in names:
+            continue
+        node = value.producer()
+        if node is not None and node.op_type == "Add":
+            node = next((i.producer() for i in node.inputs if i.producer() is not None), None)
+        if node is not None and node.op_type == "MatMul":
+            return node
+    return None
+
+
+def _untie_head(model: ir.Model, head: ir.Node) -> bool:
+    """A head reading ``Transpose(embedding table)`` gets the transposed table as its own
+    initializer, so that the quantizer sees a constant weight."""
+    weight = head.inputs[1]
+    node = weight.producer()
+    if node is None or node.op_type != "Transpose":
+        return False
+    table = node.inputs[0]
+    if table.const_value is None:
+        return False
+    perm = node.attributes.get_ints("perm", [1, 0])
+    array = np.ascontiguousarray(np.transpose(table.const_value.numpy(), perm))
+    value = ir.Value(
+        name=f"{table.name}__head", const_value=ir.tensor(array), shape=ir.Shape(array.shape)
+    )
+    value.type = ir.TensorType(ir.DataType.FLOAT)
+    model.graph.register_initializer(value)
+    head.replace_input_with(1, value)
+    return True
+
+
+def quantize(
+    model: ir.Model, weights: str, *, block_size: int, symmetric: bool, lm_head: bool
+) -> tuple[ir.Model, dict]:
+    """``model`` with its MatMul weights in ``MatMulNBits``; and what the report says: the
+    quantized and unquantized layers, weight bytes before and after, and under
+    ``"_dequantized"`` ``{MatMulNBits node: ((K, N) original, (K, N) dequantized)}``."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    bits = WEIGHT_FORMATS[weights]
+    head = _logits_head(model)
+    unquantized = []
+    if head is not None and lm_head:
+        _untie_head(model, head)
+    originals = {}
+    for node in model.graph:
+        if node.op_type == "MatMul" and node.inputs[1].const_value is not None:
+            originals[node.name] = (node.inputs[1].name, node.inputs[1].const_value.numpy())
+    before = _weight_bytes(model)
+    exclude = [head.name] if head is not None and not lm_head else []
+    if exclude:
+        unquantized.append(
+            {"module": layer_name(head), "reason": "LM head (--no-quantize-lm-head)"}
+        )
+    proto = ir.serde.serialize_model(model)
+    quantizer = MatMulNBitsQuantizer(
+        proto, bits=bits, block_size=block_size, is_symmetric=symmetric, nodes_to_exclude=exclude
+    )
+    quantizer.process()
+    quantized_model = ir.serde.deserialize_model(quantizer.model.model)
+    quantized, dequant = [], {}
+    initializers = quantized_model.graph.initializers
+    for node in quantized_model.graph:
+        if node.op_type != "MatMulNBits":
+            continue
+        base = next((n for n in originals if node.name.startswith(n)), None)
+        if base is None:
+            continue
+        name, original = originals.pop(base)
+        dequant[node.name] = (original, dequantize(node, initializers, original.shape))
+        quantized.append({"module": layer_name(node), "shape": list(original.shape)})
+    for name in originals:  # MatMuls with constant weights the quantizer left alone
+        unquantized.append({"node": name, "reason": "not taken by the quantizer"})
+    for node in quantized_model.graph:
+        if node.op_type == "Gather" and node.inputs[0].const_value is not None:
+            unquantized.append({"module": layer_name(node), "reason": "embedding (stays fp32)"})
+    return quantized_model, {
+        "weights": weights,
+        "block_size": block_size,
+        "symmetric": symmetric,
+        "lm_head": bool(lm_head and head is not None),
+        "quantized": quantized,
+        "unquantized": unquantized,
+        "weight_bytes_before": before,
+        "weight_bytes_after": _weight_bytes(quantized_model),
+        "_dequantized": dequant,
+    }
+
+
+def _weight_bytes(model: ir.Model) -> int:
+    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value)
+
+
+def dequantize(node: ir.Node, initializers, shape: tuple[int, int]) -> np.ndarray:
+    """The (K, N) weight ``MatMulNBits`` computes with: ``(q − zero_point) · scale`` per block.
+
+    Layout (ONNX Runtime's contrib op): ``B`` (N, blocks, block·bits/8) uint8, values packed
+    low bits first; ``scales`` (N·blocks); ``zero_points`` packed the same way along blocks,
+    absent for symmetric weights (then 2^(bits−1)).
+    """
+    bits = node.attributes.get_int("bits", 4)
+    block = node.attributes.get_int("block_size")
+    k, n = shape
+    packed = initializers[node.inputs[1].name].const_value.numpy()
+    scales = initializers[node.inputs[2].name].const_value.numpy().astype(np.float32)
+    blocks = packed.shape[1]
+    q = _unpack(packed.reshape(n, -1), bits).reshape(n, blocks, block).astype(np.float32)
+    zp_value = node.inputs[3] if len(node.inputs) > 3 else None
+    if zp_value is not None and zp_value.name:
+        zp = initializers[zp_value.name].const_value.numpy()
+        zp = _unpack(zp.reshape(n, -1), bits)[:, :blocks].astype(np.float32)
+    else:
+        zp = np.full((n, blocks), 2 ** (bits - 1), np.float32)
+    w = (q - zp[:, :, None]) * scales.reshape(n, blocks)[:, :, None]  # (N, blocks, block)
+    return np.ascontiguousarray(w.reshape(n, -1)[:, :k].T)  # (K, N)
+
+
+def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 bytes → values of ``bits`` bits, low bits first, along the last axis."""
+    if bits == 8:
+        return packed
+    low, high = packed & 0x0F, packed >> 4
+    return np.stack([low, high], axis=-1).reshape(*packed.shape[:-1], -1)
+
+
+def apply_to_module(module, dequantized: dict[str, tuple[np.ndarray, np.ndarray]]) -> list[dict]:
+    """Write each dequantized (K, N) matrix into the parameter(s) its original came from,
+    found by content; one ``{node, parameter, columns, transposed}`` per block written (the
+    report keeps them, so the reference can be rebuilt from the artifact). A matrix found
+    nowhere raises (the reference would be wrong)."""
+    import torch
+
+    columns: dict[bytes, list] = {}
+    for pname, param in module.named_parameters():
+        if param.ndim != 2:
+            continue
+        data = param.detach().float().numpy()
+        for transposed in (True, False):  # Linear (out, in) is Wᵀ; Conv1D (in, out) is W
+            view = data.T if transposed else data
+            columns.setdefault(np.ascontiguousarray(view[:, 0]).tobytes(), []).append(
+                (pname, param, transposed, view)
+            )
+    written = []
+    with torch.no_grad():
+        for name, (original, deq) in dequantized.items():
+            col = 0
+            while col < deq.shape[1]:
+                key = np.ascontiguousarray(original[:, col]).tobytes()
+                match = None
+                for pname, param, transposed, view in columns.get(key, []):
+                    width = view.shape[1]
+                    if col + width <= deq.shape[1] and np.array_equal(
+                        original[:, col : col + width], view
+                    ):
+                        match = (pname, param, transposed, width)
+                        break
+                if match is None:
+                    raise TfgraphError(
+                        f"cannot find the parameter of quantized weight '{name}' (columns from "
+                        f"{col}) in the module: the eager reference would not match"
+                    )
+                pname, param, transposed, width = match
+                block = deq[:, col : col + width]
+                _write(module, param, np.ascontiguousarray(block.T if transposed else block))
+                written.append(
+                    {
+                        "node": name,
+                        "parameter": pname,
+                        "columns": [col, col + width],
+                        "transposed": transposed,
+                    }
+                )
+                col += width
+    return written
+
+
+def _write(module, param, array: np.ndarray) -> None:
+    """Give ``param``'s users ``array``. A parameter an embedding shares with the LM head (tied
+    weights) is untied: the head gets the new values, the embedding keeps its table, as the
+    graph does (:func:`_untie_head`)."""
+    import torch
+    from torch import nn
+
+    holders = [(m, key) for m in module.modules() for key, p in m._parameters.items() if p is param]
+    if len(holders) == 1:
+        param.copy_(torch.from_numpy(array))
+        return
+    for holder, key in holders:
+        if not isinstance(holder, nn.Embedding):
+            holder._parameters[key] = nn.Parameter(torch.from_numpy(array), requires_grad=False)
+
+
+def dequantized_source(source, dequantized: dict) -> tuple:
+    """(a copy of ``source`` whose module computes with the dequantized weights: the eager
+    reference of a quantized artifact; where each block went, for the report)."""
+    import copy
+    import dataclasses
+
+    module = copy.deepcopy(source.module)
+    written = apply_to_module(module, dequantized)
+    logger.info("eager reference: %d parameter blocks set to dequantized values", len(written))
+    return dataclasses.replace(source, module=module, info=dict(source.info)), written
+
+
+def reference_from_artifact(source, model_file, parameters: list[dict]):
+    """The eager reference of a quantized artifact rebuilt from the artifact itself: each
+    ``MatMulNBits`` weight dequantized and written where the report's ``parameters`` say."""
+    import copy
+    import dataclasses
+
+    import torch
+
+    model = ir.load(model_file)
+    nodes = {n.name: n for n in model.graph}
+    module = copy.deepcopy(source.module)
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for entry in parameters:
+            param = params[entry["parameter"]]
+            node = nodes[entry["node"]]
+            k = node.attributes.get_int("K")
+            n = node.attributes.get_int("N")
+            deq = dequantize(node, model.graph.initializers, (k, n))
+            c0, c1 = entry["columns"]
+            block = deq[:, c0:c1]
+            _write(module, param, np.ascontiguousarray(block.T if entry["transposed"] else block))
+    return dataclasses.replace(source, module=module, info=dict(source.info))
+
+
+GREEDY_TOKENS = 64
+
+
+def quantization_error(source, reference, model_file, shapes) -> dict:
+    """How far the dequantized model is from the fp32 one: the largest logits difference on
+    the parity inputs, and for a cached artifact the greedy tokens of both eager models over
+    :data:`GREEDY_TOKENS` steps (how many agree, where they part)."""
+    name = source.output_names[0]
+    worst, scale = 0.0, 0.0
+    for i, (batch, seq) in enumerate(shapes):
+        inputs = source.inputs(batch, seq, seed=i)
+        want = source.eager(inputs)[name].float().numpy()
+        got = reference.eager(inputs)[name].float().numpy()
+        worst = max(worst, float(np.abs(got - want).max()))
+        scale = max(scale, float(np.abs(want).max()))
+    out = {"max_logits_err": worst, "max_logits_rel_err": worst / scale if scale else worst}
+    if model_file is None:
+        return out
+    from tfgraph.runtime import CachedDecoder, open_runner
+
+    from .generation_parity import eager_greedy, encoder_inputs
+
+    decoder = CachedDecoder(open_runner(model_file))
+    tokens = source.inputs(1, 8, seed=11)[decoder.token_input].numpy()
+    prompts = tokens.tolist()
+    steps = GREEDY_TOKENS
+    limit = source.info.get("max_positions")
+    if limit:
+        steps = min(steps, limit - (1 if decoder.seq2seq else tokens.shape[1]))
+    extra = encoder_inputs(decoder, prompts) if decoder.seq2seq else {}
+    fp32, _ = eager_greedy(source, decoder, prompts, extra, steps)
+    deq, _ = eager_greedy(reference, decoder, prompts, extra, steps)
+    same = [a == b for a, b in zip(fp32[0], deq[0], strict=True)]
+    out["greedy_tokens"] = steps
+    out["greedy_agreement"] = sum(same)
+    out["greedy_first_difference"] = same.index(False) if False in same else None
+    return out
