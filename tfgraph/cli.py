@@ -78,7 +78,14 @@ def _cmd_export(args) -> int:
     _print_fusions(report["fusions"], verbose=args.verbose)
     _print_precision(report.get("precision") or {}, verbose=args.verbose)
     _print_weights(report.get("weights"), verbose=args.verbose)
-    parity = report["parity"]
+    _print_parity(report["parity"], cached=bool(report.get("kv_cache")))
+    if not result.passed:
+        print(f"error: parity failed; see {result.out_dir / 'report.json'}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _print_parity(parity: dict, *, cached: bool) -> None:
     rows = [
         [
             o["name"],
@@ -92,7 +99,7 @@ def _cmd_export(args) -> int:
     shapes = ", ".join(f"{b}x{s}" for b, s in parity["shapes"])
     print(f"parity vs eager PyTorch (batch x seq: {shapes}):")
     print(_table(rows, ["output", "max abs err", "max rel err", "tolerance", "result"]))
-    if report.get("kv_cache"):
+    if cached:
         rows = [
             [
                 phase,
@@ -104,10 +111,6 @@ def _cmd_export(args) -> int:
         ]
         print(f"KV cache: prefill (empty past) and {parity['decode_steps']} decode steps:")
         print(_table(rows, ["phase", "cases", "max abs err", "result"]))
-    if not result.passed:
-        print(f"error: parity failed; see {result.out_dir / 'report.json'}", file=sys.stderr)
-        return 1
-    return 0
 
 
 def _tolerance_text(row: dict) -> str:
@@ -184,6 +187,28 @@ def _print_fusions(fusions: dict, *, verbose: bool) -> None:
             print(f"  {label} {kind} in {miss['module'] or '<top level>'}: {miss['reason']}")
         if len(v["missed"]) > len(shown):
             print(f"  … {len(v['missed']) - len(shown)} more {kind} misses (-v lists all)")
+
+
+def _cmd_parity(args) -> int:
+    from .recheck import RESULT_FILE, recheck
+
+    result = recheck(args.path, trust_remote_code=args.trust_remote_code)
+    parity = result["parity"]
+    print(f"re-checked {result['model']} ({result['precision']}) on {parity['runner']['runner']}")
+    _print_parity(parity, cached="decode" in parity)
+    if parity["passed"]:
+        return 0
+    found = (result.get("bisect") or {}).get("first_divergence")
+    if found:
+        kernels = ", ".join(f"{k['op']} {k['node']}" for k in found["kernels"]) or "no fused kernel"
+        print(
+            f"first diverging module: {found['module']} (max abs err {found['max_abs_err']:.3g}, "
+            f"max rel err {found['max_rel_err']:.3g}); inside: {kernels}"
+        )
+    else:
+        print("bisection: every module's output within tolerance (the divergence is after them)")
+    print(f"error: parity failed; see {Path(args.path) / RESULT_FILE}", file=sys.stderr)
+    return 1
 
 
 def _cmd_inspect(args) -> int:
@@ -797,6 +822,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", action="append", help="run only this section (repeatable)")
     verbose(p)
     p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser(
+        "parity",
+        help="re-check an artifact against its source here; on failure name the first "
+        "diverging module",
+    )
+    p.add_argument("path", help="artifact directory (tfgraph export's)")
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow a model directory's own Python code to run",
+    )
+    verbose(p)
+    p.set_defaults(func=_cmd_parity)
 
     p = sub.add_parser("inspect", help="op histogram, fusions and signature of an artifact")
     p.add_argument("path", help="artifact directory or .onnx file")

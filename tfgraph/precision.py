@@ -267,8 +267,16 @@ def measure_islands(model: ir.Model, feeds: list[dict], precision: str) -> Islan
     reference = _run_exposed(model, names, feeds)
     keep: set[str] = set()
     islands: list[Island] = []
+    cache = set(contract.names_with_role(model, contract.PAST_KEY, contract.PAST_VALUE))
+    # a kernel that writes the KV cache in place keeps the cache's type (the buffer is shared)
+    fixed = {
+        n.name for n in model.graph if any(v is not None and v.name in cache for v in n.inputs)
+    }
 
     def add(node: ir.Node, reason: str) -> None:
+        if node.name in fixed:
+            logger.info("%s stays %s: it writes the KV cache (%s)", node.name, precision, reason)
+            return
         if node.name not in keep and node.op_type != "Constant":
             keep.add(node.name)
             islands.append(Island(node.name, node.op_type, layer_name(node), reason))

@@ -1,0 +1,248 @@
+"""``python -m tfgraph parity ARTIFACT``: re-check an artifact against its source, and when an
+output fails, bisect to the first PyTorch module whose output diverges.
+
+The source is the one ``report.json`` names (a preset, a factory, a Hugging Face directory);
+the precision is the manifest's, and a quantized artifact is checked against eager with the
+weights dequantized from the artifact itself (:func:`tfgraph.weights.reference_from_artifact`).
+Parity runs as at export time, on this machine and with this ONNX Runtime.
+
+**Bisection** (:func:`bisect`). A copy of the graph exposes, for every module of the eager
+model, the value its subgraph hands on (the output of the module's nodes — the nodes whose
+PyTorch scope is the module or inside it — that a node outside reads, with the eager output's
+shape); forward hooks record each module's eager output on the same inputs (attention masks
+all ones, an empty cache). The modules are compared in the order they finish in eager, so an
+inner module (``decoder.blocks.1.attn``) is named before the block that holds it; the first
+one outside tolerance is the culprit, with the kernels (fused nodes) inside it. In fp16 the
+tolerance is the precision's rule against eager fp16 (:func:`tfgraph.precision.judge`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import onnx_ir as ir
+
+from tfgraph import contract
+from tfgraph.passes.provenance import module_name
+from tfgraph.runtime.session import checked_model
+
+from .errors import TfgraphError
+from .parity import FP32, compare
+
+logger = logging.getLogger(__name__)
+
+RESULT_FILE = "parity.json"
+
+
+def load_artifact_source(directory: Path, *, trust_remote_code: bool = False):
+    """(source, reference, report, manifest): the source ``report.json`` names and the eager
+    reference parity uses (the dequantized weights of a quantized artifact)."""
+    from .sources import load_source
+    from .weights import reference_from_artifact
+
+    report_file = directory / "report.json"
+    if not report_file.is_file():
+        raise TfgraphError(
+            f"'{directory}' has no report.json: re-check needs the artifact directory tfgraph "
+            "export wrote (it names the source)"
+        )
+    report = json.loads(report_file.read_text())
+    origin = report.get("model", "")
+    _, _, spec = origin.partition(":")
+    if not spec:
+        raise TfgraphError(f"report.json names no source ('{origin}'); export it again")
+    info = report.get("source") or {}
+    source = load_source(
+        spec,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=info.get("attn_fallback") or None,
+    )
+    model_file, manifest = checked_model(directory)
+    reference = source
+    weights = report.get("weights")
+    if weights:
+        reference = reference_from_artifact(source, model_file, weights["parameters"])
+    return source, reference, report, manifest or {}
+
+
+def recheck(directory: str | Path, *, trust_remote_code: bool = False, bisect_failures=True):
+    """Parity of the artifact in ``directory`` on this machine; on failure the bisection.
+    Writes ``parity.json`` beside it and returns what it holds."""
+    from .cache_parity import check_cache_parity
+    from .parity import PARITY_SHAPES, check_parity
+
+    directory = Path(directory)
+    source, reference, report, manifest = load_artifact_source(
+        directory, trust_remote_code=trust_remote_code
+    )
+    precision = manifest.get("precision", "fp32")
+    model_file = directory / contract.MODEL_FILE
+    shapes = [tuple(s) for s in report.get("parity", {}).get("shapes", PARITY_SHAPES)]
+    check = check_cache_parity if report.get("kv_cache") else check_parity
+    parity = check(reference, model_file, shapes=shapes, precision=precision)
+    result = {"model": report.get("model"), "precision": precision, "parity": parity}
+    if not parity["passed"] and bisect_failures:
+        result["bisect"] = bisect(reference, model_file, precision)
+    (directory / RESULT_FILE).write_text(json.dumps(result, indent=2, default=float) + "\n")
+    return result
+
+
+FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
+
+
+def _module_values(model: ir.Model) -> tuple[dict, dict]:
+    """Module name → the values its nodes hand to nodes outside it, and → the values they
+    read from outside it (graph order)."""
+    scopes = {id(n): module_name(n) for n in model.graph}
+    prefixes = set()
+    for name in {s for s in scopes.values() if s}:
+        parts = name.split(".")
+        prefixes.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    outputs = set(model.graph.outputs)
+    handed_by: dict[str, list[ir.Value]] = {}
+    read_by: dict[str, list[ir.Value]] = {}
+    for prefix in prefixes:
+
+        def inside(node: ir.Node | None, prefix=prefix) -> bool:
+            scope = scopes.get(id(node), "") if node is not None else ""
+            return scope == prefix or scope.startswith(prefix + ".")
+
+        handed, read = [], []
+        for node in model.graph:
+            if not inside(node):
+                continue
+            for value in node.inputs:
+                if value is None or value.dtype not in FLOATS or value.const_value is not None:
+                    continue
+                if not inside(value.producer()) and value not in read:
+                    read.append(value)
+            for out in node.outputs:
+                if out.dtype in FLOATS and (
+                    out in outputs or any(not inside(u.node) for u in out.uses())
+                ):
+                    handed.append(out)
+        if handed:
+            handed_by[prefix] = handed
+        if read:
+            read_by[prefix] = read
+    return handed_by, read_by
+
+
+def _eager_outputs(source, inputs: dict, dtype=None) -> list[tuple]:
+    """(module name, output, first tensor input or None) in the order modules finish; modules
+    returning several tensors (RoPE's cos and sin) are left out."""
+    import torch
+
+    module = source.module
+    if dtype is not None:
+        source.eager_in(inputs, dtype)  # builds (once) the converted copy
+        module = source.__dict__["_low_copies"][dtype]
+    order: list[tuple] = []
+    hooks = []
+
+    def array(t):
+        ok = isinstance(t, torch.Tensor) and t.is_floating_point()
+        return t.detach().float().numpy() if ok else None
+
+    for name, sub in module.named_modules():
+        if not name:
+            continue
+
+        def hook(_module, args, output, name=name):
+            if isinstance(output, (tuple, list)):  # which graph value is which: not known
+                return
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if array(output) is not None:
+                order.append((name, array(output), array(first)))
+
+        hooks.append(sub.register_forward_hook(hook))
+    try:
+        cast = {
+            n: v.to(dtype) if dtype is not None and v.is_floating_point() else v
+            for n, v in inputs.items()
+        }
+        with torch.no_grad():
+            module(*(cast[n] for n in source.input_names))
+    finally:
+        for h in hooks:
+            h.remove()
+    return order
+
+
+def bisect(source, model_file: Path, precision: str = "fp32", shape=(1, 7)) -> dict:
+    """The first module (in eager finishing order) whose graph value leaves tolerance."""
+    import torch
+
+    from .precision import TORCH_TYPES, _copy, _run_exposed, island_feeds, judge
+
+    model = ir.load(model_file)
+    feeds = island_feeds(model, source, [shape])
+    inputs = source.inputs(*shape, seed=0)
+    masks = set(
+        contract.names_with_role(model, contract.ATTENTION_MASK, contract.ENCODER_ATTENTION_MASK)
+    )
+    inputs = {n: torch.ones_like(v) if n in masks else v for n, v in inputs.items()}
+    handed, read = _module_values(model)
+    exposed = sorted({v.name for vs in (*handed.values(), *read.values()) for v in vs})
+    graph_values = _run_exposed(_copy(model), exposed, feeds)[0]
+    low = {}
+    if precision != "fp32":
+        low = {n: (o, i) for n, o, i in _eager_outputs(source, inputs, TORCH_TYPES[precision])}
+
+    def judged(name: str, candidates: list, want, want_low) -> dict | None:
+        names = [
+            v.name
+            for v in candidates
+            if v.name in graph_values and graph_values[v.name].shape == want.shape
+        ]
+        if not names:
+            return None
+        got = graph_values[names[-1]]
+        if precision == "fp32":
+            row = compare(name, got, want, FP32)
+        else:
+            row = judge(got, want, want_low if want_low is not None else want, precision)
+        return {
+            "module": name,
+            "value": names[-1],
+            "max_abs_err": row["max_abs_err"],
+            "max_rel_err": row["max_rel_err"],
+            "passed": row["passed"],
+        }
+
+    checked = []
+    for name, want, want_in in _eager_outputs(source, inputs):
+        row = judged(name, handed.get(name, []), want, low.get(name, (None, None))[0])
+        if row is None:
+            continue
+        checked.append(row)
+        if row["passed"]:
+            continue
+        # an output that diverges from an input that already did: the divergence came from
+        # the enclosing module's own nodes, between its children
+        culprit = name
+        if want_in is not None and "." in name:
+            seen = judged(name, read.get(name, []), want_in, low.get(name, (None, None))[1])
+            if seen is not None and not seen["passed"]:
+                culprit = name.rsplit(".", 1)[0]
+                row = {**row, "module": culprit, "diverging_input_of": name}
+        found = {**row, "kernels": _kernels(model, culprit)}
+        return {"first_divergence": found, "checked": checked}
+    return {"first_divergence": None, "checked": checked}
+
+
+FUSED_STANDARD = {"Attention", "LayerNormalization", "RMSNormalization", "Gelu"}
+
+
+def _kernels(model: ir.Model, name: str) -> list[dict]:
+    """The fused kernels a module's nodes hold, its own scope first."""
+    found = []
+    for n in model.graph:
+        scope = module_name(n)
+        fused = n.domain not in ("", "ai.onnx") or n.op_type in FUSED_STANDARD
+        if fused and (scope == name or scope.startswith(name + ".")):
+            found.append({"op": n.op_type, "node": n.name, "module": scope})
+    found.sort(key=lambda k: k["module"] != name)
+    return found
