@@ -72,7 +72,7 @@ def fill_float_types(model: ir.Model) -> int:
             continue
         for out in node.outputs:
             if out.dtype is None and out.name and out.uses():  # unread: a fixed-type statistic
-                out.dtype = FP32
+                out.type = ir.TensorType(FP32)
                 count += 1
     return count
 
@@ -163,7 +163,9 @@ class ConvertPrecisionPass(ir.passes.InPlacePass):
         """A value's type (and an initializer's data) becomes ``low``."""
         if value.const_value is not None and value.is_initializer():
             value.const_value = _low_array(value.const_value.numpy(), self.low)
-        value.dtype = self.low
+        # a fresh type: values may share one TensorType object, and setting ``dtype`` changes
+        # that object for all of them (an island's output turned bf16 with its neighbour's)
+        value.type = ir.TensorType(self.low)
 
     def _insert_casts(self, graph: ir.Graph, home: dict) -> None:
         """Case 4: one Cast per crossing value and direction, in front of its first reader."""

@@ -1,7 +1,9 @@
 """Run tfgraph artifacts through the runner protocol (:mod:`.runner`): ONNX Runtime sessions
-(CPU by default; CUDA when installed), and token generation with KV-cached artifacts."""
+(CPU by default; CUDA when installed), ONNX's reference evaluator (bf16 artifacts), and token
+generation with KV-cached artifacts."""
 
 from .generate import CachedDecoder, Generation, GenerationConfig, generate
+from .reference import ReferenceRunner  # registers the onnx-reference runner
 from .runner import RUNNERS, KVCache, Runner, open_runner
 from .session import PROVIDERS, Session, model_path
 
@@ -12,6 +14,7 @@ __all__ = [
     "Generation",
     "GenerationConfig",
     "KVCache",
+    "ReferenceRunner",
     "Runner",
     "Session",
     "generate",

@@ -18,6 +18,7 @@ from hypothesis import seed as hypothesis_seed
 from tfgraph.cli import main
 from tfgraph.fuzz import (
     PADDINGS,
+    PRECISIONS,
     FuzzCase,
     ParityFailure,
     check_case,
@@ -158,7 +159,7 @@ def test_expected_candidates_match_the_presets(name):
 def test_strategy_covers_the_model_space():
     seen: dict[str, set] = {k: set() for k in ("family", "positions", "norm", "ffn", "impl")}
     seen.update({k: set() for k in ("placement", "heads", "head_dim", "window", "padding")})
-    seen.update({k: set() for k in ("mask_style", "softcap", "norm_order")})
+    seen.update({k: set() for k in ("mask_style", "softcap", "norm_order", "precision")})
 
     @settings(max_examples=400, database=None, suppress_health_check=list(HealthCheck))
     @hypothesis_seed(0)
@@ -180,6 +181,7 @@ def test_strategy_covers_the_model_space():
         seen["mask_style"].add(cfg.mask_style)
         seen["softcap"].add(cfg.softcap is not None)
         seen["norm_order"].add(cfg.norm_order)
+        seen["precision"].add(case.precision)
         if cfg.positions == "rope":
             seen["positions"].add("rope-partial" if cfg.rotary_dim < cfg.head_dim else "rope")
             seen["positions"].add("rope-ntk" if cfg.rope_ntk_factor != 1.0 else "rope")
@@ -194,6 +196,7 @@ def test_strategy_covers_the_model_space():
     # the idioms of issue 14: is_causal, selection masks, soft-capping, norm operand orders
     assert seen["mask_style"] == set(MASK_STYLES) and seen["softcap"] == {True, False}
     assert seen["norm_order"] == set(NORM_ORDERS)
+    assert seen["precision"] == set(PRECISIONS)  # issue 16: fp16 exports are fuzzed too
 
 
 def test_new_forms_pass_every_check(tmp_path):

@@ -52,6 +52,8 @@ def test_zoo_fp16_cached(tmp_path, preset):
     pasts = [n for n in types if n.startswith("past_key_values")]
     assert pasts and all(types[n] == onnx.TensorProto.FLOAT16 for n in pasts)  # fp16 cache
     assert types["logits"] == onnx.TensorProto.FLOAT16
+    greedy = parity["greedy"]  # 32 greedy tokens, counted (near ties are not judged)
+    assert greedy["tokens"] > 0 and 0 <= greedy["equal_to_fp32_eager"] <= greedy["tokens"]
 
 
 def _hf(tmp_path, cls: str, config):

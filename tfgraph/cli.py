@@ -111,6 +111,14 @@ def _print_parity(parity: dict, *, cached: bool) -> None:
         ]
         print(f"KV cache: prefill (empty past) and {parity['decode_steps']} decode steps:")
         print(_table(rows, ["phase", "cases", "max abs err", "result"]))
+        greedy = parity.get("greedy")
+        if greedy:
+            low = next(k for k in greedy if k.startswith("equal_to_") and "fp32" not in k)
+            print(
+                f"greedy {greedy['steps']} tokens x 2 prompts: {greedy['equal_to_fp32_eager']}/"
+                f"{greedy['tokens']} equal to fp32 eager, {greedy[low]}/{greedy['tokens']} to "
+                f"{low.split('_')[2]} eager (reported, not judged: near ties)"
+            )
 
 
 def _tolerance_text(row: dict) -> str:

@@ -215,6 +215,7 @@ def export(
             encoder=encoder,
         )
         manifest["precision"] = precision
+        manifest["target"]["runner"] = target.runner_for(precision)
         write_json(stage / "manifest.json", manifest)  # the runner reads it
         parity = step(
             "parity",

@@ -72,6 +72,7 @@ ROPE_FRACTIONS = (1.0, 0.5, 0.25, 0.75)
 PADDINGS = ("model", "none", "left", "single")  # of an attention_mask input (see _padding)
 PROFILES = ("ort", "onnx", "tensorrt")  # the targets each example is exported for
 CACHE_PROFILES = ("onnx", "tensorrt")  # the second profile of the KV-cached export
+PRECISIONS = ("fp32", "fp16")  # drawn per case (every profile takes both)
 GELU_FFNS = ("gelu", "gelu-tanh", "geglu")
 SOFTCAPS = (50.0, 20.0, 5.0)  # Gemma 2 caps attention scores at 50
 NEAR_DUPLICATE = 3  # fields: a case this close to one already run (same family) is skipped
@@ -92,6 +93,7 @@ class FuzzCase:
     prompt_lengths: tuple[int, int] = (6, 3)
     new_tokens: int = 4
     cache_profile: str = "onnx"
+    precision: str = "fp32"  # every export of the case; fp16 adds islands and the fp16 rule
 
     def as_dict(self) -> dict:
         """Plain data (JSON-able) that :meth:`from_dict` turns back into this case."""
@@ -128,6 +130,7 @@ class FuzzCase:
         return (
             f"shapes {shapes} pad={self.padding} prompts {prompts}+{self.new_tokens} "
             f"seeds w{self.weight_seed}/i{self.input_seed}"
+            + ("" if self.precision == "fp32" else f" {self.precision}")
         )
 
 
@@ -288,6 +291,7 @@ def fuzz_cases(draw) -> FuzzCase:
         prompt_lengths=draw(_prompt_lengths()),
         new_tokens=draw(st.integers(2, 6)),
         cache_profile=draw(st.sampled_from(CACHE_PROFILES)),
+        precision=draw(st.sampled_from(PRECISIONS)),
     )
 
 
@@ -470,6 +474,7 @@ def _export(
         kv_cache=kv_cache,
         parity_shapes=case.parity_shapes,
         trace_cache=ctx.traces,
+        precision=case.precision,
     )
 
 
@@ -510,6 +515,8 @@ def check_cached(source: ModelSource, case: FuzzCase, ctx: CaseContext, profile:
     with ctx.stage(case, stage):
         result = _export(source, case, ctx, out, profile, kv_cache=True)
     _check_report(case, ctx, stage, result.report)
+    if case.precision != "fp32":  # its cache parity used the precision's rule; fp16 logits
+        return  # of a random model tie often, so tokens against fp32 eager say little
     stage = f"generate profile={profile}"
     with ctx.stage(case, stage):
         decoder = CachedDecoder(Session(out))

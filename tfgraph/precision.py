@@ -8,16 +8,19 @@ parity inputs with every intermediate value exposed. Then:
    node reading it in fp32. Mask sentinels (|x| ≥ :data:`SENTINEL`, ``finfo.min`` and
    ``-inf``) are not values: they saturate to the lowest fp16 harmlessly. The first such value
    in graph order is reported with its layer: where the model leaves fp16's range.
-2. *Error*: the graph converted with the islands so far
-   (:class:`tfgraph.passes.convert_precision.ConvertPrecisionPass`) runs on the same inputs.
-   A node whose output strays from the fp32 value by more than :data:`ERROR_BUDGET` of that
-   value's scale while every float input it reads stays within the budget introduced the
-   error (a cancellation, a ``Cos`` of a rounded angle): it joins the islands. An island
-   that still strays with exact-enough inputs needs them exact: their producers join too.
-   Repeat until nothing strays, at most :data:`MAX_ROUNDS` times.
+2. *Index arithmetic*: float math that ends in a Cast to integers stays fp32 (a rounding
+   there moves an index; T5's log-spaced buckets).
+3. *Error*: the graph as a device in the precision runs it (:func:`emulate`: every value a
+   node outside the islands produces rounded to the precision, computation inside a node in
+   fp32) on the same inputs. A node whose output strays from the fp32 value by more than
+   :data:`ERROR_BUDGET` (10 units of the precision) of that value's scale while every float
+   input it reads stays within the budget introduced the error (a cancellation, a ``Cos`` of
+   a rounded angle): it joins the islands. An island that still strays with exact-enough
+   inputs needs them exact: their producers join too. Repeat until nothing strays, at most
+   :data:`MAX_ROUNDS` times. A kernel that writes the KV cache in place cannot be an island.
 
-bf16 keeps fp32's exponent, so only step 2 applies; ONNX Runtime has no bf16 kernels on the
-CPU, so bf16 islands are not measured here (none are kept; see docs/precision.md).
+bf16 keeps fp32's exponent, so step 1 does not apply to it; steps 2 and 3 do (ONNX Runtime
+runs the emulation: an fp32 graph with Cast pairs, which it has for bf16).
 
 **Passing** (:func:`judge`). An export in precision p passes an output when its error against
 fp32 eager is at most :data:`ERROR_FACTOR` times eager PyTorch's own error in p (the module
@@ -47,12 +50,14 @@ TORCH_TYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 PRECISIONS = ("fp32", *LOW_TYPES)
 OVERFLOW_LIMIT = FP16_MAX / 4
 SENTINEL = 1e30
-ERROR_BUDGET = 1e-2  # of the value's scale (max |x|): about 20 fp16 units in the last place
+# of a value's scale (max |x|): 10 units of the precision at scale 1 (fp16 ~1e-2, bf16 ~8e-2)
+ERROR_UNITS = 10
 MAX_ROUNDS = 6
 # passing: error ≤ ERROR_FACTOR · eager's own error in the precision + FLOOR_ULPS units
 ERROR_FACTOR = 4.0
 FLOOR_ULPS = 4
 UNIT = {"fp16": 2.0**-10, "bf16": 2.0**-7}  # spacing of numbers in [1, 2)
+ERROR_BUDGET = {p: ERROR_UNITS * u for p, u in UNIT.items()}
 
 
 def rule(precision: str) -> dict:
@@ -84,6 +89,7 @@ class IslandReport:
     first_overflow: dict | None
     rounds: int
     unresolved: list[dict]
+    budget: float
 
     def as_dict(self) -> dict:
         return {
@@ -92,7 +98,7 @@ class IslandReport:
             "rounds": self.rounds,
             "unresolved": self.unresolved,
             "overflow_limit": OVERFLOW_LIMIT,
-            "error_budget": ERROR_BUDGET,
+            "error_budget": self.budget,
         }
 
 
@@ -260,6 +266,7 @@ def _index_arithmetic(model: ir.Model) -> list[tuple[ir.Node, ir.Node]]:
 def measure_islands(model: ir.Model, feeds: list[dict], precision: str) -> IslandReport:
     """The fp32 islands ``model`` (lowered, fp32) needs in ``precision`` (module doc)."""
     low = LOW_TYPES[precision]
+    budget = ERROR_BUDGET[precision]
     common.ShapeInferencePass()(model)  # values later passes made may carry no type yet
     fill_float_types(model)
     names = _float_values(model)
@@ -308,18 +315,18 @@ def measure_islands(model: ir.Model, feeds: list[dict], precision: str) -> Islan
         }
         strays = []
         for name, err in errors.items():
-            if err <= ERROR_BUDGET:
+            if err <= budget:
                 continue
             node = producer[name]
             inputs = [v.name for v in node.inputs if v is not None and v.name in errors]
-            if all(errors[i] <= ERROR_BUDGET for i in inputs):
+            if all(errors[i] <= budget for i in inputs):
                 strays.append((node, name, err))
         if not strays:
             unresolved = []
             break
         grew = False
         for node, name, err in strays:
-            reason = f"{name} strays {err:.3g} of its scale in {precision} (budget {ERROR_BUDGET})"
+            reason = f"{name} strays {err:.3g} of its scale in {precision} (budget {budget:.3g})"
             if node.name not in keep:
                 add(node, reason)
                 grew = True
@@ -334,7 +341,7 @@ def measure_islands(model: ir.Model, feeds: list[dict], precision: str) -> Islan
         ]
         if not grew:
             break
-    return IslandReport(keep, islands, first_overflow, rounds, unresolved)
+    return IslandReport(keep, islands, first_overflow, rounds, unresolved, budget)
 
 
 def island_feeds(model: ir.Model, source, shapes) -> list[dict]:
@@ -383,7 +390,7 @@ def judge(got: np.ndarray, fp32: np.ndarray, low: np.ndarray, precision: str, ke
     if eager_finite:
         allowed = ERROR_FACTOR * eager_err + floor
     else:  # eager itself overflowed in the precision: the export must stay within the budget
-        allowed = ERROR_BUDGET * max(scale, 1e-6)
+        allowed = ERROR_BUDGET[precision] * max(scale, 1e-6)
     finite = bool(np.isfinite(got).all())
     return {
         "max_abs_err": export_err,

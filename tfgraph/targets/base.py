@@ -55,6 +55,8 @@ class Target:
     - ``session``, ``runner``: how its graphs run (:mod:`tfgraph.runtime` picks the runner).
     - ``precisions``: the ``--precision`` values it accepts.
     - ``weight_formats``: the ``--weights`` formats it runs (``int8``, ``int4``: MatMulNBits).
+    - ``precision_runners``: a precision whose artifacts another runner verifies here (bf16:
+      ``onnx-reference``, since ONNX Runtime's CPU provider has no bf16 kernels).
     - ``facts``: what the target's choices rest on, for ``python -m tfgraph targets``.
     """
 
@@ -71,12 +73,17 @@ class Target:
     runner: str = "onnxruntime"
     precisions: tuple[str, ...] = ("fp32",)
     weight_formats: tuple[str, ...] = ()
+    precision_runners: Mapping[str, str] = field(default_factory=dict)
     version: tuple[int, ...] | None = None
     facts: tuple[str, ...] = ()
 
     def fused(self, kind: str) -> frozenset:
         """Every ``(domain, op)`` counted as a fused ``kind`` in this target's graphs."""
         return CANONICAL_FUSED[kind] | self.fused_ops.get(kind, frozenset())
+
+    def runner_for(self, precision: str) -> str:
+        """The runner that runs (and verifies) this target's artifacts in ``precision``."""
+        return self.precision_runners.get(precision, self.runner)
 
     @property
     def label(self) -> str:

@@ -61,7 +61,9 @@ register(
         extra_passes=extra_passes,
         session=SessionSettings(providers=("cpu",)),
         runner="onnxruntime",
-        precisions=("fp32", "fp16"),
+        precisions=("fp32", "fp16", "bf16"),
+        # ONNX Runtime has no bf16 kernels on the CPU: ONNX's reference evaluator verifies them
+        precision_runners={"bf16": "onnx-reference"},
         facts=("verified with ONNX Runtime's CPU provider",),
     )
 )

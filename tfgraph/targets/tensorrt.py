@@ -85,7 +85,9 @@ def tensorrt_target(version: tuple[int, ...] = DEFAULT_VERSION) -> Target:
         extra_passes=extra_passes,
         session=SessionSettings(providers=("tensorrt", "cuda", "cpu")),
         runner="onnxruntime",  # until the TensorRT runner lands; see docs/architecture.md
-        precisions=("fp32", "fp16"),
+        precisions=("fp32", "fp16", "bf16"),
+        # ONNX Runtime has no bf16 kernels on the CPU: ONNX's reference evaluator verifies them
+        precision_runners={"bf16": "onnx-reference"},
         version=tuple(version),
         facts=(
             f"TensorRT {'.'.join(map(str, version))}",
