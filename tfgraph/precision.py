@@ -9,7 +9,8 @@ parity inputs with every intermediate value exposed. Then:
    ``-inf``) are not values: they saturate to the lowest fp16 harmlessly. The first such value
    in graph order is reported with its layer: where the model leaves fp16's range.
 2. *Index arithmetic*: float math that ends in a Cast to integers stays fp32 (a rounding
-   there moves an index; T5's log-spaced buckets).
+   there moves an index; T5's log-spaced buckets); so does a standard op whose schema has no
+   such type at the graph's opset (``Einsum`` has no bf16 at opset 23).
 3. *Error*: the graph as a device in the precision runs it (:func:`emulate`: every value a
    node outside the islands produces rounded to the precision, computation inside a node in
    fp32) on the same inputs. A node whose output strays from the fp32 value by more than
@@ -263,6 +264,31 @@ def _index_arithmetic(model: ir.Model) -> list[tuple[ir.Node, ir.Node]]:
     return list(found.values())
 
 
+def _without_low_kernels(model: ir.Model, low: ir.DataType) -> list[ir.Node]:
+    """Standard nodes with fp32 inputs whose schema admits no ``low`` type for them (Einsum
+    has no bf16 at opset 23)."""
+    import onnx
+
+    wanted = f"tensor({'bfloat16' if low == ir.DataType.BFLOAT16 else 'float16'})"
+    opset = model.opset_imports.get("", 1)
+    found = []
+    for node in model.graph:
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        try:
+            schema = onnx.defs.get_schema(node.op_type, opset, "")
+        except onnx.defs.SchemaError:
+            continue
+        allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
+        for formal, value in zip(schema.inputs, node.inputs, strict=False):
+            types = allowed.get(formal.type_str)
+            if value is not None and value.dtype == ir.DataType.FLOAT and types is not None:
+                if wanted not in types:
+                    found.append(node)
+                    break
+    return found
+
+
 def measure_islands(model: ir.Model, feeds: list[dict], precision: str) -> IslandReport:
     """The fp32 islands ``model`` (lowered, fp32) needs in ``precision`` (module doc)."""
     low = LOW_TYPES[precision]
@@ -301,6 +327,8 @@ def measure_islands(model: ir.Model, feeds: list[dict], precision: str) -> Islan
             add(node, f"computes {name}: {reason}")
             for user in _consumers(node.outputs[[o.name for o in node.outputs].index(name)]):
                 add(user, f"reads {name}: {reason}")
+    for node in _without_low_kernels(model, low):
+        add(node, f"ONNX defines no {precision} {node.op_type} at this opset")
     for node, cast in _index_arithmetic(model):
         add(node, f"computes an index in float (read by {cast.name}, a Cast to integers)")
     unresolved: list[dict] = []
