@@ -213,11 +213,12 @@ def _time_all(graphs, repeats: int) -> float:
     return sum(_time(*g, repeats) for g in graphs)
 
 
-def tfgraph_peer(src: Path, kind: str, work: Path, high: int = 900) -> dict:
+def tfgraph_peer(src: Path, kind: str, work: Path, high: int = 900, **options) -> dict:
+    """``options``: more ``tfgraph.export`` arguments (``precision``, ``weights``)."""
     import tfgraph
 
     out = work / "tfgraph"
-    result = tfgraph.export(str(src), out, kv_cache=True)
+    result = tfgraph.export(str(src), out, kv_cache=True, **options)
     if not result.passed:
         raise RuntimeError("tfgraph's parity check failed")
     manifest = json.loads((out / "manifest.json").read_text())
@@ -333,7 +334,7 @@ def transformers_peer(src: Path, kind: str, work: Path) -> dict:
     }
 
 
-def genai_peer(src: Path, kind: str, work: Path) -> dict:
+def genai_peer(src: Path, kind: str, work: Path, precision: str = "fp32") -> dict:
     if importlib.util.find_spec("onnxruntime_genai") is None:
         raise ModuleNotFoundError(
             "onnxruntime-genai is not installed (pip install onnxruntime-genai)"
@@ -341,7 +342,7 @@ def genai_peer(src: Path, kind: str, work: Path) -> dict:
     out = work / "genai"
     cmd = [
         sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src), "-o", str(out),
-        "-p", "fp32", "-e", "cpu", "-c", str(work / "genai-cache"),
+        "-p", precision, "-e", "cpu", "-c", str(work / "genai-cache"),
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     path = out / "model.onnx"

@@ -372,6 +372,52 @@ def exporters_section(d: dict) -> list[str]:
     return lines
 
 
+def precision_section(d: dict) -> list[str]:
+    lines = [
+        "## Precision: fp32, int8, int4 and fp16 weights on the CPU",
+        "",
+        "`python -m tfgraph.bench.precision` — each model exported by tfgraph with the KV cache "
+        "in every variant (`--weights int8|int4`: MatMulNBits, block 32, asymmetric, LM head "
+        "included, fp32 compute; `--precision fp16`), and the Llama by the onnxruntime-genai "
+        "builder at int4 (`-p int4 -e cpu`). Timed like the exporters section (fresh "
+        f"processes, {d['threads']} threads, fastest median of three). Decode: the mean step "
+        "over a 128-token prompt + 128 greedy tokens (steps at pasts "
+        f"{', '.join(map(str, d['decode_pasts']))}); prefill: {d['prefill_tokens']} tokens. "
+        "Bound: weight bytes ÷ the copy bandwidth "
+        f"({d['copy_bandwidth_gb_s']:.1f} GB/s). Measured on {d['date']} at commit "
+        f"{d.get('commit') or '?'}.",
+        "",
+    ]
+    for name, m in d["models"].items():
+        lines += [
+            f"### {name}",
+            "",
+            "| variant | decode ms/token | tokens/s | prefill | weight MiB | bound ms/token |",
+            "|---|---|---|---|---|---|",
+        ]
+        rows = [(v, e) for v, e in m["variants"].items()]
+        if "genai_int4" in m:
+            rows.append(("onnxruntime-genai builder int4", m["genai_int4"]))
+        for variant, e in rows:
+            if "error" in e:
+                lines.append(f"| {variant} | — | — | — | — | — ({e['error']}) |")
+                continue
+            lines.append(
+                f"| {variant} | {e['decode_step_seconds'] * 1e3:.2f} | {e['tokens_per_s']:.0f} "
+                f"| {_ms(e['prefill_seconds'])} | {e['weight_bytes'] / 2**20:.1f} "
+                f"| {e['bandwidth_bound_seconds'] * 1e3:.2f} |"
+            )
+        ratios = []
+        if "int4_over_fp32_tokens_per_s" in m:
+            ratios.append(f"int4 / fp32 tokens/s: {m['int4_over_fp32_tokens_per_s']:.2f}×")
+        if "int4_over_genai_int4_tokens_per_s" in m:
+            ratios.append(
+                f"int4 / the builder's int4 tokens/s: {m['int4_over_genai_int4_tokens_per_s']:.2f}×"
+            )
+        lines += ["", "; ".join(ratios) + ("." if ratios else ""), ""]
+    return lines
+
+
 def _header(suite: dict | None) -> list[str]:
     lines = ["# Benchmarks", ""]
     if suite is None:
@@ -410,6 +456,7 @@ SECTIONS = {
     "compile_cost": lambda d: compile_section(d),
     "peers": lambda d: peers_section(d),
     "exporters": lambda d: exporters_section(d),
+    "precision": lambda d: precision_section(d),
     "norm_folding": lambda d: norm_section(d),
 }
 FILES = {  # section → JSON file in OUT/bench/ (the older scripts' names kept)
@@ -419,6 +466,7 @@ FILES = {  # section → JSON file in OUT/bench/ (the older scripts' names kept)
     "compile_cost": "compile_cost.json",
     "peers": "peers.json",
     "exporters": "exporters.json",
+    "precision": "precision.json",
     "norm_folding": "norm_folding.json",
 }
 

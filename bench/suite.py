@@ -6,7 +6,8 @@ Sections (each a module of :mod:`tfgraph.bench` with ``run(quick, workdir, ...)`
 token against past length, vs eager and Hugging Face ``generate``), ``compile_cost`` (export time
 against layers), ``peers`` (ONNX Runtime's transformers optimizer, onnxscript's
 ``optimize_for_ort``), ``exporters`` (cached decode and prefill against transformers' exporter
-and the onnxruntime-genai builder) and, in full runs, ``norm_folding``. Writes
+and the onnxruntime-genai builder), ``precision`` (decode and prefill in fp32, int8, int4 and
+fp16, beside the builder's int4) and, in full runs, ``norm_folding``. Writes
 ``DIR/bench/<section>.json``, ``DIR/bench/*.png``, ``DIR/bench/suite.json`` (machine, command,
 per-section status) and ``DIR/BENCHMARKS.md``. A section that fails is recorded with its error,
 the others still run, and :func:`run_suite` reports it (the CLI then exits 1).
@@ -37,6 +38,7 @@ SECTIONS = {  # name → module; the order they run in
     "compile_cost": "compile_cost",
     "peers": "peers",
     "exporters": "exporters",
+    "precision": "precision",
     "norm_folding": "norm_folding",
 }
 

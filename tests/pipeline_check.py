@@ -21,3 +21,13 @@ def compile_and_prove(source, traced: ir.Model, pipeline: str, profile: str, tmp
         "parity": check_parity(source, path),
         "model": model,
     }
+
+
+def assert_export_passed(result, kv_cache: bool, atol: float = 1e-4) -> dict:
+    """An export's parity passed; a cached one's prefill and decode too, within ``atol``."""
+    parity = result.report["parity"]
+    assert result.passed, parity["outputs"]
+    if kv_cache:
+        assert parity["prefill"]["passed"] and parity["decode"]["passed"]
+        assert max(parity["prefill"]["max_abs_err"], parity["decode"]["max_abs_err"]) < atol
+    return parity

@@ -27,11 +27,13 @@ def test_bench_quick_writes_json_plots_and_markdown(tmp_path, capsys):
         "compile_cost",
         "peers",
         "exporters",
+        "precision",
         "norm_folding",
     }
     assert not [n for n, s in sections.items() if "error" in s], sections
     assert sections["norm_folding"]["skipped"]  # full runs only
-    for name in ("prefill", "attention_prefill", "decode", "compile_cost", "peers", "exporters"):
+    names = ("prefill", "attention_prefill", "decode", "compile_cost", "peers", "exporters")
+    for name in (*names, "precision"):
         data = json.loads((out / "bench" / f"{name}.json").read_text())
         assert "error" not in data and "skipped" not in data, name
     decode = json.loads((out / "bench" / "decode.json").read_text())["tiny"]
@@ -42,6 +44,11 @@ def test_bench_quick_writes_json_plots_and_markdown(tmp_path, capsys):
     assert {"prefill_latency.png", "prefill_memory.png", "decode.png", "compile_cost.png"} <= set(
         suite["plots"]
     )
+    precision = json.loads((out / "bench" / "precision.json").read_text())["models"]
+    variants = precision["llama-tiny"]["variants"]
+    assert set(variants) == {"fp32", "int8", "int4", "fp16"}
+    assert all("error" not in e and e["tokens_per_s"] > 0 for e in variants.values()), variants
+    assert variants["int4"]["weight_bytes"] < variants["fp32"]["weight_bytes"] / 2.5
     exporters = json.loads((out / "bench" / "exporters.json").read_text())["models"]["llama"]
     tfgraph_row = exporters["peers"]["tfgraph"]
     assert tfgraph_row["available"] and "error" not in tfgraph_row, tfgraph_row
@@ -59,6 +66,7 @@ def test_bench_quick_writes_json_plots_and_markdown(tmp_path, capsys):
         "## Compile cost",
         "## Peers",
         "## Exporters",
+        "## Precision",
     ):
         assert title in markdown
     assert "section" in printed.out and "BENCHMARKS.md" in printed.out

@@ -11,6 +11,7 @@ import collections
 import onnx
 import pytest
 import torch
+from pipeline_check import assert_export_passed
 
 import tfgraph
 
@@ -22,11 +23,7 @@ def _export(tmp_path, cls: str, config, kv_cache: bool = True):
     torch.manual_seed(0)
     getattr(transformers, cls)(config).eval().save_pretrained(tmp_path / "hf")
     result = tfgraph.export(str(tmp_path / "hf"), tmp_path / "a", kv_cache=kv_cache)
-    parity = result.report["parity"]
-    assert result.passed, parity["outputs"]
-    if kv_cache:
-        assert parity["prefill"]["passed"] and parity["decode"]["passed"]
-        assert max(parity["prefill"]["max_abs_err"], parity["decode"]["max_abs_err"]) < 1e-4
+    assert_export_passed(result, kv_cache)
     model = onnx.load(tmp_path / "a" / "model.onnx")
     values = {o for n in model.graph.node for o in n.output}
     return model, values, collections.Counter(n.op_type for n in model.graph.node)
