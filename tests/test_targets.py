@@ -40,6 +40,10 @@ def test_targets_cli_lists_them(capsys):
     for name in ("ort", "ort-cuda", "onnx", "tensorrt@10.15", "toy"):
         assert name in out
     assert "RMSNormalization parsed from 10.15" in out
+    # what --precision and --weights each target takes, and who verifies bf16 here
+    onnx_row = next(line for line in out.splitlines() if line.startswith("onnx "))
+    assert "bf16 (onnx-reference)" in onnx_row
+    assert "int8,int4" in next(line for line in out.splitlines() if line.startswith("ort "))
 
 
 @pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])

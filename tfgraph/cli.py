@@ -646,11 +646,16 @@ def _cmd_targets(args) -> int:
                 str(target.opset),
                 target.runner,
                 ",".join(target.session.providers),
-                ",".join(target.precisions),
+                ",".join(
+                    p if p not in target.precision_runners else f"{p} ({target.runner_for(p)})"
+                    for p in target.precisions
+                ),
+                ",".join(target.weight_formats) or "-",
                 target.description,
             ]
         )
-    print(_table(rows, ["target", "opset", "runner", "providers", "precisions", "lowering"]))
+    columns = ["target", "opset", "runner", "providers", "precisions", "weights", "lowering"]
+    print(_table(rows, columns))
     print("\nparameterized: tensorrt@X.Y (TensorRT version; plain 'tensorrt' is 10.15)")
     if args.verbose:
         for target in targets().values():
