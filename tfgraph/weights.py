@@ -101,6 +101,11 @@ def quantize(
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     bits = WEIGHT_FORMATS[weights]
+    if bits == 8:
+        logger.warning(
+            "--weights int8: ONNX Runtime 1.32's CPU MatMulNBits with fp32 compute measured "
+            "16-17x slower than fp32 MatMul (docs/BENCHMARKS.md); int4 or fp32 decode faster"
+        )
     head = _logits_head(model)
     unquantized = []
     if head is not None and lm_head:
