@@ -172,11 +172,8 @@ def greedy_in_precision(source: ModelSource, decoder: CachedDecoder, precision: 
         steps = min(steps, limit - max(len(p) for p in prompts))
     got = generate(decoder, prompts, GenerationConfig(max_new_tokens=steps), extra=extra).tokens
     fp32, _ = eager_greedy(source, decoder, prompts, extra, steps)
-    source.eager_in(source.inputs(1, 2), TORCH_TYPES[precision])  # builds the converted copy
-    low_module = source.__dict__["_low_copies"][TORCH_TYPES[precision]]
-    low, _ = eager_greedy(
-        dataclasses.replace(source, module=low_module), decoder, prompts, extra, steps
-    )
+    low_source = dataclasses.replace(source, module=source.converted(TORCH_TYPES[precision]))
+    low, _ = eager_greedy(low_source, decoder, prompts, extra, steps)
 
     def agree(a, b) -> int:
         return sum(

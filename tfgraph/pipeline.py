@@ -155,7 +155,9 @@ def _probe_feed(value: ir.Value, role: str, rng: np.random.Generator) -> np.ndar
     return rng.integers(0, _index_bound(value), shape).astype(dtype)
 
 
-def _run_in_ort(model: ir.Model, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def run_in_ort(model: ir.Model, feeds: list[dict[str, np.ndarray]]) -> list[dict]:
+    """Run an ``onnx_ir`` model in one ONNX Runtime CPU session (its own optimizations off,
+    one thread) on each feed; ``{output name: array}`` per feed."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -165,8 +167,15 @@ def _run_in_ort(model: ir.Model, feeds: dict[str, np.ndarray]) -> dict[str, np.n
     data = ir.serde.serialize_model(model).SerializeToString()
     session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
-    wanted = {i.name: feeds[i.name] for i in session.get_inputs()}
-    return dict(zip(names, session.run(None, wanted), strict=True))
+    inputs = [i.name for i in session.get_inputs()]
+    return [
+        dict(zip(names, session.run(None, {n: feed[n] for n in inputs}), strict=True))
+        for feed in feeds
+    ]
+
+
+def _run_in_ort(model: ir.Model, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return run_in_ort(model, [feeds])[0]
 
 
 def _mismatch(got: np.ndarray, want: np.ndarray) -> str | None:

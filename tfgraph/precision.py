@@ -103,7 +103,7 @@ class IslandReport:
         }
 
 
-def _copy(model: ir.Model) -> ir.Model:
+def copy_model(model: ir.Model) -> ir.Model:
     return ir.serde.deserialize_model(ir.serde.serialize_model(model))
 
 
@@ -117,36 +117,18 @@ def _float_values(model: ir.Model) -> list[str]:
     ]
 
 
-def _run_exposed(model: ir.Model, names: list[str], feeds: list[dict]) -> list[dict]:
-    """Run ``model`` with ``names`` exposed as outputs; one {name: array} per feed."""
-    import onnxruntime as ort
+def run_exposed(model: ir.Model, names: list[str], feeds: list[dict]) -> list[dict]:
+    """Run a copy of ``model`` with ``names`` (node outputs) exposed as graph outputs; one
+    ``{name: array}`` per feed."""
+    from .pipeline import run_in_ort
 
-    exposed = _copy(model)
+    exposed = copy_model(model)
     present = {v.name for v in exposed.graph.outputs}
     values = {out.name: out for node in exposed.graph for out in node.outputs}
     for name in names:
         if name not in present and name in values:
             exposed.graph.outputs.append(values[name])
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    proto = ir.serde.serialize_model(exposed)
-    session = ort.InferenceSession(
-        proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
-    outputs = [o.name for o in session.get_outputs()]
-    wanted = {i.name: i.type for i in session.get_inputs()}
-    runs = []
-    for feed in feeds:
-        typed = {n: _as(feed[n], wanted[n]) for n in wanted}
-        runs.append(dict(zip(outputs, session.run(None, typed), strict=True)))
-    return runs
-
-
-def _as(array: np.ndarray, ort_type: str) -> np.ndarray:
-    if ort_type == "tensor(float16)":
-        return array.astype(np.float16)
-    return array
+    return run_in_ort(exposed, feeds)
 
 
 def _round(array: np.ndarray, low: ir.DataType) -> np.ndarray:
@@ -169,9 +151,9 @@ def emulate(model: ir.Model, low: ir.DataType, keep: frozenset[str]) -> ir.Model
     a chain of them rounds only at its end (measured: fp16 ``(x + 3000) − 3000`` came back
     exact); explicit Cast pairs in an fp32 graph are kept, and it has no bf16 kernels at all.
     """
-    copy = _copy(model)
+    copy = copy_model(model)
     graph = copy.graph
-    island = {n.name for n in graph if n.name in keep}
+    island = keep
     for value in graph.initializers.values():
         users = [u.node for u in value.uses()]
         if value.dtype == ir.DataType.FLOAT and any(u.name not in island for u in users):
@@ -229,10 +211,6 @@ def _error(low: np.ndarray, ref: np.ndarray) -> float:
         return float("inf")
     scale = max(float(np.abs(ref[values]).max()), 1e-6)
     return float(diff.max()) / scale
-
-
-def _consumers(value: ir.Value) -> list[ir.Node]:
-    return [use.node for use in value.uses()]
 
 
 INTEGER_TYPES = {
@@ -296,8 +274,9 @@ def measure_islands(model: ir.Model, feeds: list[dict], precision: str) -> Islan
     common.ShapeInferencePass()(model)  # values later passes made may carry no type yet
     fill_float_types(model)
     names = _float_values(model)
-    producer = {out.name: node for node in model.graph for out in node.outputs}
-    reference = _run_exposed(model, names, feeds)
+    values = {out.name: out for node in model.graph for out in node.outputs}
+    producer = {name: value.producer() for name, value in values.items()}
+    reference = run_exposed(model, names, feeds)
     keep: set[str] = set()
     islands: list[Island] = []
     cache = set(contract.names_with_role(model, contract.PAST_KEY, contract.PAST_VALUE))
@@ -325,8 +304,8 @@ def measure_islands(model: ir.Model, feeds: list[dict], precision: str) -> Islan
                 first_overflow = {"value": name, "module": layer_name(node), "max_abs": peak}
             reason = f"max |x| = {peak:.4g} > {OVERFLOW_LIMIT:.4g} (fp16's range / 4)"
             add(node, f"computes {name}: {reason}")
-            for user in _consumers(node.outputs[[o.name for o in node.outputs].index(name)]):
-                add(user, f"reads {name}: {reason}")
+            for use in values[name].uses():
+                add(use.node, f"reads {name}: {reason}")
     for node in _without_low_kernels(model, low):
         add(node, f"ONNX defines no {precision} {node.op_type} at this opset")
     for node, cast in _index_arithmetic(model):
@@ -334,7 +313,7 @@ def measure_islands(model: ir.Model, feeds: list[dict], precision: str) -> Islan
     unresolved: list[dict] = []
     rounds = 0
     for rounds in range(1, MAX_ROUNDS + 1):  # noqa: B007 - the count is reported
-        runs = _run_exposed(emulate(model, low, frozenset(keep)), names, feeds)
+        runs = run_exposed(emulate(model, low, frozenset(keep)), names, feeds)
         pairs = list(zip(runs, reference, strict=True))
         errors = {
             name: max(_error(run[name], ref[name]) for run, ref in pairs)

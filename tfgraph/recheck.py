@@ -135,10 +135,7 @@ def _eager_outputs(source, inputs: dict, dtype=None) -> list[tuple]:
     returning several tensors (RoPE's cos and sin) are left out."""
     import torch
 
-    module = source.module
-    if dtype is not None:
-        source.eager_in(inputs, dtype)  # builds (once) the converted copy
-        module = source.__dict__["_low_copies"][dtype]
+    module = source.module if dtype is None else source.converted(dtype)
     order: list[tuple] = []
     hooks = []
 
@@ -175,7 +172,7 @@ def bisect(source, model_file: Path, precision: str = "fp32", shape=(1, 7)) -> d
     """The first module (in eager finishing order) whose graph value leaves tolerance."""
     import torch
 
-    from .precision import TORCH_TYPES, _copy, _run_exposed, island_feeds, judge
+    from .precision import TORCH_TYPES, island_feeds, judge, run_exposed
 
     model = ir.load(model_file)
     feeds = island_feeds(model, source, [shape])
@@ -186,7 +183,7 @@ def bisect(source, model_file: Path, precision: str = "fp32", shape=(1, 7)) -> d
     inputs = {n: torch.ones_like(v) if n in masks else v for n, v in inputs.items()}
     handed, read = _module_values(model)
     exposed = sorted({v.name for vs in (*handed.values(), *read.values()) for v in vs})
-    graph_values = _run_exposed(_copy(model), exposed, feeds)[0]
+    graph_values = run_exposed(model, exposed, feeds)[0]
     low = {}
     if precision != "fp32":
         low = {n: (o, i) for n, o, i in _eager_outputs(source, inputs, TORCH_TYPES[precision])}

@@ -66,20 +66,24 @@ class ModelSource:
         flat, _ = _pytree.tree_flatten(out)
         return dict(zip(self.output_names, flat, strict=True))
 
-    def eager_in(self, inputs: dict[str, torch.Tensor], dtype: torch.dtype) -> dict:
-        """The eager module run in ``dtype`` (``torch.float16``, ``torch.bfloat16``): a copy of
-        the module converted once (``module.to(dtype)``, as ``model.half()`` does), its float
-        inputs cast; outputs as they come (in ``dtype``)."""
-        if dtype == torch.float32:
-            return self.eager(inputs)
+    def converted(self, dtype: torch.dtype) -> nn.Module:
+        """A copy of the module in ``dtype`` (``module.to(dtype)``, as ``model.half()`` does),
+        made once."""
         copies = self.__dict__.setdefault("_low_copies", {})
         if dtype not in copies:
             import copy
 
             copies[dtype] = copy.deepcopy(self.module).to(dtype).eval()
+        return copies[dtype]
+
+    def eager_in(self, inputs: dict[str, torch.Tensor], dtype: torch.dtype) -> dict:
+        """The eager module run in ``dtype`` (``torch.float16``, ``torch.bfloat16``): the
+        :meth:`converted` copy on the inputs with floats cast; outputs as they come."""
+        if dtype == torch.float32:
+            return self.eager(inputs)
         cast = {n: v.to(dtype) if v.is_floating_point() else v for n, v in inputs.items()}
         with torch.no_grad():
-            out = copies[dtype](*(cast[n] for n in self.input_names))
+            out = self.converted(dtype)(*(cast[n] for n in self.input_names))
         flat, _ = _pytree.tree_flatten(out)
         return dict(zip(self.output_names, flat, strict=True))
 

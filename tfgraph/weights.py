@@ -10,8 +10,8 @@ creation; measured).
   embedding through a ``Transpose``; it gets its own transposed copy to quantize (the embedding
   ``Gather`` keeps the fp32 table).
 - **Embeddings** stay fp32 (a ``Gather`` reads one row per token; nothing to gain in decode).
-- **The reference**: :func:`dequantized` returns the weights as the kernel computes with them,
-  ``(q − zero_point) · scale``, so :func:`apply_to_module` can give the eager model exactly
+- **The reference**: :func:`dequantize` returns the weights as the kernel computes with them,
+  ``(q − zero_point) · scale``, so :func:`dequantized_source` can give the eager model exactly
   those weights: parity against it is exact up to fp32 noise. Each quantized matrix is found
   among the module's parameters by content (a ``Linear``'s weight transposed, GPT-2's
   ``Conv1D`` as it is, or a column block of a packed Q/K/V).
@@ -131,8 +131,8 @@ def quantize(
     for node in quantized_model.graph:
         if node.op_type != "MatMulNBits":
             continue
-        base = next((n for n in originals if node.name.startswith(n)), None)
-        if base is None:
+        base = node.name.removesuffix(f"_Q{bits}")  # the quantizer's name for the MatMul's
+        if base not in originals:
             continue
         name, original = originals.pop(base)
         dequant[node.name] = (original, dequantize(node, initializers, original.shape))
@@ -191,13 +191,11 @@ def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
     return np.stack([low, high], axis=-1).reshape(*packed.shape[:-1], -1)
 
 
-def apply_to_module(module, dequantized: dict[str, tuple[np.ndarray, np.ndarray]]) -> list[dict]:
-    """Write each dequantized (K, N) matrix into the parameter(s) its original came from,
-    found by content; one ``{node, parameter, columns, transposed}`` per block written (the
-    report keeps them, so the reference can be rebuilt from the artifact). A matrix found
-    nowhere raises (the reference would be wrong)."""
-    import torch
-
+def locate(module, dequantized: dict[str, tuple[np.ndarray, np.ndarray]]) -> list[dict]:
+    """Where each quantized (K, N) matrix came from in ``module``, found by its original's
+    content: one ``{node, parameter, columns, transposed}`` per column block (the report keeps
+    them, so the reference can be rebuilt from the artifact). A matrix found nowhere raises
+    (the reference would be wrong)."""
     columns: dict[bytes, list] = {}
     for pname, param in module.named_parameters():
         if param.ndim != 2:
@@ -206,40 +204,57 @@ def apply_to_module(module, dequantized: dict[str, tuple[np.ndarray, np.ndarray]
         for transposed in (True, False):  # Linear (out, in) is Wᵀ; Conv1D (in, out) is W
             view = data.T if transposed else data
             columns.setdefault(np.ascontiguousarray(view[:, 0]).tobytes(), []).append(
-                (pname, param, transposed, view)
+                (pname, transposed, view)
             )
-    written = []
-    with torch.no_grad():
-        for name, (original, deq) in dequantized.items():
-            col = 0
-            while col < deq.shape[1]:
-                key = np.ascontiguousarray(original[:, col]).tobytes()
-                match = None
-                for pname, param, transposed, view in columns.get(key, []):
-                    width = view.shape[1]
-                    if col + width <= deq.shape[1] and np.array_equal(
-                        original[:, col : col + width], view
-                    ):
-                        match = (pname, param, transposed, width)
-                        break
-                if match is None:
-                    raise TfgraphError(
-                        f"cannot find the parameter of quantized weight '{name}' (columns from "
-                        f"{col}) in the module: the eager reference would not match"
-                    )
-                pname, param, transposed, width = match
-                block = deq[:, col : col + width]
-                _write(module, param, np.ascontiguousarray(block.T if transposed else block))
-                written.append(
-                    {
-                        "node": name,
-                        "parameter": pname,
-                        "columns": [col, col + width],
-                        "transposed": transposed,
-                    }
+    found = []
+    for name, (original, _) in dequantized.items():
+        col = 0
+        while col < original.shape[1]:
+            key = np.ascontiguousarray(original[:, col]).tobytes()
+            match = next(
+                (
+                    (pname, transposed, view.shape[1])
+                    for pname, transposed, view in columns.get(key, [])
+                    if col + view.shape[1] <= original.shape[1]
+                    and np.array_equal(original[:, col : col + view.shape[1]], view)
+                ),
+                None,
+            )
+            if match is None:
+                raise TfgraphError(
+                    f"cannot find the parameter of quantized weight '{name}' (columns from "
+                    f"{col}) in the module: the eager reference would not match"
                 )
-                col += width
-    return written
+            pname, transposed, width = match
+            found.append(
+                {
+                    "node": name,
+                    "parameter": pname,
+                    "columns": [col, col + width],
+                    "transposed": transposed,
+                }
+            )
+            col += width
+    return found
+
+
+def _place(source, placements: list[dict], matrices: dict[str, np.ndarray]):
+    """A copy of ``source`` whose module holds ``matrices`` (by MatMulNBits node, (K, N))
+    where ``placements`` say."""
+    import copy
+    import dataclasses
+
+    import torch
+
+    module = copy.deepcopy(source.module)
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for entry in placements:
+            c0, c1 = entry["columns"]
+            block = matrices[entry["node"]][:, c0:c1]
+            block = np.ascontiguousarray(block.T if entry["transposed"] else block)
+            _write(module, params[entry["parameter"]], block)
+    return dataclasses.replace(source, module=module, info=dict(source.info))
 
 
 def _write(module, param, array: np.ndarray) -> None:
@@ -261,38 +276,23 @@ def _write(module, param, array: np.ndarray) -> None:
 def dequantized_source(source, dequantized: dict) -> tuple:
     """(a copy of ``source`` whose module computes with the dequantized weights: the eager
     reference of a quantized artifact; where each block went, for the report)."""
-    import copy
-    import dataclasses
-
-    module = copy.deepcopy(source.module)
-    written = apply_to_module(module, dequantized)
-    logger.info("eager reference: %d parameter blocks set to dequantized values", len(written))
-    return dataclasses.replace(source, module=module, info=dict(source.info)), written
+    placements = locate(source.module, dequantized)
+    logger.info("eager reference: %d parameter blocks set to dequantized values", len(placements))
+    matrices = {node: deq for node, (_, deq) in dequantized.items()}
+    return _place(source, placements, matrices), placements
 
 
 def reference_from_artifact(source, model_file, parameters: list[dict]):
     """The eager reference of a quantized artifact rebuilt from the artifact itself: each
     ``MatMulNBits`` weight dequantized and written where the report's ``parameters`` say."""
-    import copy
-    import dataclasses
-
-    import torch
-
     model = ir.load(model_file)
     nodes = {n.name: n for n in model.graph}
-    module = copy.deepcopy(source.module)
-    params = dict(module.named_parameters())
-    with torch.no_grad():
-        for entry in parameters:
-            param = params[entry["parameter"]]
-            node = nodes[entry["node"]]
-            k = node.attributes.get_int("K")
-            n = node.attributes.get_int("N")
-            deq = dequantize(node, model.graph.initializers, (k, n))
-            c0, c1 = entry["columns"]
-            block = deq[:, c0:c1]
-            _write(module, param, np.ascontiguousarray(block.T if entry["transposed"] else block))
-    return dataclasses.replace(source, module=module, info=dict(source.info))
+    matrices = {}
+    for name in {entry["node"] for entry in parameters}:
+        node = nodes[name]
+        shape = (node.attributes.get_int("K"), node.attributes.get_int("N"))
+        matrices[name] = dequantize(node, model.graph.initializers, shape)
+    return _place(source, parameters, matrices)
 
 
 GREEDY_TOKENS = 64
