@@ -143,6 +143,13 @@ def _shape_text(shape: Sequence) -> str:
     return f"({', '.join(dims)}{',' if len(dims) == 1 else ''})"
 
 
+# ONNX Runtime 1.32's NchwcTransformer (a Conv layout rewrite, nothing a transformer needs)
+# crashes the process (SIGSEGV) at session creation on some fp16 graphs: an fp16
+# torch.nn.Transformer export, after MatmulTransposeFusion made its FusedMatMuls (measured;
+# disabling either transformer avoids it, ORT_ENABLE_EXTENDED too).
+ALWAYS_DISABLED = ("NchwcTransformer",)
+
+
 class Session:
     """An ONNX Runtime session over a tfgraph artifact.
 
@@ -183,7 +190,7 @@ class Session:
         if threads:
             options.intra_op_num_threads = threads
             options.inter_op_num_threads = 1
-        disabled = list(self._target_session().disabled_optimizers)
+        disabled = [*ALWAYS_DISABLED, *self._target_session().disabled_optimizers]
         try:
             self._session = ort.InferenceSession(
                 str(self.path), options, providers=chosen, disabled_optimizers=disabled

@@ -118,6 +118,21 @@ def test_hugging_face_fp16(tmp_path, name):
         assert report["parity"]["prefill"]["passed"] and report["parity"]["decode"]["passed"]
 
 
+def test_torch_nn_transformer_fp16(tmp_path):
+    """PyTorch's own nn.Transformer, written nothing like the zoo: ONNX Runtime's
+    NchwcTransformer crashed the process opening its fp16 graph until the runner disabled it."""
+    import torch
+
+    torch.manual_seed(0)
+    module = torch.nn.Transformer(
+        d_model=32, nhead=4, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=64,
+        batch_first=True,
+    ).eval()  # fmt: skip
+    source = tfgraph.from_module(module, (torch.randn(2, 6, 32), torch.randn(2, 5, 32)))
+    result = tfgraph.export(source, tmp_path / "a", precision="fp16")
+    _check_fp16(result)
+
+
 def test_residual_overflow_is_named_by_layer(tmp_path):
     result = tfgraph.export("tests.precision_models:loud_gpt", tmp_path / "a", precision="fp16")
     report = result.report
