@@ -1,7 +1,8 @@
 """Precision and weight formats on the CPU: decode and prefill, fp32 vs int8 vs int4 vs fp16.
 
 For GPT-2-small (the zoo preset) and a ~120M Llama-shaped Hugging Face model (hidden 768, 12
-layers, GQA 12:4, vocab 32000), each exported with the KV cache by tfgraph in every variant,
+layers, GQA 12:4, vocab 32000), each exported with the KV cache by tfgraph in every variant
+(int8 and int4 at MatMulNBits accuracy level 4, the CPU default, and int4 at level 0),
 and the same Llama built by the onnxruntime-genai model builder at int4 for the CPU
 (``-p int4 -e cpu``). Every graph is timed by :func:`tfgraph.bench.ort_probe.probe` as the
 ``exporters`` section times them (fresh processes without torch, 2 threads, the fastest median
@@ -41,8 +42,9 @@ logger = logging.getLogger(__name__)
 DECODE_PASTS = (128, 192, 255)  # a 128-token prompt, then 128 greedy tokens
 VARIANTS = {
     "fp32": {},
-    "int8": {"weights": "int8"},
+    "int8": {"weights": "int8"},  # accuracy level 4, the CPU default: int8 activations
     "int4": {"weights": "int4"},
+    "int4-level0": {"weights": "int4", "accuracy_level": 0},  # fp32 activations, exact parity
     "fp16": {"precision": "fp16"},
 }
 

@@ -27,15 +27,17 @@ def _break_attention(model_file, module: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "preset, kv_cache, module",
+    "preset, options, module",
     [
-        ("gpt-tiny", False, "decoder.blocks.1.attn"),
-        ("llama-tiny", True, "decoder.blocks.0.attn"),
+        ("gpt-tiny", {}, "decoder.blocks.1.attn"),
+        ("llama-tiny", {"kv_cache": True}, "decoder.blocks.0.attn"),
+        # int8 weights whose kernels quantize activations: judged by the activation rule
+        ("gpt2-tiny", {"kv_cache": True, "weights": "int8"}, "decoder.blocks.1.attn"),
     ],
 )
-def test_a_broken_layer_is_named(tmp_path, capsys, preset, kv_cache, module):
+def test_a_broken_layer_is_named(tmp_path, capsys, preset, options, module):
     out = tmp_path / "a"
-    assert tfgraph.export(preset, out, kv_cache=kv_cache).passed
+    assert tfgraph.export(preset, out, **options).passed
     assert main(["parity", str(out)]) == 0
     capsys.readouterr()
     node = _break_attention(out / "model.onnx", module)

@@ -22,6 +22,7 @@ import numpy as np
 from tfgraph.runtime import CachedDecoder, open_runner
 
 from .parity import (
+    BRACKET_KEYS,
     FP32,
     PARITY_SHAPES,
     Tolerance,
@@ -117,8 +118,9 @@ def check_cache_parity(
             "passed": all(r["passed"] for r in rows),
             "cases": len(rows),
         }
-        if precision != "fp32":
-            summary[phase]["eager_low_err"] = max(r.get("eager_low_err", 0.0) for r in rows)
+        for key in BRACKET_KEYS:
+            if any(key in r for r in rows):
+                summary[phase][key] = max(r.get(key, 0.0) for r in rows)
     phases = [summary["prefill"], summary["decode"]]
     if precision != "fp32":
         summary["greedy"] = greedy_in_precision(source, decoder, precision, seed)
@@ -129,11 +131,11 @@ def check_cache_parity(
             "max_rel_err": max(s["max_rel_err"] for s in phases),
             "tolerance": cases[0]["tolerance"],
             "passed": all(s["passed"] for s in phases),
-            **(
-                {"eager_low_err": max(s["eager_low_err"] for s in phases)}
-                if precision != "fp32"
-                else {}
-            ),
+            **{
+                key: max(s[key] for s in phases)
+                for key in BRACKET_KEYS
+                if all(key in s for s in phases)
+            },
         }
     ]
     return {

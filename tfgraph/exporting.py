@@ -86,6 +86,7 @@ def export(
     block_size: int = DEFAULT_BLOCK_SIZE,
     symmetric: bool = False,
     quantize_lm_head: bool = True,
+    accuracy_level: int | None = None,
 ) -> ExportResult:
     """Export ``model`` (a MODEL string as the CLI takes it, or a :class:`ModelSource`) for
     target ``profile`` (a :class:`tfgraph.targets.Target` or a registered name such as
@@ -95,12 +96,14 @@ def export(
     islands measured on the parity inputs (:mod:`tfgraph.precision`), fp32 inputs and outputs
     with ``keep_io_types``; parity then follows the precision's rule. ``weights`` (``int8``,
     ``int4``): MatMul weights block-wise in ``MatMulNBits`` (:mod:`tfgraph.weights`); parity
-    then runs against eager PyTorch with the same dequantized weights."""
+    then runs against eager PyTorch with the same dequantized weights; ``accuracy_level``
+    (MatMulNBits': 4 quantizes activations per block, 0 keeps them fp32; ``None``, the
+    target's default) with the reference quantizing activations the same way."""
     out_dir = Path(out_dir)
     target = get_target(target if target is not None else profile)
     check_target(out_dir)  # before any slow work
     check_precision(precision, keep_io_types, target)
-    check_weights(weights, block_size, target)
+    accuracy_level = check_weights(weights, block_size, target, accuracy_level)
     if opset is None:
         opset = target.opset
     check_opset(opset)
@@ -185,10 +188,13 @@ def export(
                 block_size=block_size,
                 symmetric=symmetric,
                 lm_head=quantize_lm_head,
+                accuracy_level=accuracy_level,
             )
             check_model(graph, "MatMulNBitsQuantizer", target)
             records.append(PassRecord("MatMulNBitsQuantizer", timings["weights"], True))
-            reference, placed = dequantized_source(source, weights_report.pop("_dequantized"))
+            reference, placed = dequantized_source(
+                source, weights_report.pop("_dequantized"), graph
+            )
             weights_report["parameters"] = placed
         fusions = count_fusions(graph, pipeline, target=target)
         files = []

@@ -97,7 +97,13 @@ def compare_in(
 ) -> dict:
     """An output of an export in ``precision`` (fp16, bf16) against fp32 eager (``want``) and
     eager in that precision (``want_low``): :func:`tfgraph.precision.judge`'s rule, in the row
-    format of :func:`compare`."""
+    format of :func:`compare`. In fp32 ``want_low`` is the reference without its activation
+    quantization (:func:`eager_outputs`), judged by :func:`tfgraph.weights.judge_activations`."""
+    if precision == "fp32":
+        from .weights import activation_rule, judge_activations
+
+        row = judge_activations(got, want, want_low, keep)
+        return {"name": name, "tolerance": activation_rule(), **row}
     from .precision import judge, rule
 
     row = judge(got, want, want_low, precision, keep)
@@ -105,10 +111,17 @@ def compare_in(
 
 
 def eager_outputs(source: ModelSource, inputs: dict, precision: str) -> tuple[dict, dict | None]:
-    """fp32 eager outputs, and eager outputs in ``precision`` (None for fp32), as arrays."""
+    """fp32 eager outputs, and eager outputs in ``precision`` (None for fp32), as arrays. The
+    eager reference of weights whose kernel quantizes activations (``--accuracy-level 4``)
+    gives, in fp32, its outputs without that quantization in place of the second."""
     want = {n: v.float().numpy() for n, v in source.eager(inputs).items()}
     if precision == "fp32":
-        return want, None
+        from .weights import without_activation_quantization
+
+        plain = without_activation_quantization(source, inputs)
+        if plain is None:
+            return want, None
+        return want, {n: v.float().numpy() for n, v in plain.items()}
     from .precision import TORCH_TYPES
 
     low = source.eager_in(inputs, TORCH_TYPES[precision])
@@ -170,9 +183,15 @@ def summarize(name: str, rows: list[dict], tolerance: Tolerance) -> dict:
         "tolerance": rows[0].get("tolerance", tolerance.as_dict()),
         "passed": all(r["passed"] for r in rows),
     }
-    if any("eager_low_err" in r for r in rows):
-        out["eager_low_err"] = max(r["eager_low_err"] for r in rows)
+    for key in BRACKET_KEYS:
+        if any(key in r for r in rows):
+            out[key] = max(r[key] for r in rows)
     return out
+
+
+# the second reference's error that a rule allows a multiple of: eager in a low precision,
+# the reference's activation quantization
+BRACKET_KEYS = ("eager_low_err", "activation_quant_err")
 
 
 def _mask_of(source: ModelSource, runner: Runner, inputs: dict) -> np.ndarray | None:

@@ -13,7 +13,9 @@ shape); forward hooks record each module's eager output on the same inputs (atte
 all ones, an empty cache). The modules are compared in the order they finish in eager, so an
 inner module (``decoder.blocks.1.attn``) is named before the block that holds it; the first
 one outside tolerance is the culprit, with the kernels (fused nodes) inside it. In fp16 the
-tolerance is the precision's rule against eager fp16 (:func:`tfgraph.precision.judge`).
+tolerance is the precision's rule against eager fp16 (:func:`tfgraph.precision.judge`); where
+the artifact's MatMulNBits quantize activations (accuracy level 4) it is the rule of
+:func:`tfgraph.weights.judge_activations`, module by module.
 """
 
 from __future__ import annotations
@@ -173,6 +175,7 @@ def bisect(source, model_file: Path, precision: str = "fp32", shape=(1, 7)) -> d
     import torch
 
     from .precision import TORCH_TYPES, island_feeds, judge, run_exposed
+    from .weights import activation_quantization_off, judge_activations, quantizes_activations
 
     model = ir.load(model_file)
     feeds = island_feeds(model, source, [shape])
@@ -187,6 +190,10 @@ def bisect(source, model_file: Path, precision: str = "fp32", shape=(1, 7)) -> d
     low = {}
     if precision != "fp32":
         low = {n: (o, i) for n, o, i in _eager_outputs(source, inputs, TORCH_TYPES[precision])}
+    bracketed = precision != "fp32" or quantizes_activations(source)
+    if precision == "fp32" and bracketed:  # the reference without activation quantization
+        with activation_quantization_off(source):
+            low = {n: (o, i) for n, o, i in _eager_outputs(source, inputs)}
 
     def judged(name: str, candidates: list, want, want_low) -> dict | None:
         names = [
@@ -197,8 +204,10 @@ def bisect(source, model_file: Path, precision: str = "fp32", shape=(1, 7)) -> d
         if not names:
             return None
         got = graph_values[names[-1]]
-        if precision == "fp32":
+        if not bracketed:
             row = compare(name, got, want, FP32)
+        elif precision == "fp32":
+            row = judge_activations(got, want, want_low if want_low is not None else want)
         else:
             row = judge(got, want, want_low if want_low is not None else want, precision)
         return {

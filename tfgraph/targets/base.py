@@ -55,6 +55,9 @@ class Target:
     - ``session``, ``runner``: how its graphs run (:mod:`tfgraph.runtime` picks the runner).
     - ``precisions``: the ``--precision`` values it accepts.
     - ``weight_formats``: the ``--weights`` formats it runs (``int8``, ``int4``: MatMulNBits).
+    - ``weight_accuracy_levels``: MatMulNBits ``accuracy_level`` values it runs, the default
+      first: 4 quantizes activations to int8 per block inside the kernel (the CPU provider's
+      fast path), 0 computes with fp32 activations.
     - ``precision_runners``: a precision whose artifacts another runner verifies here (bf16:
       ``onnx-reference``, since ONNX Runtime's CPU provider has no bf16 kernels).
     - ``facts``: what the target's choices rest on, for ``python -m tfgraph targets``.
@@ -73,6 +76,7 @@ class Target:
     runner: str = "onnxruntime"
     precisions: tuple[str, ...] = ("fp32",)
     weight_formats: tuple[str, ...] = ()
+    weight_accuracy_levels: tuple[int, ...] = (0,)
     precision_runners: Mapping[str, str] = field(default_factory=dict)
     version: tuple[int, ...] | None = None
     facts: tuple[str, ...] = ()

@@ -151,6 +151,8 @@ ORT = register(
         runner="onnxruntime",
         precisions=("fp32", "fp16"),
         weight_formats=("int8", "int4"),  # com.microsoft.MatMulNBits
+        # level 4: int8 activations per block, 2-35x faster than level 0 here (docs/precision.md)
+        weight_accuracy_levels=(4, 0),
         facts=(
             "GroupQueryAttention: flash path on the CPU (O(n) memory) with present_* declared",
             "head size must be a multiple of 8 for GroupQueryAttention; else MultiHeadAttention",

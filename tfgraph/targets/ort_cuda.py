@@ -23,6 +23,7 @@ register(
         session=SessionSettings(providers=("cuda", "cpu")),
         precisions=("fp32", "fp16"),
         weight_formats=("int8", "int4"),  # com.microsoft.MatMulNBits
+        weight_accuracy_levels=(0,),  # activation quantization is a CPU-kernel mode
         facts=(*ORT.facts, "SkipLayerNormalization folds the residual Add (slower on the CPU)"),
     )
 )
