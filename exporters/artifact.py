@@ -20,14 +20,15 @@ logger = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 
 
-def check_target(out_dir: Path) -> None:
-    """Fail early (before any work) on an output directory that cannot be written."""
+def check_target(out_dir: Path, marker: str = MANIFEST, kind: str = "artifact") -> None:
+    """Fail early (before any work) on an output directory that cannot be written. A non-empty
+    one is replaced only when it holds ``marker`` (it is tfgraph's own ``kind``)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise TfgraphError(f"output '{out_dir}' exists and is not a directory; choose another -o")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / marker).is_file():
         raise TfgraphError(
-            f"output directory '{out_dir}' is not empty and is not a tfgraph artifact; "
-            "choose another -o (tfgraph only replaces its own artifacts)"
+            f"output directory '{out_dir}' is not empty and is not a tfgraph {kind}; "
+            f"choose another -o (tfgraph only replaces its own {kind}s)"
         )
     existing = out_dir.resolve().parent
     while not existing.exists():
@@ -39,14 +40,16 @@ def check_target(out_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def staged_directory(out_dir: Path) -> Iterator[Path]:
+def staged_directory(
+    out_dir: Path, marker: str = MANIFEST, kind: str = "artifact"
+) -> Iterator[Path]:
     """Yield a staging directory; on success it replaces ``out_dir``, on error it is removed.
 
     An ``OSError`` on the way (a full disk, a directory that cannot be written) becomes a
     :class:`TfgraphError` naming ``out_dir``; nothing is left behind either way.
     """
     out_dir = Path(out_dir)
-    check_target(out_dir)
+    check_target(out_dir, marker, kind)
     parent = out_dir.resolve().parent
     created = [p for p in (parent, *parent.parents) if not p.exists()]  # like mkdir -p
     try:

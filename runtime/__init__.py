@@ -2,7 +2,7 @@
 (CPU by default; CUDA when installed), ONNX's reference evaluator (bf16 artifacts), and token
 generation with KV-cached artifacts."""
 
-from .generate import CachedDecoder, Generation, GenerationConfig, generate
+from .generate import CachedDecoder, Generation, GenerationConfig, Step, generate, stream
 from .reference import ReferenceRunner  # registers the onnx-reference runner
 from .runner import RUNNERS, KVCache, Runner, open_runner
 from .session import PROVIDERS, Session, model_path
@@ -17,7 +17,9 @@ __all__ = [
     "ReferenceRunner",
     "Runner",
     "Session",
+    "Step",
     "generate",
     "model_path",
     "open_runner",
+    "stream",
 ]

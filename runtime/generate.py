@@ -17,7 +17,7 @@ without one the model sees the pad tokens (as eager PyTorch on the same padded b
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -224,6 +224,35 @@ def generate(
     progress: Callable[[int], None] | None = None,
 ) -> Generation:
     """Decode ``config.max_new_tokens`` tokens after each prompt (a list of token ids)."""
+    result = Generation([[] for _ in prompts], prompt_lengths=[len(p) for p in prompts])
+    for t, step in enumerate(stream(decoder, prompts, config, extra=extra)):
+        if keep_logits:
+            result.step_logits.append(step.logits)
+        for row, token in step.tokens.items():
+            result.tokens[row].append(token)
+        if progress is not None:
+            progress(t + 1)
+    return result
+
+
+@dataclass
+class Step:
+    """One decoding step: ``tokens`` {row: new token} for the rows still going (a row's EOS
+    included), ``logits`` the (batch, vocab) logits that chose them."""
+
+    tokens: dict[int, int]
+    logits: np.ndarray
+
+
+def stream(
+    decoder: CachedDecoder,
+    prompts: Sequence[Sequence[int]],
+    config: GenerationConfig | None = None,
+    *,
+    extra: dict[str, np.ndarray] | None = None,
+) -> Iterator[Step]:
+    """:func:`generate` one step at a time: yields each step's new tokens as they are chosen
+    (servers stream them). Checks the prompts and the cache's positions before the first step."""
     config = config or GenerationConfig()
     config.check()
     ids, mask = left_pad(prompts, config.pad_token_id)
@@ -238,28 +267,34 @@ def generate(
         ids.shape[1] + config.max_new_tokens - 1,
         f"a {ids.shape[1]}-token prompt with {config.max_new_tokens} new tokens",
     )
+    return _steps(decoder, ids, mask, config, extra)
+
+
+def _steps(decoder, ids, mask, config: GenerationConfig, extra) -> Iterator[Step]:
     rng = np.random.default_rng(config.seed)
     batch = ids.shape[0]
     if decoder.encoder is not None:  # once per prompt, not per step
         extra = {**(extra or {}), **decoder.encode(extra or {})}
     cache = decoder.empty_cache(batch, capacity=ids.shape[1] + config.max_new_tokens)
     done = np.zeros(batch, bool)
-    result = Generation([[] for _ in range(batch)], prompt_lengths=[len(p) for p in prompts])
     tokens = ids
-    for t in range(config.max_new_tokens):
+    for _ in range(config.max_new_tokens):
         logits, cache = decoder.step(tokens, cache, mask, extra)
         last = logits[:, -1, :]
-        if keep_logits:
-            result.step_logits.append(last.copy())
         chosen = np.where(done, config.pad_token_id, choose(last, config, rng))
-        for row in np.flatnonzero(~done):
-            result.tokens[row].append(int(chosen[row]))
+        yield Step({int(row): int(chosen[row]) for row in np.flatnonzero(~done)}, last.copy())
         if config.eos_token_id is not None:
             done |= chosen == config.eos_token_id
-        if progress is not None:
-            progress(t + 1)
         if done.all():
-            break
+            return
         tokens = chosen[:, None].astype(np.int64)
         mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
-    return result
+
+
+def seq2seq_prompts(
+    decoder: CachedDecoder, prompts: Sequence[Sequence[int]], pad: int, start_token: int
+) -> tuple[list[list[int]], dict[str, np.ndarray]]:
+    """An encoder-decoder's prompts feed its encoder: (the decoder's prompts — the start token
+    per row —, the encoder's feeds)."""
+    ids, mask = left_pad(prompts, pad)
+    return [[start_token]] * len(prompts), decoder.encoder_feeds(ids, mask)

@@ -157,7 +157,7 @@ def test_remote_code_runs_only_when_trusted(tmp_path, capsys):
 
 def test_tokenizer_code_in_an_artifact_never_runs(tmp_path):
     pytest.importorskip("transformers")
-    from tfgraph.cli import _load_tokenizer
+    from tfgraph.runtime.tokenizer import load_tokenizer
 
     tokenizer = tmp_path / "art" / "tokenizer"
     tokenizer.mkdir(parents=True)
@@ -169,5 +169,5 @@ def test_tokenizer_code_in_an_artifact_never_runs(tmp_path):
     }
     (tokenizer / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(TfgraphError, match="cannot load the tokenizer"):
-        _load_tokenizer(str(tmp_path / "art"))
+        load_tokenizer(str(tmp_path / "art"))
     assert not marker.exists(), "the tokenizer's code ran"

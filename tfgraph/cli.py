@@ -59,6 +59,7 @@ def _cmd_export(args) -> int:
         keep_io_types=args.keep_io_types,
         weights=args.weights,
         block_size=args.block_size,
+        accuracy_level=args.accuracy_level,
         symmetric=args.symmetric,
         quantize_lm_head=not args.no_quantize_lm_head,
         progress=_progress(
@@ -125,6 +126,8 @@ def _tolerance_text(row: dict) -> str:
     tol = row["tolerance"]
     if "atol" in tol:
         return f"atol {tol['atol']:g} rtol {tol['rtol']:g}"
+    if "activation_quant_err" in row:
+        return f"{tol['factor']:g} x act. quant err {row['activation_quant_err']:.3g} + fp32 tol"
     eager = row.get("eager_low_err", float("nan"))
     if eager == float("inf"):
         return f"eager {tol['precision']} overflows: within 1e-2 of scale"
@@ -168,7 +171,8 @@ def _print_weights(weights: dict | None, *, verbose: bool) -> None:
     kind = "symmetric" if weights["symmetric"] else "asymmetric"
     before, after = (weights[k] / (1 << 20) for k in ("weight_bytes_before", "weight_bytes_after"))
     print(
-        f"weights {weights['weights']} (block {weights['block_size']}, {kind}): "
+        f"weights {weights['weights']} (block {weights['block_size']}, {kind}, accuracy level "
+        f"{weights.get('accuracy_level', 0)}): "
         f"{len(weights['quantized'])} MatMul weights in MatMulNBits, "
         f"{before:.2f} -> {after:.2f} MiB"
     )
@@ -195,6 +199,26 @@ def _print_fusions(fusions: dict, *, verbose: bool) -> None:
             print(f"  {label} {kind} in {miss['module'] or '<top level>'}: {miss['reason']}")
         if len(v["missed"]) > len(shown):
             print(f"  … {len(v['missed']) - len(shown)} more {kind} misses (-v lists all)")
+
+
+def _cmd_triton(args) -> int:
+    from tfgraph.serving import write_repository
+
+    models = write_repository(
+        args.path,
+        args.output,
+        name=args.name,
+        max_batch_size=args.max_batch_size,
+        max_sequence=args.max_sequence,
+        concurrency=args.concurrency,
+    )
+    print(f"wrote Triton model repository {args.output}/")
+    rows = [[m.name, m.backend, m.kind, "; ".join(m.notes)] for m in models]
+    print(_table(rows, ["model", "backend", "kind", "notes"]))
+    serve = next((m.name for m in models if m.kind == "generate"), None)
+    if serve:
+        print(f"serve: tritonserver --model-repository {args.output} (stream from '{serve}')")
+    return 0
 
 
 def _cmd_parity(args) -> int:
@@ -348,7 +372,9 @@ def _cmd_generate(args) -> int:
     decoder = CachedDecoder(open_runner(args.path, providers=args.provider))
     tokenizer = None
     if args.text is not None:
-        tokenizer = _load_tokenizer(args.path)
+        from tfgraph.runtime.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(args.path)
         prompts = [tokenizer(t)["input_ids"] for t in args.text]
     elif args.input_ids:
         prompts = [_parse_ids(t, "--input-ids") for t in args.input_ids]
@@ -361,11 +387,12 @@ def _cmd_generate(args) -> int:
         batch = next(iter(extra.values())).shape[0]
         prompts = [[args.decoder_start_token_id]] * batch
     elif decoder.seq2seq:  # encoder-decoder: prompts feed the encoder
-        from tfgraph.runtime.generate import left_pad
+        from tfgraph.runtime.generate import seq2seq_prompts
 
-        ids, mask = left_pad(prompts, args.pad_token_id)
-        extra = {**extra, **decoder.encoder_feeds(ids, mask)}
-        prompts = [[args.decoder_start_token_id]] * len(prompts)
+        prompts, feeds = seq2seq_prompts(
+            decoder, prompts, args.pad_token_id, args.decoder_start_token_id
+        )
+        extra = {**extra, **feeds}
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         do_sample=args.do_sample,
@@ -467,29 +494,6 @@ def _load_inputs(path: str | None, *signatures) -> dict:
     if not arrays:
         raise TfgraphError(f"--inputs '{path}' holds no arrays")
     return arrays
-
-
-def _load_tokenizer(path: str):
-    directory = Path(path)
-    directory = directory if directory.is_dir() else directory.parent
-    if not (directory / "tokenizer").is_dir():
-        raise TfgraphError(
-            f"'{directory}' carries no tokenizer (export from a Hugging Face directory that has "
-            "one); use --input-ids"
-        )
-    try:
-        import transformers
-    except ImportError as exc:
-        raise TfgraphError("--text needs transformers: pip install 'tfgraph[hf]'") from exc
-    try:  # tokenizer files are data: code they name (auto_map) is never run
-        return transformers.AutoTokenizer.from_pretrained(
-            directory / "tokenizer", local_files_only=True, trust_remote_code=False
-        )
-    except Exception as exc:
-        first = first_line(exc)
-        raise TfgraphError(
-            f"cannot load the tokenizer in '{directory / 'tokenizer'}' ({first}); use --input-ids"
-        ) from exc
 
 
 def _cmd_bench(args) -> int:
@@ -733,6 +737,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="--weights: rows of K per scale (a power of two >= 16; default 32)",
     )
     p.add_argument(
+        "--accuracy-level",
+        type=int,
+        choices=[0, 4],
+        help="--weights: MatMulNBits accuracy level. 4 (default on the CPU): activations "
+        "quantized to int8 per block, the fast kernel, and the eager reference quantizes them "
+        "alike; 0: fp32 activations",
+    )
+    p.add_argument(
         "--symmetric", action="store_true", help="--weights: no zero points (default asymmetric)"
     )
     p.add_argument(
@@ -849,6 +861,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verbose(p)
     p.set_defaults(func=_cmd_parity)
+
+    p = sub.add_parser(
+        "triton", help="write a Triton Inference Server model repository from an artifact"
+    )
+    p.add_argument("path", help="artifact directory (tfgraph export's)")
+    p.add_argument("-o", "--output", required=True, help="repository directory to write")
+    p.add_argument("--name", help="the engine model's name (default: the artifact directory's)")
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=8,
+        help="max_batch_size of a batchable (uncached) engine; 0 turns batching off",
+    )
+    p.add_argument(
+        "--max-sequence",
+        type=int,
+        help="capacity of a shared KV buffer held as Triton state (default: the model's "
+        "max positions, else 2048)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=16,
+        help="generation requests one model instance decodes at once",
+    )
+    verbose(p)
+    p.set_defaults(func=_cmd_triton)
 
     p = sub.add_parser("inspect", help="op histogram, fusions and signature of an artifact")
     p.add_argument("path", help="artifact directory or .onnx file")
