@@ -378,7 +378,8 @@ def precision_section(d: dict) -> list[str]:
         "",
         "`python -m tfgraph.bench.precision` — each model exported by tfgraph with the KV cache "
         "in every variant (`--weights int8|int4`: MatMulNBits, block 32, asymmetric, LM head "
-        "included, fp32 compute; `--precision fp16`), and the Llama by the onnxruntime-genai "
+        "included, accuracy level 4 — int8 activations, the CPU default —, and int4 at level 0 "
+        "— fp32 activations —; `--precision fp16`), and the Llama by the onnxruntime-genai "
         "builder at int4 (`-p int4 -e cpu`). Timed like the exporters section (fresh "
         f"processes, {d['threads']} threads, fastest median of three). Decode: the mean step "
         "over a 128-token prompt + 128 greedy tokens (steps at pasts "
