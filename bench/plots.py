@@ -78,11 +78,43 @@ def _compile(plt, d: dict, bench: Path) -> list[str]:
     return ["compile_cost.png"]
 
 
+def _serving(plt, d: dict, bench: Path) -> list[str]:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    for name, m in d["models"].items():
+        cs = [r["concurrency"] for r in m["served"]]
+        (line,) = left.plot(cs, [r["tokens_per_s"] for r in m["served"]], marker="o", label=name)
+        left.axhline(m["local"]["tokens_per_s"], color=line.get_color(), linestyle="--")
+        for key, style in (("token_ms_p50", "-"), ("token_ms_p99", ":")):
+            right.plot(
+                cs,
+                [r[key] for r in m["served"]],
+                marker="o",
+                linestyle=style,
+                color=line.get_color(),
+                label=f"{name} {key.removeprefix('token_ms_')}",
+            )
+    left.set(xscale="log", xlabel="concurrent streams", ylabel="generated tokens/s")
+    left.set_title("Triton throughput (dashed: local generate)")
+    right.set(xscale="log", yscale="log", xlabel="concurrent streams", ylabel="ms per token")
+    right.set_title("per-token latency")
+    left.legend()
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(bench / "serving.png", dpi=100)
+    plt.close(fig)
+    return ["serving.png"]
+
+
 def draw(results: dict, bench: Path) -> list[str]:
     """``results``: section name → its result dict (sections with errors already left out)."""
     plt = _pyplot()
     written = []
-    for name, fn in (("prefill", _prefill), ("decode", _decode), ("compile_cost", _compile)):
+    for name, fn in (
+        ("prefill", _prefill),
+        ("decode", _decode),
+        ("compile_cost", _compile),
+        ("serving", _serving),
+    ):
         if name in results:
             written += fn(plt, results[name], bench)
     return written

@@ -450,6 +450,43 @@ def _header(suite: dict | None) -> list[str]:
     return lines
 
 
+def serving_section(d: dict) -> list[str]:
+    lines = [
+        "## Serving: the Triton generation model under load",
+        "",
+        "`python -m tfgraph.bench.serving` — each preset exported with the KV cache, its "
+        "`tfgraph triton` repository served by the nvidia-pytriton wheel's `tritonserver` "
+        "(CPU, Python backend, decoupled), driven by C concurrent gRPC streaming clients "
+        "sending requests back to back (16-token prompt, greedy). Local: "
+        "`tfgraph.runtime.stream` on the same artifact in a fresh process, one request at a "
+        f"time. Measured on {d['date']} at commit {d.get('commit') or '?'}.",
+        "",
+    ]
+    for name, m in d["models"].items():
+        lines += [
+            f"### {name} ({m['new_tokens']} new tokens per request)",
+            "",
+            "| engine | concurrency | tokens/s | time to first token | per-token p50 | "
+            "per-token p99 |",
+            "|---|---|---|---|---|---|",
+        ]
+        rows = [("local generate", {**m["local"], "concurrency": 1})]
+        rows += [("Triton", r) for r in m["served"]]
+        for engine, r in rows:
+            lines.append(
+                f"| {engine} | {r['concurrency']} | {r['tokens_per_s']:.0f} | "
+                f"{r['ttft_ms_p50']:.1f} ms | {r['token_ms_p50']:.2f} ms | "
+                f"{r['token_ms_p99']:.2f} ms |"
+            )
+        lines += [
+            "",
+            f"Serving overhead at concurrency 1: local tokens/s ÷ served = "
+            f"{m['overhead_at_1']:.2f}×.",
+            "",
+        ]
+    return lines
+
+
 SECTIONS = {
     "prefill": lambda d: prefill_section(d),
     "attention_memory": lambda d: attention_section(d),
@@ -458,6 +495,7 @@ SECTIONS = {
     "peers": lambda d: peers_section(d),
     "exporters": lambda d: exporters_section(d),
     "precision": lambda d: precision_section(d),
+    "serving": lambda d: serving_section(d),
     "norm_folding": lambda d: norm_section(d),
 }
 FILES = {  # section → JSON file in OUT/bench/ (the older scripts' names kept)
@@ -468,6 +506,7 @@ FILES = {  # section → JSON file in OUT/bench/ (the older scripts' names kept)
     "peers": "peers.json",
     "exporters": "exporters.json",
     "precision": "precision.json",
+    "serving": "serving.json",
     "norm_folding": "norm_folding.json",
 }
 

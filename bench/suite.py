@@ -7,7 +7,8 @@ token against past length, vs eager and Hugging Face ``generate``), ``compile_co
 against layers), ``peers`` (ONNX Runtime's transformers optimizer, onnxscript's
 ``optimize_for_ort``), ``exporters`` (cached decode and prefill against transformers' exporter
 and the onnxruntime-genai builder), ``precision`` (decode and prefill in fp32, int8, int4 and
-fp16, beside the builder's int4) and, in full runs, ``norm_folding``. Writes
+fp16, beside the builder's int4), ``serving`` (the Triton generation model under 1, 4 and 16
+concurrent streams, beside local generation) and, in full runs, ``norm_folding``. Writes
 ``DIR/bench/<section>.json``, ``DIR/bench/*.png``, ``DIR/bench/suite.json`` (machine, command,
 per-section status) and ``DIR/BENCHMARKS.md``. A section that fails is recorded with its error,
 the others still run, and :func:`run_suite` reports it (the CLI then exits 1).
@@ -39,6 +40,7 @@ SECTIONS = {  # name → module; the order they run in
     "peers": "peers",
     "exporters": "exporters",
     "precision": "precision",
+    "serving": "serving",
     "norm_folding": "norm_folding",
 }
 

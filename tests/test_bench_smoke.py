@@ -28,6 +28,7 @@ def test_bench_quick_writes_json_plots_and_markdown(tmp_path, capsys):
         "peers",
         "exporters",
         "precision",
+        "serving",
         "norm_folding",
     }
     assert not [n for n, s in sections.items() if "error" in s], sections
@@ -46,9 +47,13 @@ def test_bench_quick_writes_json_plots_and_markdown(tmp_path, capsys):
     )
     precision = json.loads((out / "bench" / "precision.json").read_text())["models"]
     variants = precision["llama-tiny"]["variants"]
-    assert set(variants) == {"fp32", "int8", "int4", "fp16"}
+    assert set(variants) == {"fp32", "int8", "int4", "int4-level0", "fp16"}
     assert all("error" not in e and e["tokens_per_s"] > 0 for e in variants.values()), variants
     assert variants["int4"]["weight_bytes"] < variants["fp32"]["weight_bytes"] / 2.5
+    serving = json.loads((out / "bench" / "serving.json").read_text())["models"]["gpt2-tiny"]
+    assert [r["concurrency"] for r in serving["served"]] == [1, 4]
+    assert all(r["tokens_per_s"] > 0 and r["requests"] >= 1 for r in serving["served"])
+    assert serving["local"]["tokens_per_s"] > 0 and "serving.png" in suite["plots"]
     exporters = json.loads((out / "bench" / "exporters.json").read_text())["models"]["llama"]
     tfgraph_row = exporters["peers"]["tfgraph"]
     assert tfgraph_row["available"] and "error" not in tfgraph_row, tfgraph_row
@@ -67,6 +72,7 @@ def test_bench_quick_writes_json_plots_and_markdown(tmp_path, capsys):
         "## Peers",
         "## Exporters",
         "## Precision",
+        "## Serving",
     ):
         assert title in markdown
     assert "section" in printed.out and "BENCHMARKS.md" in printed.out
