@@ -57,7 +57,7 @@ def staged_directory(
         stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tfgraph-", dir=parent))
     except OSError as exc:
         _remove_created(created)
-        raise write_error(out_dir, exc) from exc
+        raise write_error(out_dir, exc, kind) from exc
     try:
         yield stage
         _commit(stage, out_dir)
@@ -65,7 +65,7 @@ def staged_directory(
         shutil.rmtree(stage, ignore_errors=True)
         _remove_created(created)
         if isinstance(exc, OSError):
-            raise write_error(out_dir, exc) from exc
+            raise write_error(out_dir, exc, kind) from exc
         raise
 
 
@@ -79,7 +79,7 @@ _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
-def write_error(out_dir: Path, exc: OSError) -> TfgraphError:
+def write_error(out_dir: Path, exc: OSError, kind: str = "artifact") -> TfgraphError:
     """One line for a failed write: what the system said and what to do."""
     reason = exc.strerror or str(exc) or type(exc).__name__
     if exc.errno in _FULL:
@@ -88,7 +88,7 @@ def write_error(out_dir: Path, exc: OSError) -> TfgraphError:
         hint = "choose an output directory you can write (-o)"
     else:
         hint = "check the output directory or choose another -o"
-    return TfgraphError(f"cannot write the artifact '{out_dir}': {reason}; {hint}")
+    return TfgraphError(f"cannot write the {kind} '{out_dir}': {reason}; {hint}")
 
 
 def _commit(stage: Path, out_dir: Path) -> None:

@@ -102,10 +102,16 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, gpt_artifa
     busy.mkdir()
     (busy / "notes.txt").write_text("mine")
     cases.append(([str(gpt_artifact.out_dir), "-o", str(busy)], "is not a tfgraph Triton"))
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    cases.append(([str(gpt_artifact.out_dir), "-o", str(a_file / "repo")], "is not a directory"))
+    cases.append(
+        ([str(gpt_artifact.out_dir), "-o", "/proc/tfgraph-repo"], "cannot write the Triton")
+    )
     if os.geteuid() != 0:  # root writes anywhere
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
-        cases.append(([str(gpt_artifact.out_dir), "-o", str(locked / "repo")], "cannot write"))
+        cases.append(([str(gpt_artifact.out_dir), "-o", str(locked / "repo")], "cannot write the"))
     for argv, needle in cases:
         assert main(["triton", *argv]) == 2
         err = capsys.readouterr().err
