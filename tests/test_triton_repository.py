@@ -118,3 +118,23 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, gpt_artifa
         assert needle in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists()
     assert sorted(p.name for p in busy.iterdir()) == ["notes.txt"]
+
+
+def test_an_artifact_with_an_engine_gets_a_tensorrt_plan_model(tmp_path, artifacts):
+    """No TensorRT here: a stand-in engine file named by the manifest; the config is checked
+    offline against ModelConfig and the graph the engine comes from."""
+    import shutil
+
+    artifact = tmp_path / "with-engine"
+    shutil.copytree(artifacts / "llama-tiny", artifact)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    manifest["files"].append("model.plan")
+    (artifact / "manifest.json").write_text(json.dumps(manifest))
+    (artifact / "model.plan").write_bytes(b"stand-in engine")
+    models = write_repository(artifact, tmp_path / "repo", name="llama")
+    assert [(m.name, m.backend) for m in models][1] == ("llama_trt", "tensorrt_plan")
+    config = parse_config(tmp_path / "repo" / "llama_trt" / "config.pbtxt")
+    assert config.platform == "tensorrt_plan" and not config.backend
+    assert config.instance_group[0].kind == config.instance_group[0].KIND_GPU
+    assert len(config.sequence_batching.state) == 4
+    assert (tmp_path / "repo" / "llama_trt" / "1" / "model.plan").read_bytes() == b"stand-in engine"

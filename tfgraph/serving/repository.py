@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 MARKER = "tfgraph-repository.json"
 GENERATE_SUFFIX = "_generate"
 ENCODER_SUFFIX = "_encoder"
+PLAN_SUFFIX = "_trt"
+ENGINE_SUFFIXES = (".plan", ".engine")
 DEFAULT_MAX_BATCH_SIZE = 8
 DEFAULT_CONCURRENCY = 16  # generation requests decoded at once by one model instance
 
@@ -133,10 +135,19 @@ def write_repository(
                 stage, artifact, encoder_name, contract.ENCODER_FILE, config, manifest
             )
             models.append(encoder)
+        engine_file = next(
+            (f for f in manifest.get("files", []) if f.endswith(ENGINE_SUFFIXES)), None
+        )
+        if engine_file is not None:  # a TensorRT engine built from model.onnx
+            plan = engine_config(
+                name + PLAN_SUFFIX, graphs["model.onnx"], max_batch_size, "GPU", capacity
+            ).replace('backend: "onnxruntime"', 'platform: "tensorrt_plan"')
+            models.append(_write_plan(stage, artifact, name + PLAN_SUFFIX, engine_file, plan))
         if cached:
             models.append(_write_generate(stage, artifact, name + GENERATE_SUFFIX, concurrency))
         for model in models:
-            check_config(stage / model.name / "config.pbtxt", stage / model.name)
+            graph = artifact / "model.onnx" if model.backend == "tensorrt_plan" else None
+            check_config(stage / model.name / "config.pbtxt", stage / model.name, graph)
         (stage / MARKER).write_text(
             json.dumps(
                 {"artifact": str(artifact.resolve()), "models": [m.as_dict() for m in models]},
@@ -269,6 +280,15 @@ def _write_engine(stage, artifact, name, onnx_file, config, manifest) -> Reposit
     return RepositoryModel(name, "onnxruntime", files, kind, notes)
 
 
+def _write_plan(stage, artifact, name, engine_file, config) -> RepositoryModel:
+    version = stage / name / "1"
+    version.mkdir(parents=True)
+    _link(artifact / engine_file, version / "model.plan")
+    (stage / name / "config.pbtxt").write_text(config)
+    notes = ["checked offline (no TensorRT here)", f"engine {engine_file}"]
+    return RepositoryModel(name, "tensorrt_plan", ["model.plan"], "engine", notes)
+
+
 # --- the generation model (python backend) -------------------------------------------------
 
 
@@ -352,16 +372,20 @@ def parse_config(path: Path):
     return config
 
 
-def check_config(path: Path, model_dir: Path) -> None:
-    """Parse ``path`` against ``ModelConfig`` and, for an onnxruntime model, check its names
-    against the ONNX graph: every graph input is a config input or a state's input, every
-    config output a graph output."""
+def check_config(path: Path, model_dir: Path, graph: Path | None = None) -> None:
+    """Parse ``path`` against ``ModelConfig`` and, for an onnxruntime model (or a TensorRT plan
+    built from ``graph``), check its names against the ONNX graph: every graph input is a
+    config input or a state's input, every config output a graph output."""
     config = parse_config(path)
-    if config.backend != "onnxruntime":
+    if config.backend == "onnxruntime":
+        onnx_file = graph or model_dir / "1" / "model.onnx"
+    elif config.platform == "tensorrt_plan" and graph is not None:
+        onnx_file = graph  # the graph the engine was built from
+    else:
         return
     import onnx
 
-    graph = onnx.load(str(model_dir / "1" / "model.onnx"), load_external_data=False).graph
+    graph = onnx.load(str(onnx_file), load_external_data=False).graph
     graph_inputs = {i.name for i in graph.input} - {i.name for i in graph.initializer}
     graph_outputs = {o.name for o in graph.output}
     state_in = {s.input_name for s in config.sequence_batching.state}
