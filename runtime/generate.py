@@ -192,8 +192,9 @@ def left_pad(prompts: Sequence[Sequence[int]], pad: int) -> tuple[np.ndarray, np
     return ids, mask
 
 
-def choose(logits: np.ndarray, config: GenerationConfig, rng: np.random.Generator) -> np.ndarray:
-    """Next token per row from (batch, vocab) logits."""
+def choose(logits: np.ndarray, config: GenerationConfig, rng) -> np.ndarray:
+    """Next token per row from (batch, vocab) logits; ``rng``: one generator for the rows in
+    turn, or a list of one per row."""
     if not config.do_sample:
         return logits.argmax(-1)
     scores = logits.astype(np.float64) / config.temperature
@@ -211,7 +212,8 @@ def choose(logits: np.ndarray, config: GenerationConfig, rng: np.random.Generato
         np.put_along_axis(drop, order, drop_sorted, -1)
         probs = np.where(drop, 0.0, probs)
         probs /= probs.sum(-1, keepdims=True)
-    return np.array([rng.choice(probs.shape[-1], p=row) for row in probs])
+    rngs = rng if isinstance(rng, list) else [rng] * len(probs)
+    return np.array([g.choice(probs.shape[-1], p=row) for g, row in zip(rngs, probs, strict=True)])
 
 
 def generate(
@@ -250,9 +252,16 @@ def stream(
     config: GenerationConfig | None = None,
     *,
     extra: dict[str, np.ndarray] | None = None,
+    limits: Sequence[int] | None = None,
+    seeds: Sequence[int | None] | None = None,
 ) -> Iterator[Step]:
     """:func:`generate` one step at a time: yields each step's new tokens as they are chosen
-    (servers stream them). Checks the prompts and the cache's positions before the first step."""
+    (servers stream them). Checks the prompts and the cache's positions before the first step.
+
+    For a batch of independent requests (a server's): ``limits`` gives each row its own
+    ``max_new_tokens`` (a row stops at its limit, the batch at the largest), ``seeds`` each
+    row its own random generator, so that a row samples exactly as it would alone (without
+    them, one generator seeded by ``config.seed`` serves the rows in turn, as before)."""
     config = config or GenerationConfig()
     config.check()
     ids, mask = left_pad(prompts, config.pad_token_id)
@@ -262,29 +271,36 @@ def stream(
             "the shorter ones see %d pad token(s)",
             ids.shape[1] - min(len(p) for p in prompts),
         )
+    limits = np.asarray(limits if limits is not None else [config.max_new_tokens] * len(prompts))
+    if limits.shape != (len(prompts),) or (limits < 1).any():
+        raise TfgraphError("limits: one max_new_tokens >= 1 per prompt")
+    longest = int(limits.max())
     # the last new token is returned, never fed back: prompt + max_new_tokens - 1 positions
     decoder.check_positions(
-        ids.shape[1] + config.max_new_tokens - 1,
-        f"a {ids.shape[1]}-token prompt with {config.max_new_tokens} new tokens",
+        ids.shape[1] + longest - 1, f"a {ids.shape[1]}-token prompt with {longest} new tokens"
     )
-    return _steps(decoder, ids, mask, config, extra)
+    if seeds is not None:
+        rng = [np.random.default_rng(seed) for seed in seeds]
+    else:
+        rng = np.random.default_rng(config.seed)
+    return _steps(decoder, ids, mask, config, extra, limits, rng)
 
 
-def _steps(decoder, ids, mask, config: GenerationConfig, extra) -> Iterator[Step]:
-    rng = np.random.default_rng(config.seed)
+def _steps(decoder, ids, mask, config: GenerationConfig, extra, limits, rng) -> Iterator[Step]:
     batch = ids.shape[0]
     if decoder.encoder is not None:  # once per prompt, not per step
         extra = {**(extra or {}), **decoder.encode(extra or {})}
-    cache = decoder.empty_cache(batch, capacity=ids.shape[1] + config.max_new_tokens)
+    cache = decoder.empty_cache(batch, capacity=ids.shape[1] + int(limits.max()))
     done = np.zeros(batch, bool)
     tokens = ids
-    for _ in range(config.max_new_tokens):
+    for t in range(int(limits.max())):
         logits, cache = decoder.step(tokens, cache, mask, extra)
         last = logits[:, -1, :]
         chosen = np.where(done, config.pad_token_id, choose(last, config, rng))
         yield Step({int(row): int(chosen[row]) for row in np.flatnonzero(~done)}, last.copy())
         if config.eos_token_id is not None:
             done |= chosen == config.eos_token_id
+        done |= limits <= t + 1
         if done.all():
             return
         tokens = chosen[:, None].astype(np.int64)

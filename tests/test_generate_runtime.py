@@ -6,6 +6,7 @@ import pytest
 
 import tfgraph
 from tfgraph.cli import main
+from tfgraph.errors import TfgraphError
 from tfgraph.runtime import CachedDecoder, GenerationConfig, Session, generate
 from tfgraph.runtime.generate import choose, left_pad
 
@@ -198,3 +199,27 @@ def test_head_size_not_multiple_of_8_keeps_a_copying_cache(tmp_path):
     assert result.passed
     decoder = CachedDecoder(Session(tmp_path / "a"))
     assert not decoder.shared
+
+
+def test_stream_rows_with_their_own_limits_and_seeds_match_each_alone(cached_gpt):
+    """A server's batch: each row its own max_new_tokens and seed; every row's tokens are the
+    ones it gets alone (gpt-tiny takes an attention mask: the padded rows are masked)."""
+    from tfgraph.runtime import stream
+
+    decoder = CachedDecoder(Session(cached_gpt))
+    prompts, limits, seeds = [[1, 2, 3], [4, 5], [6, 7, 8, 9]], [5, 9, 2], [11, 12, 13]
+    for sampled in (False, True):
+        config = GenerationConfig(do_sample=sampled, temperature=1.5)
+        rows = [[] for _ in prompts]
+        steps = list(stream(decoder, prompts, config, limits=limits, seeds=seeds))
+        assert len(steps) == max(limits)
+        for step in steps:
+            for row, token in step.tokens.items():
+                rows[row].append(token)
+        for prompt, limit, seed, got in zip(prompts, limits, seeds, rows, strict=True):
+            alone = GenerationConfig(
+                max_new_tokens=limit, do_sample=sampled, temperature=1.5, seed=seed
+            )
+            assert got == generate(decoder, [prompt], alone).tokens[0]
+    with pytest.raises(TfgraphError, match="limits"):
+        stream(decoder, prompts, limits=[1, 2])

@@ -884,7 +884,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--concurrency",
         type=int,
         default=16,
-        help="generation requests one model instance decodes at once",
+        help="the most generation requests decoded in one batch",
     )
     verbose(p)
     p.set_defaults(func=_cmd_triton)

@@ -41,7 +41,8 @@ ENCODER_SUFFIX = "_encoder"
 PLAN_SUFFIX = "_trt"
 ENGINE_SUFFIXES = (".plan", ".engine")
 DEFAULT_MAX_BATCH_SIZE = 8
-DEFAULT_CONCURRENCY = 16  # generation requests decoded at once by one model instance
+DEFAULT_CONCURRENCY = 16  # generation requests one batch of the generation model holds
+BATCH_WAIT_MS = 2  # how long the first request of a batch waits for others
 
 TRITON_TYPES = {
     "float": "TYPE_FP32",
@@ -110,8 +111,8 @@ def write_repository(
 
     ``name``: the engine model's name (default: the artifact directory's). ``max_sequence``:
     the capacity of a shared KV buffer held as Triton state (default: the artifact's
-    ``max_positions``, else 2048). ``concurrency``: generation requests one instance decodes
-    at once."""
+    ``max_positions``, else 2048). ``concurrency``: the most requests the generation model
+    decodes in one batch."""
     artifact = Path(artifact)
     manifest = read_artifact(artifact)
     name = name or _model_name(artifact)
@@ -298,7 +299,11 @@ def generate_config(name: str, tokenizer: bool, concurrency: int, paths: list[st
     if tokenizer:
         inputs.append('  { name: "text" data_type: TYPE_STRING dims: [ 1 ] optional: true }')
         outputs.append('  { name: "token_text" data_type: TYPE_STRING dims: [ 1 ] }')
-    parameters = {"python_paths": os.pathsep.join(paths), "concurrency": str(concurrency)}
+    parameters = {
+        "python_paths": os.pathsep.join(paths),
+        "concurrency": str(concurrency),
+        "batch_wait_ms": str(BATCH_WAIT_MS),
+    }
     params = ",\n".join(
         f'  {{ key: "{k}" value {{ string_value: {json.dumps(v)} }} }}'
         for k, v in parameters.items()
@@ -337,7 +342,7 @@ def _write_generate(stage: Path, artifact: Path, name: str, concurrency: int) ->
     tokenizer = (artifact / "tokenizer").is_dir()
     config = generate_config(name, tokenizer, concurrency, python_site_paths())
     (stage / name / "config.pbtxt").write_text(config)
-    notes = ["streams tokens (decoupled)", f"{concurrency} requests at once"]
+    notes = ["streams tokens (decoupled)", f"batches up to {concurrency} requests"]
     files = ["model.py", "artifact/"]
     return RepositoryModel(name, "python", files, "generate", notes)
 

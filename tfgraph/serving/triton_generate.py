@@ -12,11 +12,18 @@ an encoder-decoder's prompt feeds its encoder. Request parameters: ``max_new_tok
 sampling unless ``do_sample`` is false. Anything else is refused with one error response
 naming what was wrong; the server keeps serving.
 
-**Concurrency.** ``execute`` checks each request and hands it to a thread, so requests that
-arrive together decode at the same time, up to the config's ``concurrency`` (more wait for a
-slot), each with its own KV cache, all through one ONNX Runtime session. Requests are not
-stacked into one batch tensor: each row's numbers (and a seeded sample) are then exactly those
-of ``tfgraph generate`` on that prompt alone.
+**Batching.** ``execute`` checks each request and queues it; one scheduler thread decodes the
+queue in batches: it takes the oldest request, waits ``batch_wait_ms`` (default 2) for others
+to arrive, and adds every waiting request with the same decoding settings (sampling on or off,
+temperature, top-k, top-p, EOS and pad ids) up to ``concurrency`` rows (default 16) whose
+longest prompt plus largest ``max_new_tokens`` fits the model's positions — and, for a model
+without an ``attention_mask`` input (which would attend to the padding), the same prompt
+length. The batch runs as
+one left-padded generation (:func:`tfgraph.runtime.stream` with one ``max_new_tokens`` and
+one seed per row): each row streams its own tokens and ends at its own limit or EOS; requests
+that arrive meanwhile form the next batch when it ends. A row samples from its own seeded
+generator, so its tokens are those of ``tfgraph generate`` on that prompt alone up to fp32
+noise in the padded batch (greedy: equal unless two logits tie within that noise).
 
 **Unloading** while streams are in flight: ``finalize`` asks them to stop; each ends with an
 error response ("model unloaded while generating") and its final flag.
@@ -30,6 +37,7 @@ import json
 import os
 import sys
 import threading
+import time
 
 PARAMETERS = {
     "max_new_tokens": int,
@@ -43,6 +51,17 @@ PARAMETERS = {
     "decoder_start_token_id": int,
 }
 SAMPLING = ("temperature", "top_k", "top_p")
+
+
+class Job:
+    """One request waiting for, or in, a batch."""
+
+    def __init__(self, prompt, config, limit, seed, start, sender):
+        self.prompt, self.config, self.limit, self.seed = prompt, config, limit, seed
+        self.start, self.sender, self.sent = start, sender, 0
+        c = config  # requests with equal keys can share a batch
+        self.key = (c.do_sample, c.temperature, c.top_k, c.top_p, c.eos_token_id,
+                    c.pad_token_id, start)  # fmt: skip
 
 
 class RequestError(Exception):
@@ -73,40 +92,47 @@ class TritonPythonModel:
         logits = self.decoder.session.signature.output(contract.LOGITS)
         last = (logits.shape or [None])[-1] if logits is not None else None
         self.vocab = last if isinstance(last, int) else None
-        self.slots = threading.BoundedSemaphore(int(params.get("concurrency", "16")))
+        # whether left-padded prompts are masked: else only equal lengths share a batch
+        if self.decoder.seq2seq:
+            roles = {p.role for p in self.decoder._all_inputs()}
+            self.masks_padding = contract.ENCODER_ATTENTION_MASK in roles
+        else:
+            self.masks_padding = self.decoder.mask_input is not None
+        self.max_rows = int(params.get("concurrency", "16"))
+        self.wait_s = float(params.get("batch_wait_ms", "2")) / 1000
+        self.pending = []  # Jobs in arrival order
+        self.ready = threading.Condition()
         self.stopping = threading.Event()
-        self.threads = set()
-        self.lock = threading.Lock()
+        self.worker = threading.Thread(target=self._schedule, daemon=True)
+        self.worker.start()
 
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
             try:
-                job = self._prepare(request)
+                job = self._prepare(request, sender)
             except RequestError as exc:
                 self._fail(sender, str(exc))
                 continue
-            thread = threading.Thread(target=self._serve, args=(job, sender), daemon=True)
-            with self.lock:
-                self.threads.add(thread)
-            thread.start()
+            with self.ready:
+                self.pending.append(job)
+                self.ready.notify()
         return None
 
     def finalize(self):
         self.stopping.set()
-        with self.lock:
-            threads = list(self.threads)
-        for thread in threads:
-            thread.join(timeout=30)
+        with self.ready:
+            self.ready.notify()
+        self.worker.join(timeout=60)
+        for job in self.pending:
+            self._fail(job.sender, "model unloaded before generating")
 
     # --- a request ------------------------------------------------------------------------
 
-    def _prepare(self, request):
-        """(the decoding stream, whether to send text) for a valid request; else RequestError
-        with what is wrong."""
+    def _prepare(self, request, sender):
+        """The request as a Job when it is valid; else RequestError with what is wrong."""
         from tfgraph.errors import TfgraphError
-        from tfgraph.runtime import GenerationConfig, stream
-        from tfgraph.runtime.generate import seq2seq_prompts
+        from tfgraph.runtime import GenerationConfig
 
         options = self._parameters(request)
         ids = self.pb.get_input_tensor_by_name(request, "input_ids")
@@ -130,19 +156,21 @@ class TritonPythonModel:
             prompt = [int(t) for t in ids.as_numpy().reshape(-1)]
         if not prompt:
             raise RequestError("the prompt is empty: give at least one token")
-        start = options.pop("decoder_start_token_id", 0)
-        config = GenerationConfig(**options)
-        extra = {}
-        prompts = [prompt]
         if self.vocab is not None and any(not 0 <= t < self.vocab for t in prompt):
             raise RequestError(f"input_ids must lie in [0, {self.vocab}): the vocabulary")
+        start = options.pop("decoder_start_token_id", 0)
+        seed = options.pop("seed", None)
+        limit = options.pop("max_new_tokens", GenerationConfig.max_new_tokens)
+        config = GenerationConfig(max_new_tokens=limit, **options)
         try:
-            if self.decoder.seq2seq:
-                prompts, extra = seq2seq_prompts(self.decoder, prompts, config.pad_token_id, start)
-            steps = stream(self.decoder, prompts, config, extra=extra)
+            config.check()
+            length = 1 if self.decoder.seq2seq else len(prompt)
+            self.decoder.check_positions(
+                length + limit - 1, f"a {length}-token prompt with {limit} new tokens"
+            )
         except TfgraphError as exc:
             raise RequestError(str(exc)) from exc
-        return steps
+        return Job(prompt, config, limit, seed, start, sender)
 
     def _parameters(self, request) -> dict:
         try:
@@ -171,24 +199,74 @@ class TritonPythonModel:
             options["do_sample"] = True
         return options
 
-    # --- streaming ------------------------------------------------------------------------
+    # --- batches ------------------------------------------------------------------------
 
-    def _serve(self, job, sender):
-        steps = job
+    def _schedule(self):
+        while not self.stopping.is_set():
+            with self.ready:
+                while not self.pending and not self.stopping.is_set():
+                    self.ready.wait()
+                if self.stopping.is_set():
+                    return
+            time.sleep(self.wait_s)  # let requests that arrive together join
+            with self.ready:
+                batch = self._take()
+            self._run(batch)
+
+    def _take(self):
+        """The oldest pending job and every pending job that can share its batch."""
+        first = self.pending[0]
+        batch, rest = [first], []
+        limit = self.decoder.max_positions
+        for job in self.pending[1:]:
+            fits = len(batch) < self.max_rows and job.key == first.key
+            if not self.masks_padding:
+                fits = fits and len(job.prompt) == len(first.prompt)
+            if fits and limit is not None and not self.decoder.seq2seq:
+                width = max(len(j.prompt) for j in (*batch, job))
+                fits = width + max(j.limit for j in (*batch, job)) - 1 <= limit
+            (batch if fits else rest).append(job)
+        self.pending[:] = rest
+        return batch
+
+    def _run(self, batch):
+        from tfgraph.runtime import stream
+        from tfgraph.runtime.generate import seq2seq_prompts
+
+        first = batch[0].config
+        prompts, extra = [job.prompt for job in batch], {}
+        finished = set()
         try:
-            with self.slots:
-                for step in steps:
-                    if self.stopping.is_set():
-                        self._fail(sender, "model unloaded while generating")
-                        return
-                    for token in step.tokens.values():
-                        sender.send(self._response(token))
-            sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception as exc:  # noqa: BLE001 - the client hears of it, the server goes on
-            self._fail(sender, f"generation failed: {type(exc).__name__}: {exc}")
-        finally:
-            with self.lock:
-                self.threads.discard(threading.current_thread())
+            if self.decoder.seq2seq:
+                prompts, extra = seq2seq_prompts(
+                    self.decoder, prompts, first.pad_token_id, batch[0].start
+                )
+            steps = stream(
+                self.decoder,
+                prompts,
+                first,
+                extra=extra,
+                limits=[job.limit for job in batch],
+                seeds=[job.seed for job in batch],
+            )
+            for step in steps:
+                if self.stopping.is_set():
+                    for row, job in enumerate(batch):
+                        if row not in finished:
+                            self._fail(job.sender, "model unloaded while generating")
+                    return
+                for row, token in step.tokens.items():
+                    job = batch[row]
+                    job.sent += 1
+                    job.sender.send(self._response(token))
+                    eos = first.eos_token_id is not None and token == first.eos_token_id
+                    if job.sent == job.limit or eos:
+                        job.sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                        finished.add(row)
+        except Exception as exc:  # noqa: BLE001 - the clients hear of it, the server goes on
+            for row, job in enumerate(batch):
+                if row not in finished:
+                    self._fail(job.sender, f"generation failed: {type(exc).__name__}: {exc}")
 
     def _response(self, token: int):
         import numpy as np
