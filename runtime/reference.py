@@ -4,7 +4,9 @@ ONNX Runtime's CPU provider has no bf16 kernels at all, so bf16 artifacts of the
 targets (``onnx``, ``tensorrt``) are run here by the evaluator the ONNX project ships: numpy,
 op by op, bf16 through ``ml_dtypes``. It is slow (every op in Python) and meant for the tiny
 models that prove a graph; it implements the runner protocol, so parity, cache parity and
-``generate`` work on it. Its caches are the copying kind (the standard targets' ``Concat``).
+``generate`` work on it. Its caches are numpy arrays: empty pasts the graph extends
+(``Concat``), or zero buffers of the cache's capacity the graph writes into (the standard
+targets' static cache, ``TensorScatter``), the past length fed as ``past_sequence_length``.
 """
 
 from __future__ import annotations
@@ -103,14 +105,15 @@ class ReferenceRunner:
         return self._evaluate(feeds)
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
-        if self.signature.shared_buffer:
-            raise TfgraphError(f"{NAME} runs copying caches only; '{self.path}' shares buffers")
+        """Empty pasts (a copying cache), or zero buffers of ``capacity`` positions (a buffer
+        layout: the graph writes each step's keys and values into them)."""
+        buffered = self.signature.shared_buffer
         values = {}
         for port in self.signature.inputs_with(*_PAST_ROLES):
             dims = self._types[port.name].shape.dim
-            shape = (batch, dims[1].dim_value, 0, dims[3].dim_value)
+            shape = (batch, dims[1].dim_value, capacity if buffered else 0, dims[3].dim_value)
             values[port.key] = np.zeros(shape, self._dtype(port.name))
-        return KVCache(values, 0)
+        return KVCache(values, 0, capacity if buffered else None)
 
     def step(
         self, feeds: Mapping[RoleKey, object], cache: KVCache, new_tokens: int
@@ -119,6 +122,9 @@ class ReferenceRunner:
         for port in self.signature.inputs:
             if port.role in _PAST_ROLES:
                 named[port.name] = cache.values[port.key]
+                continue
+            if port.role == contract.PAST_LENGTH:  # a buffer layout: where the past ends
+                named[port.name] = np.array([cache.length], self._dtype(port.name))
                 continue
             value = feeds.get(port.key)
             if value is None:
@@ -131,7 +137,7 @@ class ReferenceRunner:
             for p in self.signature.outputs
             if p.role in _PRESENT_PAST
         }
-        return outputs, KVCache(next_values, cache.length + new_tokens)
+        return outputs, KVCache(next_values, cache.length + new_tokens, cache.capacity)
 
     def to_numpy(self, value):
         return np.asarray(value)

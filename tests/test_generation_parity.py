@@ -5,6 +5,7 @@ configs: ``export --kv-cache`` (with its own prefill + decode parity), then gree
 and every step's logits within the fp32 parity tolerance."""
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from test_hf_pipelines import CONFIGS, SMALL
@@ -41,10 +42,15 @@ def _prompts(seed: int) -> list[list[int]]:
     return [rng.integers(1, 200, 6).tolist(), rng.integers(1, 200, 3).tolist()]
 
 
-def _check(source, tmp_path) -> None:
-    result = tfgraph.export(source, tmp_path / "artifact", kv_cache=True)
+def _check(source, tmp_path, target: str = "ort") -> None:
+    result = tfgraph.export(source, tmp_path / "artifact", kv_cache=True, target=target)
     report = result.report
     assert report["kv_cache"] is True
+    if target != "ort":  # the static, standard cache: TensorScatter into shared buffers
+        assert result.manifest["kv_layout"]["kind"] == "static"
+        ops = [n.op_type for n in onnx.load(tmp_path / "artifact" / "model.onnx").graph.node]
+        layers = result.manifest["kv_layout"]["layers"]
+        assert ops.count("TensorScatter") == 2 * layers
     parity = report["parity"]
     assert parity["prefill"]["passed"] and parity["decode"]["passed"], parity["outputs"]
     assert report["fusions"]["attention"]["fused"] == report["fusions"]["attention"]["total"]
@@ -118,3 +124,17 @@ def test_bidirectional_model_is_refused_with_the_layer_and_reason(tmp_path):
     with pytest.raises(tfgraph.TfgraphError, match=r"cannot insert a KV cache: .*not causal"):
         tfgraph.export("bert-tiny", tmp_path / "a", kv_cache=True)
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("preset", PRESET_CASES)
+def test_static_cache_generation_on_the_onnx_target(preset, tmp_path):
+    """Every zoo decoder and encoder-decoder with the static standard-ONNX cache (opset 24
+    TensorScatter, Attention reading the whole buffer), run by ONNX Runtime."""
+    _check(load_source(preset), tmp_path, target="onnx")
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny", "bloom-tiny", "t5-tiny"])
+def test_static_cache_generation_on_the_tensorrt_target(preset, tmp_path):
+    """The tensorrt target's decomposed attention over the static cache (run here by ONNX
+    Runtime; TensorRT itself is not on these machines)."""
+    _check(load_source(preset), tmp_path, target="tensorrt")

@@ -72,6 +72,10 @@ def test_pipeline_is_built_for_target_and_options():
     assert cached.index("ShareKVBufferPass") == cached.index("LowerAttentionPass") + 1
     onnx_cached = pass_names(build_pipeline("onnx", PipelineOptions(kv_cache=True)))
     assert "InsertKVCachePass" in onnx_cached and "ShareKVBufferPass" not in onnx_cached
+    assert onnx_cached.index("StaticKVCachePass") > onnx_cached.index("LowerAttentionPass")
+    trt_cached = pass_names(build_pipeline("tensorrt", PipelineOptions(kv_cache=True)))
+    assert "StaticKVCachePass" in trt_cached
+    assert "StaticKVCachePass" not in pass_names(build_pipeline("onnx"))
     assert "ExpandAttentionMaskPass" not in pass_names(build_pipeline("toy"))
     with pytest.raises(ValueError, match="pipeline 'cleanup' fuses none"):
         build_pipeline("ort", PipelineOptions(kv_cache=True), name="cleanup")

@@ -44,6 +44,9 @@ if TYPE_CHECKING:
     import onnx_ir as ir
 
 ROLES_KEY = "tfgraph.roles"  # model metadata: {name: [role, layer or null]}
+# preallocated buffers that past and present share: "shared" (GroupQueryAttention appends in
+# place), "static" (standard TensorScatter-24 writes in place); else the copying "concat"
+BUFFER_LAYOUTS = ("shared", "static")
 KV_LAYOUT_KEY = "tfgraph.kv_buffer"  # model metadata: "shared" for a preallocated buffer
 
 TOKEN_IDS = "token_ids"
@@ -153,7 +156,7 @@ class Signature:
 
     @property
     def shared_buffer(self) -> bool:
-        return bool(self.kv_layout) and self.kv_layout.get("kind") == "shared"
+        return bool(self.kv_layout) and self.kv_layout.get("kind") in BUFFER_LAYOUTS
 
     def as_dict(self) -> dict:
         return {
@@ -261,7 +264,8 @@ def kv_layout(metadata: Mapping[str, str], input_names: Iterable[str]) -> dict |
     if not pasts:
         return None
     present = {(r, layer): n for n, (r, layer) in roles.items() if r in PRESENT_OF.values()}
-    shared = metadata.get(KV_LAYOUT_KEY) == "shared"
+    kind = metadata.get(KV_LAYOUT_KEY)
+    shared = kind in BUFFER_LAYOUTS
     aliases = {}
     for name in pasts:
         role, layer = roles[name]
@@ -269,7 +273,7 @@ def kv_layout(metadata: Mapping[str, str], input_names: Iterable[str]) -> dict |
         if out is not None:
             aliases[out] = name
     return {
-        "kind": "shared" if shared else "concat",
+        "kind": kind if shared else "concat",
         "capacity_dim": BUFFER_DIM if shared else None,
         "layers": len({roles[n][1] for n in pasts}),
         "present_aliases_past": aliases if shared else {},

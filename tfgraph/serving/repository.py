@@ -207,7 +207,7 @@ def _states(graph: dict, batched: bool, capacity: int) -> tuple[list[str], set[s
                 present = outputs.get((_PAST[port["role"]], port.get("layer")))
                 if present:
                     by_past[port["name"]] = present
-    shared = layout.get("kind") == "shared"
+    shared = layout.get("kind") in contract.BUFFER_LAYOUTS
     capacity_dim = layout.get("capacity_dim")
     entries, names = [], set()
     for port in graph["inputs"]:

@@ -16,6 +16,7 @@ from tfgraph.passes.expand_attention_mask import ExpandAttentionMaskPass
 from tfgraph.passes.lower_attention import AttentionCase, Lowered
 from tfgraph.passes.lower_gelu import standard_gelu
 from tfgraph.passes.lower_norms import NormCase
+from tfgraph.passes.static_kv_cache import StaticKVCachePass
 
 from . import register
 from .base import SessionSettings, Target, fused_ops
@@ -46,7 +47,8 @@ def lower_norm(case: NormCase) -> Lowered:
 
 def extra_passes(options) -> list:
     # ORT, which verifies these graphs, rejects an Attention mask broadcast over the query axis
-    return [ExpandAttentionMaskPass()]
+    static = [StaticKVCachePass()] if options.kv_cache else []  # TensorScatter-24 buffers
+    return [*static, ExpandAttentionMaskPass()]
 
 
 register(

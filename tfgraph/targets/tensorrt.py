@@ -22,6 +22,7 @@ from tfgraph.passes.expand_attention_mask import ExpandAttentionMaskPass
 from tfgraph.passes.lower_attention import AttentionCase, Lowered
 from tfgraph.passes.lower_gelu import standard_gelu
 from tfgraph.passes.lower_norms import NormCase
+from tfgraph.passes.static_kv_cache import StaticKVCachePass
 
 from . import register, register_factory
 from .base import SessionSettings, Target, fused_ops
@@ -69,7 +70,8 @@ def _norm_lowering(version: tuple[int, ...]):
 
 def extra_passes(options) -> list:
     # parity runs the graph in ONNX Runtime, which rejects a broadcast Attention mask
-    return [ExpandAttentionMaskPass()]
+    static = [StaticKVCachePass()] if options.kv_cache else []  # TensorScatter-24 buffers
+    return [*static, ExpandAttentionMaskPass()]
 
 
 def tensorrt_target(version: tuple[int, ...] = DEFAULT_VERSION) -> Target:
