@@ -52,7 +52,8 @@ THREADS = 2
 PREFILL = 512
 PASTS = (128, 512, 1016)
 ENCODER_LENGTH = 512
-PEERS = ("tfgraph", "transformers", "genai_builder", "optimum")
+PEERS = ("tfgraph", "tfgraph_static", "transformers", "genai_builder", "optimum")
+STATIC_CAPACITY = max(PASTS) + 8  # a static cache's buffers: the generation's capacity
 # optimum-onnx pins transformers < 4.58: it runs from its own environment when this names one
 OPTIMUM_PYTHON_ENV = "TFGRAPH_OPTIMUM_PYTHON"
 TINY = {"vocab": 1000, "hidden": 256, "layers": 4, "heads": 8, "kv_heads": 4, "ffn": 512}
@@ -225,6 +226,7 @@ def tfgraph_peer(src: Path, kind: str, work: Path, high: int = 900, **options) -
     roles = {i["name"]: i.get("role") for i in manifest["graphs"]["model.onnx"]["inputs"]}
     bind = manifest.get("kv_layout", {}).get("present_aliases_past") or {}
     shared = bool(bind)
+    static = manifest.get("kv_layout", {}).get("kind") == "static"
     step_graph = out / "model.onnx"
 
     def feeds(tokens: int, past: int) -> tuple[Path, dict, dict]:
@@ -240,7 +242,8 @@ def tfgraph_peer(src: Path, kind: str, work: Path, high: int = 900, **options) -
             elif role == "position_ids":
                 inputs[name] = {"shape": [1, tokens], "dtype": dtype, "fill": {"arange": past}}
             elif role in ("past_key", "past_value"):
-                length = past + tokens if shared else past
+                # GQA's shared buffer: as long as needed; a static cache: its fixed capacity
+                length = (STATIC_CAPACITY if static else past + tokens) if shared else past
                 inputs[name] = {"shape": _kv(dims, 1, length), "dtype": dtype}
             elif role in ("cross_key", "cross_value"):
                 inputs[name] = {"shape": _kv(dims, 1, ENCODER_LENGTH), "dtype": dtype}
@@ -453,6 +456,8 @@ def optimum_peer(src: Path, kind: str, work: Path) -> dict:
 
 PEER_BUILDERS: dict[str, Callable[[Path, str, Path], dict]] = {
     "tfgraph": tfgraph_peer,
+    # the onnx target's static standard-ONNX cache (TensorScatter-24, Attention over the buffer)
+    "tfgraph_static": lambda src, kind, work: tfgraph_peer(src, kind, work, target="onnx"),
     "transformers": transformers_peer,
     "genai_builder": genai_peer,
     "optimum": optimum_peer,
@@ -506,7 +511,7 @@ def _ratios(row: dict) -> None:
     others = {
         p: e
         for p, e in row["peers"].items()
-        if p != "tfgraph" and e.get("available") and "error" not in e
+        if not p.startswith("tfgraph") and e.get("available") and "error" not in e
     }
     if not ours.get("available") or "error" in ours or not others:
         return

@@ -274,6 +274,7 @@ def peers_section(d: dict) -> list[str]:
 
 PEER_LABELS = {
     "tfgraph": "tfgraph",
+    "tfgraph_static": "tfgraph, onnx target (static cache)",
     "transformers": "transformers' exporter",
     "genai_builder": "onnxruntime-genai builder",
     "optimum": "Optimum",
