@@ -79,6 +79,7 @@ def _cmd_export(args) -> int:
     _print_fusions(report["fusions"], verbose=args.verbose)
     _print_precision(report.get("precision") or {}, verbose=args.verbose)
     _print_weights(report.get("weights"), verbose=args.verbose)
+    _print_compatibility(report.get("compatibility") or [], report["target"], args.verbose)
     _print_parity(report["parity"], cached=bool(report.get("kv_cache")))
     if not result.passed:
         print(f"error: parity failed; see {result.out_dir / 'report.json'}", file=sys.stderr)
@@ -274,7 +275,38 @@ def _cmd_inspect(args) -> int:
     for kind, v in fusions.items():  # per layer: what each PyTorch module became
         for layer in v.get("fused_layers", []):
             print(f"  fused {kind} in {layer['module'] or '<top level>'}: {layer['op']}")
+    if args.target is not None:
+        from tfgraph.targets import get_target
+
+        target = get_target(args.target)
+        findings = target.compatibility(model)
+        print()
+        if not findings:
+            print(f"{target.label} compatibility: nothing known to stop its parser")
+        _print_compatibility(findings, {"label": target.label}, verbose=True)
+        if any(f["severity"] == "error" for f in findings):
+            return 1
     return 0
+
+
+def _print_compatibility(findings: list[dict], target: dict, verbose: bool) -> None:
+    """A target's static check of the graph (TensorRT's parser): counts, then the findings."""
+    if not findings:
+        return
+    label = target.get("label") or target.get("name")
+    errors = sum(f["severity"] == "error" for f in findings)
+    print(
+        f"{label} compatibility: {errors} node(s) its parser refuses, "
+        f"{len(findings) - errors} unverified"
+    )
+    shown = findings if verbose else findings[:8]
+    rows = [
+        [f["severity"], f["op"], f["module"] or f["node"] or "-", f["reason"], f["fix"]]
+        for f in shown
+    ]
+    print(_table(rows, ["severity", "op", "module", "reason", "what to do"]))
+    if len(findings) > len(shown):
+        print(f"  … {len(findings) - len(shown)} more (-v lists all)")
 
 
 def _report_fusions(report_file: Path) -> dict | None:
@@ -891,6 +923,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="op histogram, fusions and signature of an artifact")
     p.add_argument("path", help="artifact directory or .onnx file")
+    p.add_argument(
+        "--target",
+        help="also check the graph statically against a target's backend (tensorrt[@X.Y]: "
+        "TensorRT's ONNX parser); exit 1 when a node is known to be refused",
+    )
     verbose(p)
     p.set_defaults(func=_cmd_inspect)
 

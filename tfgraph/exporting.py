@@ -244,6 +244,7 @@ def export(
             "pipeline": pipeline,
             "precision": precision_report or {"precision": "fp32"},
             "weights": weights_report,
+            "compatibility": target.compatibility(graph),  # e.g. TensorRT's parser, statically
             "passes": passes,
             "timings": timings,
         }

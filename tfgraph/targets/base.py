@@ -60,6 +60,8 @@ class Target:
       fast path), 0 computes with fp32 activations.
     - ``precision_runners``: a precision whose artifacts another runner verifies here (bf16:
       ``onnx-reference``, since ONNX Runtime's CPU provider has no bf16 kernels).
+    - ``compatibility(model) -> list[dict]``: a static check of a finished graph against the
+      backend (TensorRT's parser), findings with node, module, severity, reason and fix.
     - ``facts``: what the target's choices rest on, for ``python -m tfgraph targets``.
     """
 
@@ -79,6 +81,7 @@ class Target:
     weight_accuracy_levels: tuple[int, ...] = (0,)
     precision_runners: Mapping[str, str] = field(default_factory=dict)
     version: tuple[int, ...] | None = None
+    compatibility: Callable[[ir.Model], list] = lambda model: []
     facts: tuple[str, ...] = ()
 
     def fused(self, kind: str) -> frozenset:

@@ -26,6 +26,7 @@ from tfgraph.passes.static_kv_cache import StaticKVCachePass
 
 from . import register, register_factory
 from .base import SessionSettings, Target, fused_ops
+from .tensorrt_compat import check_tensorrt
 
 DEFAULT_VERSION = (10, 15)
 RMS_NORMALIZATION = (10, 15)  # first TensorRT whose parser takes RMSNormalization
@@ -91,6 +92,7 @@ def tensorrt_target(version: tuple[int, ...] = DEFAULT_VERSION) -> Target:
         # ONNX Runtime has no bf16 kernels on the CPU: ONNX's reference evaluator verifies them
         precision_runners={"bf16": "onnx-reference"},
         version=tuple(version),
+        compatibility=lambda model: [f.as_dict() for f in check_tensorrt(model, tuple(version))],
         facts=(
             f"TensorRT {'.'.join(map(str, version))}",
             "Attention parsed with a single output (no present K/V) from 10.14",

@@ -1,0 +1,137 @@
+"""Will TensorRT's ONNX parser take this graph? A static check that runs anywhere.
+
+TensorRT cannot be installed on these machines, so before an engine is built (or instead of
+building one) each node is checked against what is known of the parser at the chosen version
+(``tensorrt@10.14``; plain ``tensorrt`` is 10.15). Every finding names the node, the PyTorch
+module it came from and what to do. Two severities:
+
+- ``error``: known not to parse — a ``com.microsoft`` (or any non-standard) op; ``Attention``
+  before 10.14, or before 11 with more than one output or a past K/V input (TensorRT parses it
+  with a single output: issue 4738); ``RMSNormalization`` before 10.15.
+- ``unverified``: not in the parser table known here — ``TensorScatter`` (the static cache's
+  write; 10.15 adds a KV-cache-update layer, whether the parser maps TensorScatter onto it is
+  not known here), any op outside :data:`PARSED`, and opsets above 23.
+
+The facts (``../shared/KERNELS.md`` and onnx-tensorrt's operator table) are data here, not
+code: :data:`PARSED` and :data:`FIRST_VERSION`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx_ir as ir
+
+from tfgraph.passes.provenance import module_name
+
+# standard ops onnx-tensorrt's table (10.x) lists as parsed, that tfgraph's graphs use
+PARSED = frozenset(
+    """Abs Add And ArgMax Cast Ceil Clip Concat Constant ConstantOfShape Cos CumSum Div Einsum
+    Equal Erf Exp Expand Flatten Floor Gather GatherElements GatherND Gelu Gemm Greater
+    GreaterOrEqual Identity If IsInf IsNaN LayerNormalization Less LessOrEqual Log MatMul Max
+    Mean Min Mod Mul Neg Not Or Pad Pow Range Reciprocal ReduceMax ReduceMean ReduceMin
+    ReduceSum Relu Reshape ScatterElements ScatterND Shape Sigmoid Sign Sin Size Slice Softmax
+    Softplus Split Sqrt Squeeze Sub Sum Tanh Tile TopK Transpose Trilu Unsqueeze Where Xor
+    Attention RMSNormalization""".split()
+)
+FIRST_VERSION = {"Attention": (10, 14), "RMSNormalization": (10, 15)}
+SINGLE_OUTPUT_ATTENTION_UNTIL = (11,)  # TensorRT issue 4738
+MAX_KNOWN_OPSET = 23
+
+
+@dataclass
+class Finding:
+    node: str
+    op: str
+    module: str
+    severity: str  # "error" | "unverified"
+    reason: str
+    fix: str
+
+    def as_dict(self) -> dict:
+        return {
+            "node": self.node,
+            "op": self.op,
+            "module": self.module,
+            "severity": self.severity,
+            "reason": self.reason,
+            "fix": self.fix,
+        }
+
+
+def _text(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
+
+
+def check_tensorrt(model: ir.Model, version: tuple[int, ...]) -> list[Finding]:
+    """Every node TensorRT ``version``'s parser is known to refuse or not known to take."""
+    at = _text(version)
+    found: list[Finding] = []
+
+    def add(node, severity, reason, fix):
+        op = f"{node.domain}.{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
+        found.append(Finding(node.name, op, module_name(node), severity, reason, fix))
+
+    opset = model.opset_imports.get("", 0)
+    seen_unknown: set[str] = set()
+    for node in model.graph:
+        op = node.op_type
+        if node.domain not in ("", "ai.onnx"):
+            add(
+                node,
+                "error",
+                f"{node.domain} ops are not TensorRT ops",
+                "export with --target tensorrt (standard ops only)",
+            )
+            continue
+        first = FIRST_VERSION.get(op)
+        if first is not None and version < first:
+            fix = (
+                f"export with --target tensorrt@{at}: tfgraph lowers it to standard ops there"
+                if op == "RMSNormalization"
+                else f"export with --target tensorrt@{at} (MatMul-Softmax-MatMul, which TensorRT "
+                "fuses)"
+            )
+            add(node, "error", f"TensorRT {at} does not parse {op} ({_text(first)}+ does)", fix)
+            continue
+        if op == "Attention" and version < SINGLE_OUTPUT_ATTENTION_UNTIL:
+            outputs = [o for o in node.outputs if o is not None and o.name]
+            pasts = [v for v in node.inputs[4:6] if v is not None and v.name]
+            if len(outputs) > 1 or pasts:
+                add(
+                    node,
+                    "error",
+                    f"TensorRT {at} parses Attention with one output only (no past or present "
+                    "K/V: TensorRT issue 4738)",
+                    f"export with --target tensorrt@{at}: the cache stays outside the op",
+                )
+            continue
+        if op == "TensorScatter":
+            add(
+                node,
+                "unverified",
+                f"TensorRT {at}'s parser is not known here to take TensorScatter (10.15 adds a "
+                "KV-cache-update layer; the mapping is unverified)",
+                "build the engine on a GPU machine (tools/gpu_check.sh) to find out",
+            )
+            continue
+        if op not in PARSED and op not in seen_unknown:
+            seen_unknown.add(op)
+            add(
+                node,
+                "unverified",
+                f"{op} is not in the parser table known here",
+                "build the engine on a GPU machine (tools/gpu_check.sh) to find out",
+            )
+    if opset > MAX_KNOWN_OPSET:
+        found.append(
+            Finding(
+                "",
+                f"opset {opset}",
+                "",
+                "unverified",
+                f"opset {opset} is above {MAX_KNOWN_OPSET}, the newest known to TensorRT {at}",
+                "build the engine on a GPU machine (tools/gpu_check.sh) to find out",
+            )
+        )
+    return found
