@@ -6,6 +6,7 @@ from .generate import CachedDecoder, Generation, GenerationConfig, Step, generat
 from .reference import ReferenceRunner  # registers the onnx-reference runner
 from .runner import RUNNERS, KVCache, Runner, open_runner
 from .session import PROVIDERS, Session, model_path
+from .tensorrt_runner import TensorRTRunner  # registers the tensorrt runner (needs TensorRT)
 
 __all__ = [
     "PROVIDERS",
@@ -18,6 +19,7 @@ __all__ = [
     "Runner",
     "Session",
     "Step",
+    "TensorRTRunner",
     "generate",
     "model_path",
     "open_runner",

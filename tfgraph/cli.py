@@ -222,6 +222,28 @@ def _cmd_triton(args) -> int:
     return 0
 
 
+def _cmd_engine(args) -> int:
+    from tfgraph.exporters.tensorrt import ProfileOptions, build_engine
+
+    def triple(text: str, what: str) -> tuple[int, int, int]:
+        try:
+            lo, opt, hi = (int(v) for v in text.split(","))
+        except ValueError:
+            raise TfgraphError(
+                f"--{what} takes MIN,OPT,MAX (three integers), got '{text}'"
+            ) from None
+        return lo, opt, hi
+
+    options = ProfileOptions(
+        batch=triple(args.batch, "batch"),
+        sequence=triple(args.sequence, "sequence"),
+        capacity=args.capacity,
+    )
+    engine = build_engine(args.path, options, workspace_gib=args.workspace_gib)
+    print(f"wrote {engine}")
+    return 0
+
+
 def _cmd_parity(args) -> int:
     from .recheck import RESULT_FILE, recheck
 
@@ -893,6 +915,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verbose(p)
     p.set_defaults(func=_cmd_parity)
+
+    p = sub.add_parser(
+        "engine", help="build TensorRT engines for an artifact exported with --target tensorrt"
+    )
+    p.add_argument("path", help="artifact directory (exported with --target tensorrt[@X.Y])")
+    p.add_argument("--batch", default="1,1,8", help="MIN,OPT,MAX batch (default 1,1,8)")
+    p.add_argument(
+        "--sequence", default="1,128,1024", help="MIN,OPT,MAX new tokens (default 1,128,1024)"
+    )
+    p.add_argument("--capacity", type=int, default=2048, help="KV positions (default 2048)")
+    p.add_argument("--workspace-gib", type=float, default=4.0, help="builder workspace (GiB)")
+    verbose(p)
+    p.set_defaults(func=_cmd_engine)
 
     p = sub.add_parser(
         "triton", help="write a Triton Inference Server model repository from an artifact"

@@ -1,0 +1,68 @@
+"""Engine build and the TensorRT runner: what runs without TensorRT (profiles from the
+manifest, the refusals, one-line errors), and the real build where TensorRT and a GPU exist."""
+
+import json
+
+import pytest
+
+import tfgraph
+from tfgraph.cli import main
+from tfgraph.errors import TfgraphError
+from tfgraph.exporters.tensorrt import ProfileOptions, engine_profiles
+from tfgraph.runtime import open_runner
+
+
+@pytest.fixture(scope="module")
+def trt_artifact(tmp_path_factory):
+    out = tmp_path_factory.mktemp("engine") / "llama"
+    assert tfgraph.export("llama-tiny", out, target="tensorrt", kv_cache=True).passed
+    return out
+
+
+def test_profiles_come_from_the_manifest_dims(trt_artifact):
+    manifest = json.loads((trt_artifact / "manifest.json").read_text())
+    options = ProfileOptions(batch=(1, 2, 4), sequence=(1, 16, 64), capacity=128)
+    profiles = engine_profiles(manifest["graphs"]["model.onnx"], options)
+    ids = profiles["input_ids"]
+    assert (ids["min"], ids["opt"], ids["max"]) == ([1, 1], [2, 16], [4, 64])
+    past = profiles["past_key_values.0.key"]  # (batch, kv heads, buffer, head size)
+    assert (past["min"], past["opt"], past["max"]) == ([1, 2, 1, 8], [2, 2, 128, 8], [4, 2, 128, 8])
+    assert profiles["past_sequence_length"]["values"] == ([0], [16], [127])
+    with pytest.raises(TfgraphError, match="capacity"):
+        engine_profiles(manifest["graphs"]["model.onnx"], ProfileOptions(capacity=8))
+
+
+def test_engine_refusals_are_one_line(trt_artifact, tmp_path, capsys):
+    try:
+        import tensorrt  # noqa: F401
+
+        has_trt = True
+    except ImportError:
+        has_trt = False
+    ort = tmp_path / "ort"
+    assert tfgraph.export("gpt-tiny", ort).passed
+    cases = [([str(ort)], "was exported for target 'ort'"), ([str(tmp_path)], "not a tfgraph")]
+    cases.append(([str(trt_artifact), "--batch", "1,2"], "MIN,OPT,MAX"))
+    if not has_trt:
+        cases.append(([str(trt_artifact)], "TensorRT is not installed here"))
+    for argv, needle in cases:
+        assert main(["engine", *argv]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_tensorrt_runner_says_what_it_needs(trt_artifact):
+    with pytest.raises(TfgraphError, match="TensorRT|CUDA|engine"):
+        open_runner(trt_artifact, runner="tensorrt")
+
+
+def test_engine_build_and_parity_on_a_gpu(trt_artifact):
+    """The real path: only where TensorRT and a CUDA GPU exist (tools/gpu_check.sh runs it
+    for three presets); skipped here with that reason."""
+    pytest.importorskip("tensorrt", reason="TensorRT is not installed (no wheels here)")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    assert main(["engine", str(trt_artifact)]) == 0
+    assert (trt_artifact / "model.plan").is_file()
+    assert main(["parity", str(trt_artifact)]) == 0
