@@ -23,7 +23,8 @@ each past a preallocated buffer of a fixed capacity that past and present share:
 
 A step's cost is then flat in the past length (the attention scores all C positions). The
 graph is left unchanged unless every use of every past input is that ``Concat`` or a
-``Shape`` and every attention over a buffer is found (logged otherwise).
+``Shape`` and every attention over a buffer is found with its scores' key axis last (an
+attention sink concatenated to the scores keeps the copying cache; logged).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 SCATTER_OPSET = 24
 _WALK = 8  # nodes from a buffer to its Softmax (GQA's head repeat, transposes, scaling)
+# what may compute unbiased scores right before the Softmax (the key axis last, C long)
+_SCORE_OPS = ("MatMul", "Mul", "Div", "Tanh")
 
 
 def _standard(node: ir.Node | None, op_type: str) -> bool:
@@ -118,7 +121,9 @@ def _attention_bias_slot(present: ir.Value) -> tuple[ir.Node, int] | None:
                     if _standard(add, "Add"):
                         side = 1 if _reaches(present, add.inputs[0]) else 0
                         return add, side
-                    return node, -1
+                    if add is not None and add.op_type in _SCORE_OPS and add.domain == "":
+                        return node, -1
+                    return None  # e.g. a sink Concat'ed to the scores: the keys are not last
                 nxt.extend(node.outputs)
         frontier = nxt
     return None
