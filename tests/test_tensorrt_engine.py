@@ -66,3 +66,29 @@ def test_engine_build_and_parity_on_a_gpu(trt_artifact):
     assert main(["engine", str(trt_artifact)]) == 0
     assert (trt_artifact / "model.plan").is_file()
     assert main(["parity", str(trt_artifact)]) == 0
+
+
+def test_the_second_opinion_against_onnxruntime(trt_artifact, tmp_path, monkeypatch):
+    """engine_vs_onnxruntime with ONNX Runtime standing in for the engine: equal runners
+    agree (cached: a prefill step; uncached: every output), a skewed one does not."""
+    import numpy as np
+
+    import tfgraph.runtime as runtime
+    from tfgraph.recheck import engine_vs_onnxruntime
+    from tfgraph.sources import load_source
+
+    class Skewed(runtime.Session):
+        def run(self, inputs, *, native=False):
+            return {n: v * 1.01 for n, v in super().run(inputs).items()}
+
+    plain = tmp_path / "plain"
+    assert tfgraph.export("gpt-tiny", plain, target="tensorrt").passed
+    for artifact, preset in ((trt_artifact, "llama-tiny"), (plain, "gpt-tiny")):
+        stand_in = lambda path, runner=None: runtime.Session(path)  # noqa: E731
+        monkeypatch.setattr(runtime, "open_runner", stand_in)
+        result = engine_vs_onnxruntime(load_source(preset), artifact / "model.onnx", [(1, 7)])
+        assert result["passed"] and result["rows"], result
+        assert np.isfinite(result["rows"][0]["max_abs_err"])
+    monkeypatch.setattr(runtime, "open_runner", lambda path, runner=None: Skewed(path))
+    skewed = engine_vs_onnxruntime(load_source("gpt-tiny"), plain / "model.onnx", [(1, 7)])
+    assert not skewed["passed"]

@@ -85,10 +85,62 @@ def recheck(directory: str | Path, *, trust_remote_code: bool = False, bisect_fa
     check = check_cache_parity if report.get("kv_cache") else check_parity
     parity = check(reference, model_file, shapes=shapes, precision=precision)
     result = {"model": report.get("model"), "precision": precision, "parity": parity}
+    if (manifest.get("target") or {}).get("runner") == "tensorrt":  # an engine: a 2nd opinion
+        result["onnxruntime_check"] = engine_vs_onnxruntime(reference, model_file, shapes)
+        parity["passed"] = parity["passed"] and result["onnxruntime_check"]["passed"]
     if not parity["passed"] and bisect_failures:
         result["bisect"] = bisect(reference, model_file, precision)
     (directory / RESULT_FILE).write_text(json.dumps(result, indent=2, default=float) + "\n")
     return result
+
+
+def engine_vs_onnxruntime(source, model_file: Path, shapes) -> dict:
+    """A TensorRT engine against ONNX Runtime on the ONNX graph it was built from, on the
+    parity inputs (``polygraphy run --trt --onnxrt``'s comparison): one row per output and
+    shape, fp32 tolerance, 10x looser for an fp16/bf16 engine."""
+    from tfgraph.runtime import Session, open_runner
+
+    from .parity import FP32, Tolerance, compare
+
+    engine = open_runner(model_file, runner="tensorrt")
+    session = Session(model_file, providers=("cpu",))
+    low = (json.loads((model_file.parent / "manifest.json").read_text()).get("precision")
+           or "fp32") != "fp32"  # fmt: skip
+    tolerance = Tolerance(FP32.atol * 10, FP32.rtol * 10) if low else FP32
+    rows = []
+    for i, (batch, seq) in enumerate(shapes):
+        inputs = {
+            n: v for n, v in source.inputs(batch, seq, seed=i).items() if n in session.input_names
+        }
+        if any(n not in inputs for n in session.input_names):  # a cached graph: a prefill
+            rows += _prefill_rows(engine, session, source, batch, seq, i, tolerance)
+            continue
+        want, got = session.run(inputs), engine.run(inputs)
+        rows += [compare(n, got[n], want[n], tolerance) for n in want]
+    return {"passed": bool(rows) and all(r["passed"] for r in rows), "rows": rows}
+
+
+def _prefill_rows(engine, session, source, batch, seq, seed, tolerance) -> list[dict]:
+    """The logits of a prefill step (empty cache) from both runners; an encoder-decoder's
+    step needs its encoder's outputs and is not compared (a row says so)."""
+    import numpy as np
+
+    from tfgraph.runtime import CachedDecoder
+
+    from .parity import compare
+
+    decoders = [CachedDecoder(engine), CachedDecoder(session)]
+    if decoders[1].seq2seq:
+        return [{"name": "logits", "passed": False, "error": "encoder-decoder: not compared"}]
+    inputs = source.inputs(batch, seq, seed=seed)
+    tokens = inputs[decoders[1].token_input].numpy()
+    mask = decoders[1].mask_input
+    mask = inputs[mask].numpy() if mask is not None and mask in inputs else None
+    logits = []
+    for decoder in decoders:
+        out, _ = decoder.step(tokens, decoder.empty_cache(batch, seq), mask, {})
+        logits.append(np.asarray(decoder.session.to_numpy(out)))
+    return [compare("logits", logits[0], logits[1], tolerance)]
 
 
 FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
