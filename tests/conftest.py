@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 import tfgraph
 from tfgraph.pipeline import CHECK_EACH_PASS_ENV
@@ -34,5 +35,7 @@ def hf_gpt2_dir(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
     path = tmp_path_factory.mktemp("hf") / "gpt2"
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4)  # the exact config
-    transformers.GPT2LMHeadModel(config).eval().save_pretrained(path)
+    with torch.random.fork_rng():  # seeded: the same weights in every run, whatever ran before
+        torch.manual_seed(0)
+        transformers.GPT2LMHeadModel(config).eval().save_pretrained(path)
     return path

@@ -158,9 +158,13 @@ def test_cli_weights_and_its_refusals(tmp_path, capsys):
 
 def test_hf_gpt2_conv1d_weights_at_level_4(tmp_path, hf_gpt2_dir):
     """GPT-2's ``Conv1D`` multiplies through ``torch.addmm`` with the weight as (in, out): the
-    reference quantizes the activations there too, so parity stays exact."""
+    reference quantizes the activations there too, so parity stays exact. Exact for these weights
+    (the fixture is seeded): over 8 random inits, 5 gave 0 and 3 a single int8 rounding tie that an
+    fp32 difference flipped (0.0014 to 0.0067, against 0.0066 to 0.0071 for the whole
+    activation-quantization effect), which the parity rule allows."""
     result = tfgraph.export(str(hf_gpt2_dir), tmp_path / "a", kv_cache=True, weights="int4")
     assert result.passed, result.report["parity"]["outputs"]
-    assert result.report["parity"]["outputs"][0]["max_abs_err"] < 1e-4
+    row = result.report["parity"]["outputs"][0]
+    assert row["max_abs_err"] < 1e-4 and row["activation_quant_err"] > 1e-3
     assert result.report["weights"]["accuracy_level"] == 4
     assert len(result.report["weights"]["quantized"]) >= 9
