@@ -300,7 +300,11 @@ def exporters_section(d: dict) -> list[str]:
         "place; transformers' and Optimum's graphs concatenate. Nodes: the decode graph as "
         "written. Optimum (optimum-onnx, which needs transformers < 4.58) runs from the "
         "environment `TFGRAPH_OPTIMUM_PYTHON` names, on the same checkpoints."
-        + (f" Measured on {d['date']} at commit {d['commit']}." if d.get("commit") else ""),
+        + (f" Measured on {d['date']} at commit {d['commit']}." if d.get("commit") else "")
+        + "".join(
+            f" {name}: re-measured alone on {r['date']} at commit {r['commit']} ({r['why']})."
+            for name, r in d.get("rerun", {}).items()
+        ),
         "",
         "| model | tfgraph step at 512 | best peer step at 512 | ratio | tfgraph prefill "
         "| best peer prefill | ratio | tfgraph step 1016 / 128 |",

@@ -92,3 +92,24 @@ def test_the_second_opinion_against_onnxruntime(trt_artifact, tmp_path, monkeypa
     monkeypatch.setattr(runtime, "open_runner", lambda path, runner=None: Skewed(path))
     skewed = engine_vs_onnxruntime(load_source("gpt-tiny"), plain / "model.onnx", [(1, 7)])
     assert not skewed["passed"]
+
+
+def test_the_eager_reference_of_an_engine_runs_on_its_gpu(trt_artifact, monkeypatch):
+    """An engine's parity runs eager on the GPU when torch sees one (GPU fp16 against GPU
+    fp16), anything else on the CPU; the result states which."""
+    import torch
+
+    from tfgraph.recheck import eager_device, recheck
+    from tfgraph.sources import load_source
+
+    manifest = json.loads((trt_artifact / "manifest.json").read_text())  # no engine built yet
+    built = {**manifest, "target": {**manifest["target"], "runner": "tensorrt"}}  # as `engine`
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert eager_device(built) == "cuda" and eager_device(manifest) == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert eager_device(built) == "cpu"
+    source = load_source("gpt-tiny")
+    assert source.on_device("cpu") is source
+    # no engine built here: the artifact re-checks its ONNX graph, with eager on the CPU
+    result = recheck(trt_artifact, bisect_failures=False)
+    assert result["eager_device"] == "cpu" and result["parity"]["passed"]

@@ -249,7 +249,10 @@ def _cmd_parity(args) -> int:
 
     result = recheck(args.path, trust_remote_code=args.trust_remote_code)
     parity = result["parity"]
-    print(f"re-checked {result['model']} ({result['precision']}) on {parity['runner']['runner']}")
+    print(
+        f"re-checked {result['model']} ({result['precision']}) on {parity['runner']['runner']}, "
+        f"eager on {result['eager_device']}"
+    )
     _print_parity(parity, cached="decode" in parity)
     if parity["passed"]:
         return 0

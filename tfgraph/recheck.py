@@ -79,12 +79,18 @@ def recheck(directory: str | Path, *, trust_remote_code: bool = False, bisect_fa
     source, reference, report, manifest = load_artifact_source(
         directory, trust_remote_code=trust_remote_code
     )
+    reference = reference.on_device(eager_device(manifest))
     precision = manifest.get("precision", "fp32")
     model_file = directory / contract.MODEL_FILE
     shapes = [tuple(s) for s in report.get("parity", {}).get("shapes", PARITY_SHAPES)]
     check = check_cache_parity if report.get("kv_cache") else check_parity
     parity = check(reference, model_file, shapes=shapes, precision=precision)
-    result = {"model": report.get("model"), "precision": precision, "parity": parity}
+    result = {
+        "model": report.get("model"),
+        "precision": precision,
+        "eager_device": reference.device,
+        "parity": parity,
+    }
     if (manifest.get("target") or {}).get("runner") == "tensorrt":  # an engine: a 2nd opinion
         result["onnxruntime_check"] = engine_vs_onnxruntime(reference, model_file, shapes)
         parity["passed"] = parity["passed"] and result["onnxruntime_check"]["passed"]
@@ -92,6 +98,15 @@ def recheck(directory: str | Path, *, trust_remote_code: bool = False, bisect_fa
         result["bisect"] = bisect(reference, model_file, precision)
     (directory / RESULT_FILE).write_text(json.dumps(result, indent=2, default=float) + "\n")
     return result
+
+
+def eager_device(manifest: dict) -> str:
+    """Where the eager reference runs: an engine's artifact on the GPU when torch sees one (the
+    engine's own device, so fp16 eager is GPU fp16), anything else on the CPU."""
+    import torch
+
+    engine = (manifest.get("target") or {}).get("runner") == "tensorrt"
+    return "cuda" if engine and torch.cuda.is_available() else "cpu"
 
 
 def engine_vs_onnxruntime(source, model_file: Path, shapes) -> dict:
@@ -195,7 +210,7 @@ def _eager_outputs(source, inputs: dict, dtype=None) -> list[tuple]:
 
     def array(t):
         ok = isinstance(t, torch.Tensor) and t.is_floating_point()
-        return t.detach().float().numpy() if ok else None
+        return t.detach().float().cpu().numpy() if ok else None
 
     for name, sub in module.named_modules():
         if not name:
@@ -215,7 +230,7 @@ def _eager_outputs(source, inputs: dict, dtype=None) -> list[tuple]:
             for n, v in inputs.items()
         }
         with torch.no_grad():
-            module(*(cast[n] for n in source.input_names))
+            module(*(cast[n].to(source.device) for n in source.input_names))
     finally:
         for h in hooks:
             h.remove()

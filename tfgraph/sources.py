@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -42,6 +43,25 @@ class ModelSource:
     make_inputs: InputMaker
     origin: str  # "preset:gpt-tiny", "factory:pkg.mod:fn", "hf:/path"
     info: dict = field(default_factory=dict)
+    device: str = "cpu"  # where the eager module runs; parity of a GPU engine uses "cuda"
+
+    def on_device(self, device: str) -> ModelSource:
+        """This source with its eager module on ``device`` (a moved copy; inputs follow it and
+        outputs come back to the CPU)."""
+        if device == self.device:
+            return self
+        import copy
+
+        module = copy.deepcopy(self.module).to(device).eval()
+        return dataclasses.replace(self, module=module, device=device)
+
+    def _run(self, module: nn.Module, inputs: dict[str, torch.Tensor]) -> dict:
+        placed = [inputs[n].to(self.device) for n in self.input_names]
+        with torch.no_grad():
+            out = module(*placed)
+        flat, _ = _pytree.tree_flatten(out)
+        flat = [t.cpu() if isinstance(t, torch.Tensor) else t for t in flat]
+        return dict(zip(self.output_names, flat, strict=True))
 
     def inputs(self, batch: int, seq: int, seed: int = 0) -> dict[str, torch.Tensor]:
         generator = torch.Generator().manual_seed(seed)
@@ -61,10 +81,7 @@ class ModelSource:
 
     def eager(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run the eager module; outputs flattened and named like the graph outputs."""
-        with torch.no_grad():
-            out = self.module(*(inputs[n] for n in self.input_names))
-        flat, _ = _pytree.tree_flatten(out)
-        return dict(zip(self.output_names, flat, strict=True))
+        return self._run(self.module, inputs)
 
     def converted(self, dtype: torch.dtype) -> nn.Module:
         """A copy of the module in ``dtype`` (``module.to(dtype)``, as ``model.half()`` does),
@@ -82,10 +99,7 @@ class ModelSource:
         if dtype == torch.float32:
             return self.eager(inputs)
         cast = {n: v.to(dtype) if v.is_floating_point() else v for n, v in inputs.items()}
-        with torch.no_grad():
-            out = self.converted(dtype)(*(cast[n] for n in self.input_names))
-        flat, _ = _pytree.tree_flatten(out)
-        return dict(zip(self.output_names, flat, strict=True))
+        return self._run(self.converted(dtype), cast)
 
 
 def load_source(
