@@ -11,9 +11,9 @@ A module may describe its own inputs through the *tfgraph input protocol*: attri
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
-import dataclasses
 import logging
 import os
 from collections.abc import Callable
