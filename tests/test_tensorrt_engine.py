@@ -95,19 +95,21 @@ def test_the_second_opinion_against_onnxruntime(trt_artifact, tmp_path, monkeypa
 
 
 def test_the_eager_reference_of_an_engine_runs_on_its_gpu(trt_artifact, monkeypatch):
-    """An engine's parity runs eager on the GPU when torch sees one (GPU fp16 against GPU
-    fp16), anything else on the CPU; the result states which."""
+    """Parity runs eager where the artifact's runner runs when torch sees that GPU (an engine:
+    GPU fp16 against GPU fp16), anything else on the CPU; the result states which."""
+    import types
+
     import torch
 
-    from tfgraph.recheck import eager_device, recheck
+    from tfgraph.parity import eager_device
+    from tfgraph.recheck import recheck
     from tfgraph.sources import load_source
 
-    manifest = json.loads((trt_artifact / "manifest.json").read_text())  # no engine built yet
-    built = {**manifest, "target": {**manifest["target"], "runner": "tensorrt"}}  # as `engine`
+    engine, cpu = types.SimpleNamespace(device="cuda:0"), types.SimpleNamespace(device="cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert eager_device(built) == "cuda" and eager_device(manifest) == "cpu"
+    assert eager_device(engine) == "cuda:0" and eager_device(cpu) == "cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert eager_device(built) == "cpu"
+    assert eager_device(engine) == "cpu"
     source = load_source("gpt-tiny")
     assert source.on_device("cpu") is source
     # no engine built here: the artifact re-checks its ONNX graph, with eager on the CPU

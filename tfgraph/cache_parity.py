@@ -29,6 +29,7 @@ from .parity import (
     compare,
     compare_in,
     defined_positions,
+    eager_device,
     eager_outputs,
     runner_info,
 )
@@ -75,6 +76,7 @@ def check_cache_parity(
     precision: str = "fp32",
 ) -> dict:
     decoder = CachedDecoder(open_runner(model_file))
+    source = source.on_device(eager_device(decoder.session))
     name = source.output_names[0]
     token_input = decoder.token_input
     cases = []
@@ -146,6 +148,7 @@ def check_cache_parity(
         **summary,
         "decode_steps": DECODE_STEPS,
         "runner": runner_info(decoder.session),
+        "eager_device": source.device,
     }
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from tfgraph.runtime import Runner, open_runner
 
@@ -141,6 +142,7 @@ def check_parity(
     says what ran the artifact (the runner its target names). In fp16/bf16 the rule is
     :func:`compare_in`'s and ``tolerance`` is not used."""
     session = open_runner(model_file)
+    source = source.on_device(eager_device(session))
     cases = []
     for i, (batch, seq) in enumerate(shapes):
         inputs = source.inputs(batch, seq, seed=seed + i)
@@ -171,6 +173,7 @@ def check_parity(
         "cases": cases,
         "shapes": [list(s) for s in shapes],
         "runner": runner_info(session),
+        "eager_device": source.device,
     }
 
 
@@ -205,6 +208,13 @@ def _mask_of(source: ModelSource, runner: Runner, inputs: dict) -> np.ndarray | 
         if port.name in inputs:
             return inputs[port.name].numpy()
     return None
+
+
+def eager_device(runner: Runner) -> str:
+    """Where the eager reference runs: on the runner's own GPU when torch sees one (a TensorRT
+    engine, ONNX Runtime's CUDA provider: GPU fp16 against GPU fp16), else on the CPU."""
+    on_gpu = runner.device.startswith("cuda") and torch.cuda.is_available()
+    return runner.device if on_gpu else "cpu"
 
 
 def runner_info(runner: Runner) -> dict:

@@ -79,7 +79,6 @@ def recheck(directory: str | Path, *, trust_remote_code: bool = False, bisect_fa
     source, reference, report, manifest = load_artifact_source(
         directory, trust_remote_code=trust_remote_code
     )
-    reference = reference.on_device(eager_device(manifest))
     precision = manifest.get("precision", "fp32")
     model_file = directory / contract.MODEL_FILE
     shapes = [tuple(s) for s in report.get("parity", {}).get("shapes", PARITY_SHAPES)]
@@ -88,7 +87,7 @@ def recheck(directory: str | Path, *, trust_remote_code: bool = False, bisect_fa
     result = {
         "model": report.get("model"),
         "precision": precision,
-        "eager_device": reference.device,
+        "eager_device": parity["eager_device"],
         "parity": parity,
     }
     if (manifest.get("target") or {}).get("runner") == "tensorrt":  # an engine: a 2nd opinion
@@ -98,15 +97,6 @@ def recheck(directory: str | Path, *, trust_remote_code: bool = False, bisect_fa
         result["bisect"] = bisect(reference, model_file, precision)
     (directory / RESULT_FILE).write_text(json.dumps(result, indent=2, default=float) + "\n")
     return result
-
-
-def eager_device(manifest: dict) -> str:
-    """Where the eager reference runs: an engine's artifact on the GPU when torch sees one (the
-    engine's own device, so fp16 eager is GPU fp16), anything else on the CPU."""
-    import torch
-
-    engine = (manifest.get("target") or {}).get("runner") == "tensorrt"
-    return "cuda" if engine and torch.cuda.is_available() else "cpu"
 
 
 def engine_vs_onnxruntime(source, model_file: Path, shapes) -> dict:
