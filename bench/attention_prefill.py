@@ -20,7 +20,7 @@ import json
 import tempfile
 from pathlib import Path
 
-import tfgraph
+from tfgraph.bench import shared
 from tfgraph.bench.ort_probe import probe
 
 PRESET = "llama-tiny"
@@ -38,13 +38,19 @@ def _extra(result: dict) -> float:
 
 
 def run(quick: bool, workdir: Path, progress=lambda step: None) -> dict:
-    """The ``attention_memory`` section; ``quick`` measures 512 only."""
+    """The ``attention_memory`` section; ``quick`` measures 512 only (both pipelines from one
+    trace, which precision's quick exports of the preset reuse: :mod:`tfgraph.bench.shared`)."""
+    with shared.scope(quick):
+        return _run(quick, workdir, progress)
+
+
+def _run(quick: bool, workdir: Path, progress) -> dict:
     plan = ((512, 3),) if quick else ((512, 5), (4096, 3), (8192, 1))
     results: dict = {"preset": PRESET, "threads": 2, "seqs": [s for s, _ in plan]}
     models = {}
     for pipeline in ("cleanup", "default"):
         progress(f"attention memory: export {pipeline}")
-        result = tfgraph.export(PRESET, workdir / f"attention-{pipeline}", pipeline=pipeline)
+        result = shared.export(PRESET, workdir / f"attention-{pipeline}", pipeline=pipeline)
         assert result.passed
         models[pipeline] = workdir / f"attention-{pipeline}" / "model.onnx"
         results[f"{pipeline}_attention"] = {

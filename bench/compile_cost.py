@@ -14,7 +14,9 @@ overall factor from the first layer count to the last.
 
 One untimed export of a 1-layer model runs first: the first export in a process pays for
 torch.export's and the ONNX exporter's one-time setup, which would otherwise inflate the
-smallest model's time and flatten the growth.
+smallest model's time and flatten the growth. A quick run whose earlier sections already
+exported (:func:`tfgraph.bench.shared.warm`) skips it: that setup is paid. This section never
+shares traces: it times them.
 
     python -m tfgraph.bench.compile_cost [--quick] [--out compile_cost.json]
 """
@@ -37,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 PRESET = "gpt-tiny"
 FULL_LAYERS = [2, 8, 32, 64]
-QUICK_LAYERS = [2, 4, 8]
+QUICK_LAYERS = [1, 2]
 WARMUP_LAYERS = 1  # untimed first export (one-time setup of the exporter); 0 disables it
 STEPS = ("trace", "passes", "save", "parity")
 
@@ -110,14 +112,16 @@ def per_doubling(rows: Sequence[dict]) -> dict:
 
 def run(quick: bool, workdir: Path, progress: Callable[[str], None] = _no_progress) -> dict:
     """Export at each layer count (``QUICK_LAYERS`` or ``FULL_LAYERS``) under ``workdir``."""
+    from tfgraph.bench import shared
     from tfgraph.models.presets import PRESETS
 
     layers = list(QUICK_LAYERS if quick else FULL_LAYERS)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    if WARMUP_LAYERS:
-        progress(f"warm-up export ({WARMUP_LAYERS} layer)")
-        _export(WARMUP_LAYERS, workdir / "warmup")
+    warmup = WARMUP_LAYERS if not (quick and shared.warm()) else 0
+    if warmup:
+        progress(f"warm-up export ({warmup} layer)")
+        _export(warmup, workdir / "warmup")
     rows = []
     for n in layers:
         progress(f"export {PRESET} with {n} layers")
@@ -131,7 +135,7 @@ def run(quick: bool, workdir: Path, progress: Callable[[str], None] = _no_progre
         "per_doubling": per_doubling(rows),
         "preset": PRESET,
         "d_model": PRESETS[PRESET].d_model,
-        "warmup_layers": WARMUP_LAYERS,
+        "warmup_layers": warmup,
     }
 
 

@@ -8,7 +8,9 @@ vocab 50257, 124 M parameters). Each is saved with ``save_pretrained`` and expor
 never stops it). The ONNX Runtime side runs in a fresh process that never imports torch
 (ORT's latency was measured 3× worse beside torch's thread pool); PyTorch runs with
 ``torch.set_num_threads(THREADS)``. Tokens/s = new tokens / wall time of the whole call,
-prefill included. Median of ``repeats`` runs after one warm-up.
+prefill included. Median of ``repeats`` runs after one warm-up. A quick run: ``tiny`` only,
+one run after the warm-up, prompt 32 + 32 new tokens (:data:`QUICK_TOKENS`), steps at pasts
+128 and 1016.
 
 Also measured: the per-token decode time of the cached engine against the past length (128 …
 1016; GPT-2's 1024 positions bound it), and the memory-bandwidth bound of a step: weight
@@ -85,20 +87,23 @@ def copy_bandwidth() -> float:
 
 
 PASTS = (128, 256, 512, 1016)
+QUICK_TOKENS = (32, 32)  # prompt, new tokens of a quick run
 
 
-def measure(size: str, root: Path, repeats: int, pasts=PASTS) -> dict:
+def measure(
+    size: str, root: Path, repeats: int, pasts=PASTS, prompt: int = PROMPT, new: int = NEW
+) -> dict:
     import torch
     import transformers
 
-    import tfgraph
+    from tfgraph.bench import shared
 
     config = transformers.GPT2Config(**SIZES[size])
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).eval()
     hf_dir, artifact = root / f"hf-{size}", root / f"tfgraph-{size}"
     model.save_pretrained(hf_dir)
-    result = tfgraph.export(str(hf_dir), artifact, kv_cache=True)
+    result = shared.export(str(hf_dir), artifact, kv_cache=True)
     assert result.passed, result.report["parity"]["outputs"]
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -108,8 +113,8 @@ def measure(size: str, root: Path, repeats: int, pasts=PASTS) -> dict:
             "-c",
             PROBE,
             str(artifact),
-            str(PROMPT),
-            str(NEW),
+            str(prompt),
+            str(new),
             str(repeats),
             str(THREADS),
             ",".join(map(str, sorted({128, 1016, *pasts}))),
@@ -121,28 +126,28 @@ def measure(size: str, root: Path, repeats: int, pasts=PASTS) -> dict:
     engine = json.loads(out.strip().splitlines()[-1])
 
     torch.set_num_threads(THREADS)
-    ids = torch.tensor([np.random.default_rng(0).integers(1, 200, PROMPT).tolist()])
+    ids = torch.tensor([np.random.default_rng(0).integers(1, 200, prompt).tolist()])
 
     def eager_no_cache() -> list[int]:
         tokens = ids
         with torch.no_grad():
-            for _ in range(NEW):
+            for _ in range(new):
                 logits = model(tokens, use_cache=False).logits[:, -1]
                 tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
-        return tokens[0, PROMPT:].tolist()
+        return tokens[0, prompt:].tolist()
 
     def hf_generate() -> list[int]:
         with torch.no_grad():
             out = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW,
-                min_new_tokens=NEW,
+                max_new_tokens=new,
+                min_new_tokens=new,
                 do_sample=False,
                 use_cache=True,
                 pad_token_id=0,
             )
-        return out[0, PROMPT:].tolist()
+        return out[0, prompt:].tolist()
 
     timings, tokens = {}, {}
     for name, fn in (("eager_no_cache", eager_no_cache), ("hf_generate", hf_generate)):
@@ -162,9 +167,9 @@ def measure(size: str, root: Path, repeats: int, pasts=PASTS) -> dict:
         "vocab": config.vocab_size,
         "weight_bytes": weight_bytes,
         "tokens_per_s": {
-            "tfgraph_cached": NEW / engine["seconds"],
-            "eager_no_cache": NEW / timings["eager_no_cache"],
-            "hf_generate": NEW / timings["hf_generate"],
+            "tfgraph_cached": new / engine["seconds"],
+            "eager_no_cache": new / timings["eager_no_cache"],
+            "hf_generate": new / timings["hf_generate"],
         },
         "same_tokens_as_hf_generate": engine["tokens"] == tokens["hf_generate"],
         "same_tokens_as_eager": engine["tokens"] == tokens["eager_no_cache"],
@@ -183,26 +188,30 @@ def measure(size: str, root: Path, repeats: int, pasts=PASTS) -> dict:
 
 
 def run(quick: bool, workdir: Path, progress=lambda step: None) -> dict:
-    """The ``decode`` section: tiny only with one repeat when ``quick``."""
+    """The ``decode`` section: when ``quick``, tiny only, one repeat, prompt and new tokens
+    :data:`QUICK_TOKENS` (eager PyTorch without a cache is most of the section's time), steps
+    at pasts 128 and 1016."""
     sizes = ["tiny"] if quick else list(SIZES)
     repeats = 1 if quick else 3
+    prompt, new = QUICK_TOKENS if quick else (PROMPT, NEW)
     results: dict = {
         "threads": THREADS,
-        "prompt": PROMPT,
-        "new_tokens": NEW,
+        "prompt": prompt,
+        "new_tokens": new,
         "batch": 1,
         "repeats": repeats,
     }
     for size in sizes:
         progress(f"decode {size}")
-        results[size] = measure(size, workdir, repeats, (128, 1016) if quick else PASTS)
+        pasts = (128, 1016) if quick else PASTS
+        results[size] = measure(size, workdir, repeats, pasts, prompt, new)
     return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("docs/bench/decode.json"))
-    parser.add_argument("--quick", action="store_true", help="tiny only, 1 repeat")
+    parser.add_argument("--quick", action="store_true", help="tiny only, 1 repeat, 32 + 32 tokens")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         results = run(args.quick, Path(tmp))

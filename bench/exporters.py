@@ -24,7 +24,8 @@ encoder does). Shared-buffer graphs are fed a buffer of past + 1 positions and w
 row in place (``bind``), as their runtimes do; ``Concat`` graphs get a past of exactly that
 length. Node counts are those of the decode graph as written. A peer that is not installed,
 or that does not support an architecture, is recorded with its reason, not left out silently.
-Tfgraph's own zoo decoders (:data:`ZOO`) are timed at the same pasts.
+Tfgraph's own zoo decoders (:data:`ZOO`) are timed at the same pasts. A quick run: the Llama
+alone, one layer (:data:`QUICK_TINY`), one process per timing (:data:`QUICK_TRIALS`), no zoo.
 
     python -m tfgraph.bench.exporters [--quick] [--out exporters.json]
     (or as the ``exporters`` section of ``python -m tfgraph bench``)
@@ -57,13 +58,18 @@ STATIC_CAPACITY = max(PASTS) + 8  # a static cache's buffers: the generation's c
 # optimum-onnx pins transformers < 4.58: it runs from its own environment when this names one
 OPTIMUM_PYTHON_ENV = "TFGRAPH_OPTIMUM_PYTHON"
 TINY = {"vocab": 1000, "hidden": 256, "layers": 4, "heads": 8, "kv_heads": 4, "ffn": 512}
+# a quick run's llama: 1 layer (tracing, by each exporter, is most of the section's time);
+# the vocab stays 1000: the probes draw token ids below 900
+QUICK_TINY = {**TINY, "layers": 1}
+QUICK_TRIALS = 1  # a quick run's fresh processes per measurement
 
 
 def model_configs(quick: bool) -> dict[str, tuple[str, object]]:
-    """name → (kind, transformers config): the models every peer is tried on."""
+    """name → (kind, transformers config): the models every peer is tried on (``quick``: the
+    llama alone, :data:`QUICK_TINY`'s size)."""
     import transformers as T
 
-    t = TINY
+    t = QUICK_TINY if quick else TINY
     common = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
     llama = {
         "vocab_size": t["vocab"],
@@ -191,35 +197,41 @@ TRIALS = 3  # fresh processes per measurement; the fastest median is kept
 
 
 def _time(
-    path: Path, inputs: dict, bind: dict | None, repeats: int, kernels_only: bool = False
+    path: Path,
+    inputs: dict,
+    bind: dict | None,
+    repeats: int,
+    kernels_only: bool = False,
+    trials: int = TRIALS,
 ) -> float:
-    """The lowest of :data:`TRIALS` medians, each from a fresh process: on these shared
-    machines one process's median moved ±25% between identical runs (measured).
+    """The lowest of ``trials`` (:data:`TRIALS`) medians, each from a fresh process: on these
+    shared machines one process's median moved ±25% between identical runs (measured).
     ``kernels_only``: the graph's attention kernels alone, on the inputs the graph gave them."""
     return min(
         probe(path, inputs, repeats=repeats, threads=THREADS, bind=bind, kernels_only=kernels_only)[
             "seconds"
         ]
-        for _ in range(TRIALS)
+        for _ in range(trials)
     )
 
 
 # --- the peers ------------------------------------------------------------------------------------
 
 
-def _time_all(graphs, repeats: int) -> float:
+def _time_all(graphs, repeats: int, trials: int = TRIALS) -> float:
     """One graph's time, or the sum over a list of them (a T5 prefill: encoder + first step)."""
     if isinstance(graphs, tuple):
-        return _time(*graphs, repeats)
-    return sum(_time(*g, repeats) for g in graphs)
+        return _time(*graphs, repeats, trials=trials)
+    return sum(_time(*g, repeats, trials=trials) for g in graphs)
 
 
 def tfgraph_peer(src: Path, kind: str, work: Path, high: int = 900, **options) -> dict:
-    """``options``: more ``tfgraph.export`` arguments (``precision``, ``weights``)."""
-    import tfgraph
+    """``options``: more ``tfgraph.export`` arguments (``precision``, ``weights``). In a quick
+    run, exports of one ``src`` share its source and traces (:mod:`tfgraph.bench.shared`)."""
+    from . import shared
 
     out = work / "tfgraph"
-    result = tfgraph.export(str(src), out, kv_cache=True, **options)
+    result = shared.export(str(src), out, kv_cache=True, **options)
     if not result.passed:
         raise RuntimeError("tfgraph's parity check failed")
     manifest = json.loads((out / "manifest.json").read_text())
@@ -467,7 +479,9 @@ PEER_BUILDERS: dict[str, Callable[[Path, str, Path], dict]] = {
 # --- the run --------------------------------------------------------------------------------------
 
 
-def measure_model(name: str, kind: str, config, root: Path, repeats: int, progress) -> dict:
+def measure_model(
+    name: str, kind: str, config, root: Path, repeats: int, progress, trials: int = TRIALS
+) -> dict:
     src = save_model(name, kind, config, root)
     row: dict = {"kind": kind, "peers": {}}
     for peer in PEERS:
@@ -484,9 +498,10 @@ def measure_model(name: str, kind: str, config, root: Path, repeats: int, progre
             continue
         entry = {"available": True, "nodes": built["nodes"], "step_seconds": {}}
         try:
-            entry["prefill_seconds"] = _time_all(built["prefill"](), repeats)
+            entry["prefill_seconds"] = _time_all(built["prefill"](), repeats, trials)
             for past in PASTS:
-                entry["step_seconds"][str(past)] = _time(*built["step"](past), repeats * 4)
+                step = built["step"](past)
+                entry["step_seconds"][str(past)] = _time(*step, repeats * 4, trials=trials)
         except Exception as exc:  # noqa: BLE001 - recorded; the other peers still run
             entry["error"] = _failure(exc)
         steps = entry["step_seconds"]
@@ -573,23 +588,32 @@ def _commit() -> str | None:
 
 
 def run(quick: bool, workdir: Path, progress=lambda step: None, only=None) -> dict:
+    """Every model of :func:`model_configs` through every peer, and the zoo (full runs). A
+    quick run: the llama alone at :data:`QUICK_TINY`'s size, :data:`QUICK_TRIALS` process per
+    measurement, no zoo."""
+    from . import shared
+
     repeats = 3 if quick else 5
+    trials = QUICK_TRIALS if quick else TRIALS
     models = {}
-    configs = model_configs(quick and not only)
-    for name, (kind, config) in configs.items():
-        if only and name not in only:
-            continue
-        models[name] = measure_model(name, kind, config, workdir, repeats, progress)
+    small = quick and not only
+    configs = model_configs(small)
+    with shared.scope(quick):
+        for name, (kind, config) in configs.items():
+            if only and name not in only:
+                continue
+            models[name] = measure_model(name, kind, config, workdir, repeats, progress, trials)
     zoo = {} if quick or only else measure_zoo(workdir, repeats, progress)
     return {
         "zoo": zoo,
         "date": time.strftime("%Y-%m-%d"),
         "commit": _commit(),
         "threads": THREADS,
+        "trials": trials,
         "prefill_tokens": PREFILL,
         "pasts": list(PASTS),
         "encoder_length": ENCODER_LENGTH,
-        "tiny": TINY,
+        "tiny": QUICK_TINY if small else TINY,
         "models": models,
     }
 

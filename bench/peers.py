@@ -1,6 +1,7 @@
 """tfgraph against what a user would reach for instead, on the same model, input and threads.
 
-The model (``gpt2-small`` from the zoo, random init; ``gpt-tiny`` in quick mode) is exported
+The model (``gpt2-small`` from the zoo, random init; ``gpt-tiny`` in quick mode, where the
+unfused and tfgraph exports are the prefill section's: :mod:`tfgraph.bench.shared`) is exported
 once with ``pipeline="none"``: the traced graph, nothing fused. Each peer starts from it:
 
 - ``unfused``: that export itself;
@@ -107,9 +108,9 @@ def _build_unfused(ctx: Context) -> Built:
 
 
 def _build_tfgraph(ctx: Context) -> Built:
-    import tfgraph
+    from tfgraph.bench import shared
 
-    result = tfgraph.export(ctx.source, ctx.workdir / "tfgraph", pipeline="default", profile="ort")
+    result = shared.export(ctx.source, ctx.workdir / "tfgraph", pipeline="default", profile="ort")
     fusions = {
         kind: {k: counts.get(k) for k in ("fused", "total")}
         for kind, counts in result.report["fusions"].items()
@@ -175,7 +176,7 @@ def op_histogram(path: Path) -> dict[str, int]:
     inspect`` counts them), most frequent first."""
     import onnx_ir as ir
 
-    from tfgraph.fusions import op_histogram as histogram
+    from tfgraph.compile.fusions import op_histogram as histogram
 
     counts = histogram(ir.load(str(path)))
     return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
@@ -306,12 +307,19 @@ def _versions() -> dict[str, str]:
 
 
 def _context(setup: Setup, workdir: Path, progress) -> Context:
+    """In a quick suite, the source and both exports are prefill's (:mod:`tfgraph.bench.shared`:
+    the same preset, the same options)."""
     import tfgraph
+    from tfgraph.bench import shared
+    from tfgraph.bench.prefill import source_key
     from tfgraph.models.presets import PRESETS, build
 
-    source = tfgraph.from_module(build(setup.preset), origin=f"preset:{setup.preset}")
+    source = shared.source(
+        source_key(setup.preset, {}),
+        lambda: tfgraph.from_module(build(setup.preset), origin=f"preset:{setup.preset}"),
+    )
     progress(f"export {setup.preset} unfused (pipeline none)")
-    result = tfgraph.export(source, workdir / "unfused", pipeline="none", profile="ort")
+    result = shared.export(source, workdir / "unfused", pipeline="none", profile="ort")
     return Context(source, PRESETS[setup.preset], result.out_dir / "model.onnx", workdir)
 
 
@@ -329,9 +337,16 @@ def run(
     progress: Callable[[str], None] = _no_progress,
 ) -> dict:
     """Build and measure every peer of :data:`PEERS` under ``workdir``."""
+    from tfgraph.bench import shared
+
     setup = QUICK if quick else FULL
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    with shared.scope(quick):
+        return _run(setup, workdir, threads, progress)
+
+
+def _run(setup: Setup, workdir: Path, threads: int, progress) -> dict:
     ctx = _context(setup, workdir, progress)
     reference = _reference(ctx.source)
     peers, paths = {}, {}

@@ -10,7 +10,8 @@ of three): **decode** — the mean step over a 128-token prompt plus 128 greedy 
 measured at pasts 128, 192 and 255 (a step's cost is linear in the past at these lengths) —
 and **prefill** of 512 tokens. **Weight bytes** are the artifact's initializers; the
 **bandwidth bound** is those bytes ÷ the machine's copy bandwidth: the least a decode step
-reading every weight once can take.
+reading every weight once can take. A quick run: the ``llama-tiny`` preset alone (its five
+variants from one trace, :mod:`tfgraph.bench.shared`), the median of one process per timing.
 
     python -m tfgraph.bench.precision [--quick] [--out precision.json]
     (or as the ``precision`` section of ``python -m tfgraph bench``)
@@ -27,8 +28,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import shared
 from .exporters import (
     PREFILL,
+    QUICK_TRIALS,
+    TRIALS,
     _failure,
     _time,
     genai_peer,
@@ -56,23 +60,32 @@ def _weight_bytes(directory: Path) -> int:
     return sum(onnx.numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
 
 
-def _timings(built: dict, repeats: int) -> dict:
-    steps = {str(p): _time(*built["step"](p), repeats) for p in DECODE_PASTS}
+def _timings(built: dict, repeats: int, trials: int = TRIALS) -> dict:
+    steps = {str(p): _time(*built["step"](p), repeats, trials=trials) for p in DECODE_PASTS}
     return {
         "decode_step_seconds": statistics.mean(steps.values()),
         "step_seconds": steps,
-        "prefill_seconds": _time(*built["prefill"](), repeats),
+        "prefill_seconds": _time(*built["prefill"](), repeats, trials=trials),
     }
 
 
-def measure_model(name: str, src, root: Path, repeats: int, bandwidth: float, genai: bool, high):
+def measure_model(
+    name: str,
+    src,
+    root: Path,
+    repeats: int,
+    bandwidth: float,
+    genai: bool,
+    high,
+    trials: int = TRIALS,
+):
     row: dict = {"variants": {}}
     for variant, options in VARIANTS.items():
         work = root / f"{name}-{variant}"
         work.mkdir()
         try:
             built = tfgraph_peer(src, "causal", work, high=high, **options)
-            entry = _timings(built, repeats)
+            entry = _timings(built, repeats, trials)
             entry["weight_bytes"] = _weight_bytes(work / "tfgraph")
         except Exception as exc:  # noqa: BLE001 - a variant that fails is a row
             row["variants"][variant] = {"error": _failure(exc)}
@@ -85,7 +98,7 @@ def measure_model(name: str, src, root: Path, repeats: int, bandwidth: float, ge
         work.mkdir()
         try:
             built = genai_peer(src, "causal", work, precision="int4")
-            entry = _timings(built, repeats)
+            entry = _timings(built, repeats, trials)
             entry["weight_bytes"] = _weight_bytes(work / "genai")
             entry["bandwidth_bound_seconds"] = entry["weight_bytes"] / bandwidth
             entry["tokens_per_s"] = 1.0 / entry["decode_step_seconds"]
@@ -108,6 +121,7 @@ def run(quick: bool, workdir: Path, progress=lambda step: None) -> dict:
     from .exporters import _commit
 
     repeats = 3 if quick else 5
+    trials = QUICK_TRIALS if quick else TRIALS
     bandwidth = copy_bandwidth()
     models: dict = {}
     if quick:
@@ -116,13 +130,17 @@ def run(quick: bool, workdir: Path, progress=lambda step: None) -> dict:
         config = model_configs(False)["llama-120m"][1]
         llama = save_model("llama-120m", "causal", config, workdir)
         plan = [("gpt2-small", "gpt2-small", False, 900), ("llama-120m", llama, True, 900)]
-    for name, src, genai, high in plan:
-        progress(f"precision: {name}")
-        models[name] = measure_model(name, src, workdir, repeats, bandwidth, genai, high)
+    with shared.scope(quick):  # a quick run's variants share one trace (attention_memory's)
+        for name, src, genai, high in plan:
+            progress(f"precision: {name}")
+            models[name] = measure_model(
+                name, src, workdir, repeats, bandwidth, genai, high, trials
+            )
     return {
         "date": time.strftime("%Y-%m-%d"),
         "commit": _commit(),
         "threads": 2,
+        "trials": trials,
         "prefill_tokens": PREFILL,
         "decode_pasts": list(DECODE_PASTS),
         "copy_bandwidth_gb_s": bandwidth / 1e9,

@@ -1,7 +1,8 @@
 """Prefill latency and peak memory against sequence length, eager PyTorch vs exported graphs.
 
 Two zoo models (full run: ``gpt2-small`` as decoder, ``bert-tiny`` as encoder, both with
-``max_seq_len`` raised to 8192; quick run: ``gpt-tiny`` and ``bert-tiny``), each measured in
+``max_seq_len`` raised to 8192; quick run: ``gpt-tiny`` and ``bert-tiny`` as they are, at
+lengths 64 and 128), each measured in
 five configurations at batch 1:
 
 - ``eager``: the PyTorch module (``torch.no_grad()``, ``torch.set_num_threads(threads)``);
@@ -41,6 +42,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tfgraph.bench import shared
 from tfgraph.bench.ort_probe import measure, probe
 
 logger = logging.getLogger(__name__)
@@ -97,9 +99,13 @@ FULL_PLAN = Plan(
     seqs=(128, 512, 2048, 8192),
     repeats=_full_repeats,
 )
+# quick: the presets as they are (max_seq_len 128), so that peers' gpt-tiny is this one
 QUICK_PLAN = Plan(
-    models={"gpt-tiny": ModelSpec("gpt-tiny"), "bert-tiny": ModelSpec("bert-tiny")},
-    seqs=(128, 512),
+    models={
+        "gpt-tiny": ModelSpec("gpt-tiny", overrides={}),
+        "bert-tiny": ModelSpec("bert-tiny", overrides={}),
+    },
+    seqs=(64, 128),
     repeats=lambda seq: 3,
 )
 
@@ -124,20 +130,29 @@ def _input_spec(names: tuple[str, ...], vocab: int, seq: int) -> dict[str, dict]
     return {name: {"shape": [1, seq], "dtype": "int64", "high": vocab} for name in names}
 
 
+def source_key(preset: str, overrides: dict) -> tuple:
+    """The key of a zoo module's source in :mod:`tfgraph.bench.shared` (peers uses it too)."""
+    return ("module", preset, tuple(sorted(overrides.items())))
+
+
 def _export_all(
     label: str, module, spec: ModelSpec, workdir: Path, progress: Callable[[str], None]
 ) -> tuple[dict, dict[str, Path | str]]:
-    """Export every ONNX configuration once; → (parity_passed, config → model.onnx or error)."""
+    """Export every ONNX configuration once; → (parity_passed, config → model.onnx or error).
+    In a quick run, the configurations share one trace per opset (:mod:`tfgraph.bench.shared`)."""
     import tfgraph
 
-    source = tfgraph.from_module(module, origin=f"preset:{spec.preset}")
+    source = shared.source(
+        source_key(spec.preset, spec.overrides),
+        lambda: tfgraph.from_module(module, origin=f"preset:{spec.preset}"),
+    )
     parity, models = {}, {}
     for config, (pipeline, profile) in EXPORTS.items():
         progress(f"prefill {label} export {config}")
         out = workdir / "prefill" / label / config
         shutil.rmtree(out, ignore_errors=True)  # a previous run's artifact
         try:
-            result = tfgraph.export(source, out, pipeline=pipeline, profile=profile)
+            result = shared.export(source, out, pipeline=pipeline, profile=profile)
         except Exception as exc:  # one failed export skips its configuration, not the suite
             logger.exception("prefill: exporting %s %s failed", label, config)
             parity[config] = False
@@ -305,7 +320,11 @@ def run(
     made is ``{"skipped": reason}``.
     """
     plan = QUICK_PLAN if quick else FULL_PLAN
-    workdir = Path(workdir)
+    with shared.scope(quick):
+        return _run_plan(plan, quick, Path(workdir), threads, progress)
+
+
+def _run_plan(plan: Plan, quick: bool, workdir: Path, threads: int, progress) -> dict:
     result = {
         "threads": threads,
         "seqs": list(plan.seqs),
@@ -356,7 +375,7 @@ def _eager_main(job_json: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny models, lengths 128 and 512")
+    parser.add_argument("--quick", action="store_true", help="tiny models, lengths 64 and 128")
     parser.add_argument("--out", type=Path, help="write the result here as JSON")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workdir", type=Path, help="where the exports go (default: a temp dir)")

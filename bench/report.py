@@ -229,6 +229,24 @@ def compile_section(d: dict) -> list[str]:
     return lines
 
 
+def _trials(d: dict) -> str:
+    """How a timing was taken from fresh processes (results before ``trials`` used three)."""
+    n = d.get("trials", 3)
+    if n == 1:  # a quick run
+        return "the median of one fresh process"
+    return f"the fastest median of {TRIALS_WORDS.get(n, n)} fresh processes"
+
+
+def _best_of(d: dict) -> str:
+    n = d.get("trials", 3)
+    return (
+        "one process per measurement" if n == 1 else f"fastest median of {TRIALS_WORDS.get(n, n)}"
+    )
+
+
+TRIALS_WORDS = {2: "two", 3: "three", 4: "four", 5: "five"}
+
+
 def _err(value) -> str:
     return "–" if value is None else f"{value:.2g}"
 
@@ -291,8 +309,7 @@ def exporters_section(d: dict) -> list[str]:
         f"layers, hidden {t['hidden']}, {t['heads']} heads ({t['kv_heads']} KV heads where the "
         f"architecture has GQA), vocab {t['vocab']}; T5: 2 + 2 layers), exported by each tool "
         f"that supports them. Every graph timed the same way: ONNX Runtime CPU, {d['threads']} "
-        "threads, batch 1, the fastest median of three fresh processes without torch per "
-        "measurement; prefill of "
+        f"threads, batch 1, {_trials(d)} without torch per measurement; prefill of "
         f"{d['prefill_tokens']} tokens (T5: its encoder plus the first decoder step), and one "
         "decode step on a cache of "
         f"{', '.join(pasts)} positions (T5: cross-attention to a {d['encoder_length']}-token "
@@ -386,7 +403,7 @@ def precision_section(d: dict) -> list[str]:
         "included, accuracy level 4 — int8 activations, the CPU default —, and int4 at level 0 "
         "— fp32 activations —; `--precision fp16`), and the Llama by the onnxruntime-genai "
         "builder at int4 (`-p int4 -e cpu`). Timed like the exporters section (fresh "
-        f"processes, {d['threads']} threads, fastest median of three). Decode: the mean step "
+        f"processes, {d['threads']} threads, {_best_of(d)}). Decode: the mean step "
         "over a 128-token prompt + 128 greedy tokens (steps at pasts "
         f"{', '.join(map(str, d['decode_pasts']))}); prefill: {d['prefill_tokens']} tokens. "
         "Bound: weight bytes ÷ the copy bandwidth "
@@ -442,12 +459,18 @@ def _header(suite: dict | None) -> list[str]:
         "Methods: warm-up, then the median of several runs; memory as peak RSS of a fresh "
         "process per configuration.",
         "",
-        "| section | time | status |",
-        "|---|---|---|",
     ]
+    cpu = any("cpu_seconds" in info for info in suite["sections"].values())
+    if cpu:  # suites since CPU time was recorded: user + system, children included
+        lines += ["| section | time | CPU | status |", "|---|---|---|---|"]
+    else:
+        lines += ["| section | time | status |", "|---|---|---|"]
     for name, info in suite["sections"].items():
         status = info.get("error") or info.get("skipped") or "ok"
-        lines.append(f"| {name} | {info.get('seconds', 0):.0f} s | {status} |")
+        cells = [name, f"{info.get('seconds', 0):.0f} s"]
+        if cpu:
+            cells.append(f"{info['cpu_seconds']:.0f} s" if "cpu_seconds" in info else "–")
+        lines.append("| " + " | ".join([*cells, status]) + " |")
     lines.append("")
     plots = suite.get("plots", [])
     if plots:

@@ -120,12 +120,12 @@ def served(server, model: str, concurrency: int, new: int, per_client: int) -> d
 
 
 def measure(name: str, preset: str, workdir: Path, new: int, rounds: dict, quick: bool) -> dict:
-    import tfgraph
+    from tfgraph.bench import shared
     from tfgraph.serving import write_repository
     from tfgraph.serving.launcher import TritonServer
 
     artifact = workdir / name
-    result = tfgraph.export(preset, artifact, kv_cache=True)
+    result = shared.export(preset, artifact, kv_cache=True)
     if not result.passed:
         raise RuntimeError(f"{preset}: parity failed")
     repo = workdir / f"{name}-repo"

@@ -102,7 +102,7 @@ def build_engine(
 ) -> Path:
     """Build ``artifact/model.plan`` (and ``encoder.plan``); update the manifest. Returns the
     step engine's path."""
-    from tfgraph.manifest import read_manifest
+    from tfgraph.exporters.manifest import read_manifest
     from tfgraph.targets import get_target
 
     artifact = Path(artifact)

@@ -188,7 +188,7 @@ class BatchedHeadsAttentionRule(pattern.RewriteRuleClassBase):
 
 class BatchedScoresAttentionRule(pattern.RewriteRuleClassBase):
     """GPT-NeoX-Japanese's layout: only the scores are batched over heads (``baddbmm`` from
-    zeros, which :mod:`tfgraph.exact_no_op` drops), the probabilities multiply a 4-D V::
+    zeros, which :mod:`tfgraph.passes.exact_no_op` drops), the probabilities multiply a 4-D V::
 
         s = Reshape(Mul(MatMul(q3, kᵀ3), c), (B, H, T, S)) + mask
         y = MatMul(Softmax(s), V)        V (B, H, S, d)

@@ -44,6 +44,7 @@ from tfgraph.contract import ATTENTION_MASK, ENCODER_ATTENTION_MASK, names_with_
 
 from .canonical import DOMAIN, AttentionOp, drop_attention_bias
 from .key_padding_bias import compact_key_padding
+from .probe_feeds import probe_feeds
 
 logger = logging.getLogger(__name__)
 
@@ -53,29 +54,6 @@ SIZES = (7, 11)  # sequence lengths tried; batch is 2
 LONG_SIZE = 4100  # the long check of a mask to drop: finds windows up to 4099 (Mistral: 4096)
 LONG_BUDGET = LONG_SIZE * LONG_SIZE  # elements of one evaluated bias in the long check
 CHECKED_KEY = "tfgraph.window_checked_to"  # sequence length the dropped mask was checked at
-
-
-def _feeds(graph: onnx.GraphProto, size: int, pad: bool, masks, token=0, batch=2) -> dict:
-    dims: dict[str, int] = {}
-    feeds = {}
-    for inp in graph.input:
-        shape = []
-        for d in inp.type.tensor_type.shape.dim:
-            if d.dim_param:
-                if d.dim_param not in dims:
-                    dims[d.dim_param] = batch if d.dim_param == "batch" else size + 2 * len(dims)
-                shape.append(dims[d.dim_param])
-            else:
-                shape.append(d.dim_value)
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(inp.type.tensor_type.elem_type)
-        if inp.name in masks:
-            value = np.ones(shape, dtype=dtype)
-            if pad and value.ndim >= 2:  # (B, S), or a 4-D mask fed as is (ONNX attn_mask)
-                value[(-1,) * value.ndim] = 0
-        else:
-            value = np.full(shape, token, dtype=dtype)
-        feeds[inp.name] = value
-    return feeds
 
 
 class Subgraphs:
@@ -169,7 +147,7 @@ def evaluate_biases(
         options.log_severity_level = 3
         session = ort.InferenceSession(sub.SerializeToString(), options)
         wanted = {i.name for i in session.get_inputs()}
-        feeds = _feeds(sub.graph, size, pad, subgraphs.masks, token, batch)
+        feeds = probe_feeds(sub.graph, size, pad, subgraphs.masks, token, batch)
         feeds = {k: v for k, v in feeds.items() if k in wanted}
         results.append(done.setdefault(value.name, session.run(None, feeds)[0]))
     return results

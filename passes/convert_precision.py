@@ -1,6 +1,6 @@
 """Convert a graph's fp32 tensors to fp16 (or bf16), keeping the fp32 islands it is given.
 
-Which nodes stay fp32 is measured, not chosen here (:mod:`tfgraph.precision` runs the graph
+Which nodes stay fp32 is measured, not chosen here (:mod:`tfgraph.precision.islands` runs the graph
 and names them); this pass only rewrites types. With ``low`` the target type and ``keep``
 the names of the island nodes:
 

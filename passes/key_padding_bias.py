@@ -20,6 +20,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from .probe_feeds import probe_feeds
 from .rewrite_utils import add_initializer
 
 logger = logging.getLogger(__name__)
@@ -48,10 +49,8 @@ def _mask_input(model: ir.Model, subgraphs, value: ir.Value):
 
 def _evaluate(session_sub, mask_name: str) -> tuple[np.ndarray, np.ndarray] | None:
     """(bias, mask) with a mask of three rows: unpadded, left-padded, right-padded."""
-    from .classify_attention_bias import _feeds
-
     session, sub = session_sub
-    feeds = _feeds(sub.graph, SIZE, False, {mask_name}, batch=3)
+    feeds = probe_feeds(sub.graph, SIZE, False, {mask_name}, batch=3)
     wanted = {i.name for i in session.get_inputs()}
     feeds = {k: v for k, v in feeds.items() if k in wanted}
     rows, length = feeds[mask_name].shape

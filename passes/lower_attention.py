@@ -48,6 +48,7 @@ from .rewrite_utils import (
     replace_value,
 )
 from .sink_rules import sink_softmax_ops
+from .target_arg import require_target
 
 logger = logging.getLogger(__name__)
 
@@ -106,14 +107,12 @@ class AttentionCase:
 class LowerAttentionPass(ir.passes.InPlacePass):
     """Replace every ``tfgraph.Attention`` by its target's choice (see the module docstring).
 
-    ``target``: a :class:`tfgraph.targets.Target` or a registered target's name.
+    ``target``: a :class:`tfgraph.targets.Target` (``tfgraph.targets.get_target(name)``).
     """
 
     def __init__(self, target) -> None:
         super().__init__()
-        from tfgraph.targets import get_target
-
-        self.target = get_target(target, error=ValueError)
+        self.target = require_target(target)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         count = 0

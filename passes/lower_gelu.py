@@ -11,6 +11,7 @@ from onnxscript.rewriter.pattern import RewriteRuleClassBase, RewriteRuleSet
 
 from .canonical import DOMAIN, GeluOp, is_canonical
 from .rewrite_utils import apply_rules, import_used_domains, mark_missed
+from .target_arg import require_target
 
 logger = logging.getLogger(__name__)
 
@@ -34,14 +35,12 @@ class LowerGeluPass(ir.passes.InPlacePass):
        ``"Gelu needs opset 20"`` on the ``Erf`` or ``Tanh`` node.
 
     No other op is lowered. ``modified`` counts replaced nodes; a second run reports ``False``.
-    ``target``: a :class:`tfgraph.targets.Target` or a registered target's name.
+    ``target``: a :class:`tfgraph.targets.Target` (``tfgraph.targets.get_target(name)``).
     """
 
     def __init__(self, target) -> None:
         super().__init__()
-        from tfgraph.targets import get_target
-
-        self.target = get_target(target, error=ValueError)
+        self.target = require_target(target)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))

@@ -36,6 +36,7 @@ from .rewrite_utils import (
     mark_missed,
     replace_value,
 )
+from .target_arg import require_target
 
 logger = logging.getLogger(__name__)
 
@@ -126,14 +127,12 @@ class NormCase:
 class LowerNormsPass(ir.passes.InPlacePass):
     """Replace every canonical norm by its target's choice (see the module docstring).
 
-    ``target``: a :class:`tfgraph.targets.Target` or a registered target's name.
+    ``target``: a :class:`tfgraph.targets.Target` (``tfgraph.targets.get_target(name)``).
     """
 
     def __init__(self, target) -> None:
         super().__init__()
-        from tfgraph.targets import get_target
-
-        self.target = get_target(target, error=ValueError)
+        self.target = require_target(target)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph

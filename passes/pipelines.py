@@ -31,6 +31,7 @@ from .insert_kv_cache import InsertKVCachePass
 from .lower_attention import LowerAttentionPass
 from .lower_gelu import LowerGeluPass
 from .lower_norms import LowerNormsPass
+from .target_arg import require_target
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,7 @@ class PipelineOptions:
 
 
 def _target(target):
-    from tfgraph.targets import get_target
-
-    return get_target(target, error=KeyError)
+    return require_target(target)
 
 
 def _cleanup(target) -> list[ir.passes.PassBase]:
@@ -93,9 +92,10 @@ PIPELINES: dict[str, Callable[..., list[ir.passes.PassBase]]] = {
 def build_pipeline(
     target, options: PipelineOptions | None = None, *, name: str = "default"
 ) -> list[ir.passes.PassBase]:
-    """A fresh list of pass instances for ``target`` (a :class:`tfgraph.targets.Target` or a
-    name); ``KeyError`` for an unknown pipeline or target, ``ValueError`` for options the
-    pipeline cannot take (only ``default`` fuses attention a KV cache can attach to)."""
+    """A fresh list of pass instances for ``target`` (a :class:`tfgraph.targets.Target`:
+    ``tfgraph.targets.get_target(name)``); ``KeyError`` for an unknown pipeline, ``ValueError``
+    for options the pipeline cannot take (only ``default`` fuses attention a KV cache can
+    attach to)."""
     options = options or PipelineOptions()
     if name not in PIPELINES:
         raise KeyError(name)

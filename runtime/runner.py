@@ -71,7 +71,7 @@ RUNNERS: dict[str, type] = {}
 def open_runner(path: str | Path, runner: str | None = None, **options) -> Runner:
     """Open ``path`` with ``runner`` (default: the one its manifest's target names)."""
     if runner is None:
-        from tfgraph.manifest import read_manifest
+        from tfgraph.exporters.manifest import read_manifest
 
         path = Path(path)
         manifest = read_manifest(path if path.is_dir() else path.parent)

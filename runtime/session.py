@@ -18,7 +18,7 @@ import numpy as np
 
 from tfgraph import contract
 from tfgraph.errors import TfgraphError, first_line
-from tfgraph.manifest import read_manifest
+from tfgraph.exporters.manifest import read_manifest
 
 from .runner import RUNNERS, KVCache, RoleKey
 

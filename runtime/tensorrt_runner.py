@@ -47,7 +47,7 @@ class TensorRTRunner:
             ) from exc
         if not torch.cuda.is_available():
             raise TfgraphError("the tensorrt runner needs a CUDA GPU; none is visible here")
-        from tfgraph.manifest import read_manifest
+        from tfgraph.exporters.manifest import read_manifest
 
         path = Path(path)
         self.directory = path if path.is_dir() else path.parent

@@ -1,12 +1,21 @@
 import pytest
 import torch
+from tiers import is_slow
 
 import tfgraph
-from tfgraph.pipeline import CHECK_EACH_PASS_ENV
+from tfgraph.compile.pipeline import CHECK_EACH_PASS_ENV
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tier (tests/tiers.py): ``python -m pytest -m slow`` runs it."""
+    for item in items:
+        if is_slow(item.nodeid):
+            item.add_marker(pytest.mark.slow)
+
 
 # Every export in the tests checks each pass (ONNX checker, strict shape inference and the
-# parity probe of tfgraph.pipeline): measured, about +0.5 s per gpt-tiny export and +1.5 s per
-# t5-tiny export. Left out: modules that time exports (bench) or run many of them (fuzz).
+# parity probe of tfgraph.compile.pipeline): measured, about +0.5 s per gpt-tiny export and
+# +1.5 s per t5-tiny export. Left out: modules that time exports (bench) or run many of them (fuzz).
 UNCHECKED_MODULES = ("test_bench_", "test_fuzz")
 
 

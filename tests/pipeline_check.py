@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from tfgraph.fusions import count_fusions, op_histogram
-from tfgraph.parity import check_parity
-from tfgraph.pipeline import run_pipeline
+from tfgraph.compile.fusions import count_fusions, op_histogram
+from tfgraph.compile.pipeline import run_pipeline
+from tfgraph.verify.parity import check_parity
 
 
 def compile_and_prove(source, traced: ir.Model, pipeline: str, profile: str, tmp_path) -> dict:

@@ -3,7 +3,9 @@
 import pytest
 
 import tfgraph
+import tfgraph.exporters.write as write_mod
 import tfgraph.exporting as export_mod
+import tfgraph.verify.artifact as verify_mod
 from tfgraph import TfgraphError
 
 
@@ -15,9 +17,12 @@ def _fail(*args, **kwargs):
     raise Boom("injected failure")
 
 
-@pytest.mark.parametrize("target", ["check_parity", "write_json", "save_onnx"])
-def test_failure_mid_export_leaves_nothing(tmp_path, monkeypatch, target):
-    monkeypatch.setattr(export_mod, target, _fail)
+@pytest.mark.parametrize(
+    "module, target",
+    [(verify_mod, "check_parity"), (export_mod, "write_json"), (write_mod, "save_onnx")],
+)
+def test_failure_mid_export_leaves_nothing(tmp_path, monkeypatch, module, target):
+    monkeypatch.setattr(module, target, _fail)
     out = tmp_path / "art"
     with pytest.raises(Boom):
         tfgraph.export("factories:tiny_lm", out)
@@ -48,7 +53,7 @@ def test_missing_parents_are_created_and_removed_on_failure(tmp_path, monkeypatc
     out = tmp_path / "a" / "b" / "art"
     tfgraph.export("factories:tiny_lm", out)
     assert (out / "model.onnx").is_file()
-    monkeypatch.setattr(export_mod, "check_parity", _fail)
+    monkeypatch.setattr(verify_mod, "check_parity", _fail)
     with pytest.raises(Boom):
         tfgraph.export("factories:tiny_lm", tmp_path / "x" / "y" / "art")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]

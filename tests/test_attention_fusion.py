@@ -7,11 +7,11 @@ import torch
 from torch import nn
 
 from tfgraph import from_module, load_source
-from tfgraph.fusions import count_fusions
+from tfgraph.compile.fusions import count_fusions
+from tfgraph.compile.pipeline import run_pipeline
 from tfgraph.passes.classify_attention_bias import ClassifyAttentionBiasPass
 from tfgraph.passes.fuse_attention import FuseAttentionPass
-from tfgraph.pipeline import run_pipeline
-from tfgraph.trace import module_name, trace
+from tfgraph.sources.trace import module_name, trace
 
 
 def _fused(model):

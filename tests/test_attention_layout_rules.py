@@ -5,10 +5,10 @@ from pipeline_check import compile_and_prove
 from torch import nn
 
 from tfgraph import from_module
-from tfgraph.fusions import count_fusions
+from tfgraph.compile.fusions import count_fusions
+from tfgraph.compile.pipeline import run_pipeline
 from tfgraph.passes.fuse_attention import FuseAttentionPass
-from tfgraph.pipeline import run_pipeline
-from tfgraph.trace import trace
+from tfgraph.sources.trace import trace
 
 HQ, HKV, D = 8, 2, 8
 

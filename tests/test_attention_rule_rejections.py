@@ -24,6 +24,7 @@ from tfgraph.passes import attention_rules
 from tfgraph.passes.fuse_attention import FuseAttentionPass
 from tfgraph.passes.lower_attention import LowerAttentionPass
 from tfgraph.passes.rewrite_utils import DOMAIN, MISS_REASON_KEY, diagnose
+from tfgraph.targets import get_target
 
 B, H, T, S, D = 2, 4, 5, 5, 8
 HQ, HKV, G = 4, 2, 2  # GQA: query heads, KV heads, repeat count
@@ -297,7 +298,7 @@ class Run:
 
     def assert_lowered_numbers(self) -> None:
         """The fused graph, lowered to standard ops, computes what the original did."""
-        assert LowerAttentionPass("tensorrt")(self.model).modified
+        assert LowerAttentionPass(get_target("tensorrt"))(self.model).modified
         after = run_ort(ir.to_proto(self.model), self.feeds)
         np.testing.assert_allclose(after, self.before, atol=ATOL)
 

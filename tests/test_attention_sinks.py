@@ -11,11 +11,11 @@ import onnx_ir as ir
 import pytest
 
 import tfgraph
-from tfgraph.generation_parity import compare_greedy
 from tfgraph.runtime import CachedDecoder, Session
 from tfgraph.sources import from_module
 from tfgraph.targets import onnx as onnx_target
 from tfgraph.targets import tensorrt
+from tfgraph.verify.generation_parity import compare_greedy
 
 PROMPTS = [[5, 9, 2, 7, 1], [3, 1]]
 
@@ -110,9 +110,9 @@ def test_hf_gpt_oss_generates_like_hf(tmp_path):
     transformers = pytest.importorskip("transformers")
     import torch
 
-    from tfgraph import coverage
     from tfgraph.runtime import GenerationConfig, generate
     from tfgraph.runtime.generate import left_pad
+    from tfgraph.tools import coverage
 
     config = coverage.tiny_config("gpt_oss", "causal-lm")
     config.initializer_range = 0.2

@@ -1,8 +1,17 @@
 """``python -m tfgraph bench --quick`` runs end to end and writes what it promises: one JSON
 file per section, the PNG plots, and a BENCHMARKS.md with the machine, the command and a table
-per section. No timing assertions: speed is shown by the benchmark itself, not by tests."""
+per section. No timing assertions: speed is shown by the benchmark itself, not by tests.
+
+The bench runs once for the module (the ``bench`` fixture: a fresh process, as a user runs it,
+a few minutes on 2 cores); each test then checks one part of its output."""
+
+from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -11,71 +20,151 @@ from tfgraph.cli import main
 pytest.importorskip("matplotlib")
 pytest.importorskip("transformers")
 
+SECTIONS = {
+    "prefill",
+    "attention_memory",
+    "decode",
+    "compile_cost",
+    "peers",
+    "exporters",
+    "precision",
+    "serving",
+    "norm_folding",
+}
+TITLES = (
+    "## Prefill",
+    "## Attention fusion",
+    "## Decode",
+    "## Compile cost",
+    "## Peers",
+    "## Exporters",
+    "## Precision",
+    "## Serving",
+)
 
-def test_bench_quick_writes_json_plots_and_markdown(tmp_path, capsys):
-    out = tmp_path / "bench-out"
-    code = main(["bench", "--quick", "--out", str(out)])
-    printed = capsys.readouterr()
-    assert code == 0, printed.err[-2000:]
-    suite = json.loads((out / "bench" / "suite.json").read_text())
+
+@dataclass
+class Run:
+    out: Path
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def json(self, file: str) -> dict:
+        return json.loads((self.out / "bench" / f"{file}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory) -> Run:
+    out = tmp_path_factory.mktemp("bench") / "bench-out"
+    done = subprocess.run(
+        [sys.executable, "-m", "tfgraph", "bench", "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    return Run(out, done.returncode, done.stdout, done.stderr)
+
+
+@pytest.fixture(scope="module")
+def suite(bench: Run) -> dict:
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    return bench.json("suite")
+
+
+def test_every_section_runs_and_is_timed(bench: Run, suite: dict):
     assert suite["quick"] is True and suite["machine"]["threads"] == 2
     sections = suite["sections"]
-    assert set(sections) == {
-        "prefill",
-        "attention_memory",
-        "decode",
-        "compile_cost",
-        "peers",
-        "exporters",
-        "precision",
-        "serving",
-        "norm_folding",
-    }
+    assert set(sections) == SECTIONS
     assert not [n for n, s in sections.items() if "error" in s], sections
     assert sections["norm_folding"]["skipped"]  # full runs only
+    for name, info in sections.items():
+        assert info["seconds"] >= 0 and info["cpu_seconds"] >= 0, (name, info)
+        assert f"{name} done: " in bench.stderr  # each section's wall and CPU time, as it ends
+    assert suite["seconds"] > 0 and suite["cpu_seconds"] > 0
+    assert "all sections: " in bench.stderr
     names = ("prefill", "attention_prefill", "decode", "compile_cost", "peers", "exporters")
-    for name in (*names, "precision"):
-        data = json.loads((out / "bench" / f"{name}.json").read_text())
+    for name in (*names, "precision", "serving"):
+        data = bench.json(name)
         assert "error" not in data and "skipped" not in data, name
-    decode = json.loads((out / "bench" / "decode.json").read_text())["tiny"]
+    assert "section" in bench.stdout and "BENCHMARKS.md" in bench.stdout
+
+
+def test_quick_run_shares_traces_and_exports(suite: dict):
+    """peers' two exports are prefill's; each model is traced once per opset."""
+    shared = suite["shared"]
+    assert shared["exports_reused"] >= 2, shared
+    assert shared["traces_reused"] >= 10, shared  # prefill 4, attention_memory 1, precision 5
+    assert suite["env"]["set"].get("OMP_WAIT_POLICY", "PASSIVE") == "PASSIVE"
+
+
+def test_prefill(bench: Run):
+    prefill = bench.json("prefill")
+    assert set(prefill["models"]) == {"gpt-tiny", "bert-tiny"} and len(prefill["seqs"]) == 2
+    for label, model in prefill["models"].items():
+        assert all(model["parity_passed"].values()), (label, model["parity_passed"])
+        for config, by_seq in model["configs"].items():
+            for seq in map(str, prefill["seqs"]):
+                assert by_seq[seq]["seconds"] > 0, (label, config, seq, by_seq[seq])
+
+
+def test_attention_and_peers(bench: Run):
+    attention = bench.json("attention_prefill")
+    assert attention["default_attention"]["fused"] == attention["default_attention"]["total"] > 0
+    assert attention["cleanup_attention"]["fused"] == 0
+    peers = bench.json("peers")["peers"]
+    assert peers["tfgraph"]["available"] and peers["tfgraph"]["fused_attention"] > 0
+    assert peers["unfused"]["fused_attention"] == 0
+    assert peers["tfgraph"]["max_abs_err_vs_eager"] < 1e-3
+
+
+def test_decode_and_compile_cost(bench: Run):
+    decode = bench.json("decode")["tiny"]
     assert decode["same_tokens_as_hf_generate"] and decode["same_tokens_as_eager"]
     assert all(v > 0 for v in decode["tokens_per_s"].values())
-    for png in suite["plots"]:
-        assert (out / "bench" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert {"prefill_latency.png", "prefill_memory.png", "decode.png", "compile_cost.png"} <= set(
-        suite["plots"]
-    )
-    precision = json.loads((out / "bench" / "precision.json").read_text())["models"]
-    variants = precision["llama-tiny"]["variants"]
-    assert set(variants) == {"fp32", "int8", "int4", "int4-level0", "fp16"}
-    assert all("error" not in e and e["tokens_per_s"] > 0 for e in variants.values()), variants
-    assert variants["int4"]["weight_bytes"] < variants["fp32"]["weight_bytes"] / 2.5
-    serving = json.loads((out / "bench" / "serving.json").read_text())["models"]["gpt2-tiny"]
-    assert [r["concurrency"] for r in serving["served"]] == [1, 4]
-    assert all(r["tokens_per_s"] > 0 and r["requests"] >= 1 for r in serving["served"])
-    assert serving["local"]["tokens_per_s"] > 0 and "serving.png" in suite["plots"]
-    exporters = json.loads((out / "bench" / "exporters.json").read_text())["models"]["llama"]
+    assert set(decode["step_seconds"]) == {"past_128", "past_1016"}
+    compile_cost = bench.json("compile_cost")
+    assert len(compile_cost["rows"]) >= 2
+    assert all(row["parity_passed"] and row["trace_s"] > 0 for row in compile_cost["rows"])
+    assert compile_cost["per_doubling"]["total_overall"] > 0
+
+
+def test_exporters(bench: Run):
+    exporters = bench.json("exporters")["models"]["llama"]
     tfgraph_row = exporters["peers"]["tfgraph"]
     assert tfgraph_row["available"] and "error" not in tfgraph_row, tfgraph_row
     assert set(tfgraph_row["step_seconds"]) == {"128", "512", "1016"}
     assert tfgraph_row["nodes"] > 0 and tfgraph_row["prefill_seconds"] > 0
-    for peer in ("transformers", "genai_builder"):  # measured, or the reason it was not
+    for peer in ("tfgraph_static", "transformers", "genai_builder"):  # measured, or why not
         entry = exporters["peers"][peer]
         assert ("error" not in entry and entry["step_seconds"]) or entry.get("note"), entry
-    markdown = (out / "BENCHMARKS.md").read_text()
+
+
+def test_precision(bench: Run):
+    variants = bench.json("precision")["models"]["llama-tiny"]["variants"]
+    assert set(variants) == {"fp32", "int8", "int4", "int4-level0", "fp16"}
+    assert all("error" not in e and e["tokens_per_s"] > 0 for e in variants.values()), variants
+    assert variants["int4"]["weight_bytes"] < variants["fp32"]["weight_bytes"] / 2.5
+
+
+def test_serving(bench: Run, suite: dict):
+    serving = bench.json("serving")["models"]["gpt2-tiny"]
+    assert [r["concurrency"] for r in serving["served"]] == [1, 4]
+    assert all(r["tokens_per_s"] > 0 and r["requests"] >= 1 for r in serving["served"])
+    assert serving["local"]["tokens_per_s"] > 0 and "serving.png" in suite["plots"]
+
+
+def test_plots_and_markdown(bench: Run, suite: dict):
+    for png in suite["plots"]:
+        assert (bench.out / "bench" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {"prefill_latency.png", "prefill_memory.png", "decode.png", "compile_cost.png"} <= set(
+        suite["plots"]
+    )
+    markdown = (bench.out / "BENCHMARKS.md").read_text()
     assert "python -m tfgraph bench --quick" in markdown
-    for title in (
-        "## Prefill",
-        "## Attention fusion",
-        "## Decode",
-        "## Compile cost",
-        "## Peers",
-        "## Exporters",
-        "## Precision",
-        "## Serving",
-    ):
+    assert "| section | time | CPU | status |" in markdown
+    for title in TITLES:
         assert title in markdown
-    assert "section" in printed.out and "BENCHMARKS.md" in printed.out
 
 
 def test_bench_unknown_section_is_a_clear_error(tmp_path, capsys):

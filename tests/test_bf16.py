@@ -10,7 +10,7 @@ import pytest
 
 import tfgraph
 from tfgraph.models import PRESETS
-from tfgraph.precision import ERROR_FACTOR
+from tfgraph.precision.islands import ERROR_FACTOR
 
 TINY = [n for n in PRESETS if n != "gpt2-small"]  # the evaluator is numpy, op by op
 

@@ -10,7 +10,7 @@ import torch
 
 import tfgraph
 from tfgraph import from_module
-from tfgraph.generation_parity import compare_greedy
+from tfgraph.compile.pipeline import run_pipeline
 from tfgraph.models import build
 from tfgraph.models import transformer as zoo_transformer
 from tfgraph.models.config import ModelConfig
@@ -22,9 +22,9 @@ from tfgraph.passes.classify_attention_bias import (
     mask_window,
 )
 from tfgraph.passes.fuse_attention import FuseAttentionPass
-from tfgraph.pipeline import run_pipeline
 from tfgraph.runtime import CachedDecoder, Session
-from tfgraph.trace import trace
+from tfgraph.sources.trace import trace
+from tfgraph.verify.generation_parity import compare_greedy
 
 NEG = float("-inf")
 

@@ -8,9 +8,9 @@ the coverage sense: every attention fused, parity, a KV cache, and greedy tokens
 import onnx_ir as ir
 import pytest
 
-from tfgraph import coverage
 from tfgraph.passes.attention_rules import BmmAttentionRule
 from tfgraph.passes.rewrite_utils import diagnose
+from tfgraph.tools import coverage
 
 pytest.importorskip("transformers")
 

@@ -15,7 +15,7 @@ import onnxruntime as ort
 import pytest
 
 from tfgraph.passes.convert_precision import ConvertPrecisionPass
-from tfgraph.precision import emulate
+from tfgraph.precision.islands import emulate
 
 F16, F32 = ir.DataType.FLOAT16, ir.DataType.FLOAT
 

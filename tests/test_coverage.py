@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from tfgraph import coverage
 from tfgraph.cli import main
+from tfgraph.tools import coverage, coverage_generation, coverage_report
 
 pytest.importorskip("transformers")
 
@@ -42,7 +42,7 @@ def test_subset_is_complete(tmp_path, capsys):
     rows = {r["model_type"]: r for r in data["rows"]}
     assert set(rows) == set(SUBSET)
     for row in rows.values():
-        assert coverage.complete(row), row
+        assert coverage_report.complete(row), row
         fused, total = row["attention"]
         assert fused == total > 0
     assert rows["whisper"]["main_input"] == "input_features"
@@ -60,15 +60,16 @@ def test_subset_is_complete(tmp_path, capsys):
 def test_a_failure_is_a_row_and_a_rerun_resumes(tmp_path):
     row = coverage.run_one("gpt2", "causal-lm", "NoSuchModelClass")
     assert row["status"] == "not built" and "NoSuchModelClass" in row["reason"]
-    assert not coverage.complete(row)
+    assert not coverage_report.complete(row)
     path = tmp_path / "coverage.json"
     path.write_text(json.dumps({"rows": [row]}))
     data = coverage.run(tmp_path, only=["gpt2"])  # gpt2 has a row already: nothing reruns
     assert data["rows"] == [row]
     assert data["summary"]["by_status"] == {"not built": 1}
-    assert "Rows measured at more than one commit: 1 at unknown." not in coverage.markdown(data)
+    text = coverage_report.markdown(data)
+    assert "Rows measured at more than one commit: 1 at unknown." not in text
     later = {**row, "model_type": "llama", "measured_at": "abc1234"}
-    text = coverage.markdown({**data, "rows": [row, later]})  # a resumed run at a new commit
+    text = coverage_report.markdown({**data, "rows": [row, later]})  # a resumed run at a new commit
     assert "Rows measured at more than one commit: 1 at abc1234, 1 at unknown." in text
 
 
@@ -110,15 +111,15 @@ def test_eager_greedy_reference_equals_hf_generate():
     )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).eval()
-    ids, mask = left_pad([list(p) for p in coverage.PROMPTS], 0)
+    ids, mask = left_pad([list(p) for p in coverage_generation.PROMPTS], 0)
     ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
-    got = coverage._eager_greedy_causal(model, ids, mask)
+    got = coverage_generation._eager_greedy_causal(model, ids, mask)
     with torch.no_grad():
         out = model.generate(
             input_ids=ids,
             attention_mask=mask,
-            max_new_tokens=coverage.NEW_TOKENS,
-            min_new_tokens=coverage.NEW_TOKENS,
+            max_new_tokens=coverage_generation.NEW_TOKENS,
+            min_new_tokens=coverage_generation.NEW_TOKENS,
             do_sample=False,
             pad_token_id=0,
         )
@@ -130,6 +131,6 @@ def test_start_token_falls_back_to_the_decoder_config_then_bos():
     import transformers
 
     bart = transformers.BartConfig(decoder_start_token_id=7)
-    assert coverage._start_token(bart) == 7
+    assert coverage_generation._start_token(bart) == 7
     gpt2 = transformers.GPT2Config(bos_token_id=5)
-    assert coverage._start_token(gpt2) == 5
+    assert coverage_generation._start_token(gpt2) == 5

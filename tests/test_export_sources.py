@@ -6,8 +6,8 @@ import onnx_ir as ir
 import pytest
 
 import tfgraph
-from tfgraph.parity import FP32
-from tfgraph.pipeline import check_model
+from tfgraph.compile.pipeline import check_model
+from tfgraph.verify.parity import FP32
 
 REPORT_KEYS = {"parity", "fusions", "kv_cache", "profile", "opset"}
 
@@ -150,7 +150,7 @@ def test_a_trace_cache_traces_once_per_opset(tmp_path):
     import idiom_models
 
     from tfgraph.sources import from_module
-    from tfgraph.trace import TraceCache
+    from tfgraph.sources.trace import TraceCache
 
     source = from_module(idiom_models.gpt(), origin="idiom:gpt")
     cache = TraceCache()

@@ -17,8 +17,8 @@ from torch import nn
 
 import tfgraph
 from tfgraph import from_module
-from tfgraph.generation_parity import compare_greedy
 from tfgraph.runtime import CachedDecoder, Session
+from tfgraph.verify.generation_parity import compare_greedy
 
 
 def _ops(path) -> collections.Counter:

@@ -1,4 +1,4 @@
-"""The differential fuzzer (``tfgraph.fuzz``, ``python -m tfgraph fuzz``).
+"""The differential fuzzer (``tfgraph.tools.fuzz``, ``python -m tfgraph fuzz``).
 
 - a bounded campaign over the whole model space passes through the same code path as the CLI
   (every profile, KV cache and greedy generation included);
@@ -16,17 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hypothesis_seed
 
 from tfgraph.cli import main
-from tfgraph.fuzz import (
-    PADDINGS,
-    PRECISIONS,
-    FuzzCase,
-    ParityFailure,
-    check_case,
-    expected_candidates,
-    fusion_problems,
-    fuzz_cases,
-    run_fuzz,
-)
 from tfgraph.models.config import (
     ATTN_IMPLS,
     FAMILIES,
@@ -39,6 +28,15 @@ from tfgraph.models.config import (
 )
 from tfgraph.models.presets import PRESETS
 from tfgraph.passes import lower_attention
+from tfgraph.tools.fuzz import ParityFailure, check_case, run_fuzz
+from tfgraph.tools.fuzz_cases import (
+    PADDINGS,
+    PRECISIONS,
+    FuzzCase,
+    expected_candidates,
+    fusion_problems,
+    fuzz_cases,
+)
 
 # every profile, KV cache and generation: a decoder, an encoder-decoder, two encoders (≈ 70 s)
 CAMPAIGN_EXAMPLES, CAMPAIGN_SEED = 4, 1

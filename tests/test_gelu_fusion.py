@@ -23,10 +23,11 @@ import pytest
 import torch
 from torch import nn
 
-from tfgraph.fusions import op_histogram
+from tfgraph.compile.fusions import op_histogram
 from tfgraph.passes.fuse_gelu import FuseGeluPass, unfused_gelu_candidates
 from tfgraph.passes.lower_gelu import LowerGeluPass
 from tfgraph.passes.rewrite_utils import MISS_REASON_KEY
+from tfgraph.targets import get_target
 
 SQRT_2 = math.sqrt(2.0)
 SQRT_2_PI = math.sqrt(2.0 / math.pi)
@@ -146,8 +147,8 @@ def test_lowered_gelu_matches_original_and_eager(name, profile):
     original = _run(_form(name), x.numpy())
     model = _form(name)
     FuseGeluPass()(model)
-    assert LowerGeluPass(profile)(model).modified
-    assert not LowerGeluPass(profile)(model).modified
+    assert LowerGeluPass(get_target(profile))(model).modified
+    assert not LowerGeluPass(get_target(profile))(model).modified
     onnx.checker.check_model(ir.serde.serialize_model(model), full_check=True)
     lowered = _run(model, x.numpy())
     tol = TOLERANCE[approximate]
@@ -180,7 +181,7 @@ def _canonical(approximate: str, opset: int = 20) -> ir.Model:
 )
 def test_lowering_ops_per_profile(profile, opset, approximate, expected):
     model = _canonical(approximate, opset)
-    assert LowerGeluPass(profile)(model).modified
+    assert LowerGeluPass(get_target(profile))(model).modified
     assert op_histogram(model) == Counter({expected: 1})
     (node,) = model.graph
     if profile == "ort":
@@ -189,7 +190,7 @@ def test_lowering_ops_per_profile(profile, opset, approximate, expected):
     else:
         assert "com.microsoft" not in model.opset_imports
         assert node.attributes.get_string("approximate") == approximate
-    assert not LowerGeluPass(profile)(model).modified
+    assert not LowerGeluPass(get_target(profile))(model).modified
 
 
 @pytest.mark.parametrize(
@@ -202,7 +203,7 @@ def test_lowering_ops_per_profile(profile, opset, approximate, expected):
 @pytest.mark.parametrize("profile", ["onnx", "tensorrt"])
 def test_lowering_below_opset_20_expands_and_reports(profile, approximate, expected):
     model = _canonical(approximate, opset=18)
-    assert LowerGeluPass(profile)(model).modified
+    assert LowerGeluPass(get_target(profile))(model).modified
     assert op_histogram(model) == Counter(expected)
     (candidate,) = unfused_gelu_candidates(model)
     assert candidate.metadata_props[MISS_REASON_KEY] == "Gelu needs opset 20"
@@ -214,9 +215,9 @@ def test_lowering_below_opset_20_expands_and_reports(profile, approximate, expec
     assert op_histogram(model) == Counter({"tfgraph::Gelu": 1, "Constant": expected["Constant"]})
 
 
-def test_lowering_rejects_unknown_profile():
-    with pytest.raises(ValueError, match="unknown profile"):
-        LowerGeluPass("tvm")
+def test_lowering_takes_a_target_not_a_name():
+    with pytest.raises(TypeError, match="passes take a Target"):
+        LowerGeluPass("onnx")
 
 
 # --- operand orders, groupings, float16, from ONNX text ------------------------------------------

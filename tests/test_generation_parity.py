@@ -11,11 +11,11 @@ import torch
 from test_hf_pipelines import CONFIGS, SMALL
 
 import tfgraph
-from tfgraph.generation_parity import compare_greedy
 from tfgraph.models.presets import PRESETS
 from tfgraph.runtime import CachedDecoder, Session
 from tfgraph.runtime.generate import left_pad
 from tfgraph.sources import load_source
+from tfgraph.verify.generation_parity import compare_greedy
 
 NEW_TOKENS = 32
 PAD = 0

@@ -1,8 +1,8 @@
 """Batched generation of prompts of different lengths equals Hugging Face ``generate``.
 
 Hugging Face causal LMs export with ``attention_mask`` and derive ``position_ids`` from it
-(:mod:`tfgraph.hf_source`), so left pads are masked in the prompt and in the cache. A batch of
-4 prompts of lengths 1–9, left-padded, decodes greedily token for token like
+(:mod:`tfgraph.sources.huggingface`), so left pads are masked in the prompt and in the
+cache. A batch of 4 prompts of lengths 1–9, left-padded, decodes greedily token for token like
 ``model.generate(input_ids, attention_mask=…)`` for GPT-2, Llama, Mistral (sliding window 4,
 shorter than the prompts), BLOOM (ALiBi) and GPT-Neo (a causal ``where`` on a sliced buffer
 of its maximum length, then the padding mask added; a local layer of window 4) built from

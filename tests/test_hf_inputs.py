@@ -1,6 +1,6 @@
 """Hugging Face models whose inputs are not token ids (speech features, raw audio, images),
 and models whose class name does not say what they return: inputs from ``main_input_name``
-and the config, output from a forward pass (:mod:`tfgraph.hf_source`)."""
+and the config, output from a forward pass (:mod:`tfgraph.sources.huggingface`)."""
 
 import json
 import subprocess
@@ -13,9 +13,9 @@ from hf_input_models import save
 from torch import nn
 
 import tfgraph
-from tfgraph.generation_parity import compare_greedy
-from tfgraph.hf_source import vocabulary
 from tfgraph.runtime import CachedDecoder, Session
+from tfgraph.sources.huggingface import vocabulary
+from tfgraph.verify.generation_parity import compare_greedy
 
 transformers = pytest.importorskip("transformers")
 

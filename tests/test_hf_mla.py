@@ -10,10 +10,10 @@ import onnx_ir as ir
 import pytest
 
 import tfgraph
-from tfgraph.coverage import tiny_config
-from tfgraph.generation_parity import compare_greedy
 from tfgraph.runtime import CachedDecoder, Session
 from tfgraph.sources import load_source
+from tfgraph.tools.coverage import tiny_config
+from tfgraph.verify.generation_parity import compare_greedy
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 import tfgraph
-from tfgraph.generation_parity import compare_greedy
 from tfgraph.runtime import CachedDecoder, Session
 from tfgraph.sources import load_source
+from tfgraph.verify.generation_parity import compare_greedy
 
 transformers = pytest.importorskip("transformers")
 

@@ -5,7 +5,7 @@ import pytest
 from pipeline_check import compile_and_prove
 
 from tfgraph import load_source
-from tfgraph.trace import trace
+from tfgraph.sources.trace import trace
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,11 +10,11 @@ import onnx_ir as ir
 import pytest
 
 import tfgraph
-from tfgraph.generation_parity import compare_greedy, encoder_inputs
 from tfgraph.passes.classify_attention_bias import ClassifyAttentionBiasPass, Subgraphs
 from tfgraph.runtime import CachedDecoder, Session
 from tfgraph.sources import from_module
 from tfgraph.targets.tensorrt import SOFTCAP_MISS
+from tfgraph.verify.generation_parity import compare_greedy, encoder_inputs
 
 PROMPTS = [[5, 9, 2, 7, 1], [3, 1]]
 CASES = [
@@ -221,9 +221,9 @@ def test_softcapped_scores_with_alternating_windows_fuse_and_cache(target, tmp_p
 def test_a_tanh_not_scaled_by_its_cap_is_not_a_softcap():
     """Rejection: ``5 · tanh(scores / 4)`` is not a soft-cap; attention stays unfused, and the
     report says why."""
-    from tfgraph.fusions import count_fusions
-    from tfgraph.pipeline import run_pipeline
-    from tfgraph.trace import trace
+    from tfgraph.compile.fusions import count_fusions
+    from tfgraph.compile.pipeline import run_pipeline
+    from tfgraph.sources.trace import trace
 
     model = idiom_models.softcap_gpt()
     for block in model.blocks:  # tanh(s / 4) · 5
@@ -283,7 +283,7 @@ def _broken_cap(attn):
 def test_min_dims_within_the_position_limit_are_the_sequence():
     """``Min(N, sequence)`` (a buffer of N rows sliced to the input) is named ``sequence`` when
     N is at least the model's position limit, and kept when it is below it."""
-    from tfgraph.trace import _bounded_dims
+    from tfgraph.sources.trace import _bounded_dims
 
     def model_with(dim: str) -> ir.Model:
         x = ir.Value(
@@ -379,9 +379,9 @@ def test_an_additive_mask_built_with_where_is_not_taken_for_a_selection(tmp_path
     """Rejection (a regression the fuzz campaign caught at once): the zoo's additive causal
     mask ``scores + Where(future, -inf, zeros)`` must not be read as a selection of the zeros
     with the scores as a later bias; the selected value must come from Q·Kᵀ."""
-    from tfgraph.fuzz import FuzzCase, case_source
     from tfgraph.models.config import ModelConfig
     from tfgraph.passes.attention_rules import _from_scores
+    from tfgraph.tools.fuzz_cases import FuzzCase, case_source
 
     cfg = ModelConfig(d_model=8, n_heads=1, n_layers=1, d_ff=32, norm="layernorm", ffn="relu")
     source = case_source(FuzzCase(config=cfg))

@@ -11,10 +11,10 @@ import onnx
 from test_slice_machinery import save_hf_t5
 
 import tfgraph
-from tfgraph.generation_parity import compare_greedy
 from tfgraph.runtime import CachedDecoder, Session
 from tfgraph.runtime.generate import left_pad
 from tfgraph.sources import load_source
+from tfgraph.verify.generation_parity import compare_greedy
 
 
 def test_hf_t5_step_has_no_transposes_and_reads_cross_kv_as_is(tmp_path):

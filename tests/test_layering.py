@@ -15,16 +15,18 @@ import tfgraph
 
 NO_TORCH = """
 import sys
-import tfgraph.passes, tfgraph.targets, tfgraph.contract, tfgraph.manifest, tfgraph.runtime
-import tfgraph.fusions, tfgraph.pipeline
+import tfgraph.passes, tfgraph.targets, tfgraph.contract, tfgraph.runtime
+import tfgraph.exporters.manifest
+import tfgraph.compile.fusions, tfgraph.compile.pipeline
 import onnx_ir as ir
 from tfgraph.cli import main
-from tfgraph.fusions import count_fusions
+from tfgraph.compile.fusions import count_fusions
 from tfgraph.passes import build_pipeline
+from tfgraph.targets import get_target
 path = sys.argv[1]
 assert main(["inspect", path]) == 0
 model = ir.load(path + "/model.onnx")
-for p in build_pipeline("onnx", name="cleanup"):
+for p in build_pipeline(get_target("onnx"), name="cleanup"):
     p(model)
 count_fusions(model)
 loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "hypothesis"))
@@ -52,7 +54,7 @@ def test_import_passes_leaves_torch_out():
 
 def test_library_does_not_import_hypothesis():
     code = (
-        "import sys, tfgraph, tfgraph.exporting, tfgraph.cli, tfgraph.parity\n"
+        "import sys, tfgraph, tfgraph.exporting, tfgraph.cli, tfgraph.verify.parity\n"
         "tfgraph.cli.build_parser()\n"
         "assert 'hypothesis' not in sys.modules; print('ok')"
     )

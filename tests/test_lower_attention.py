@@ -17,6 +17,7 @@ import pytest
 
 from tfgraph.passes.lower_attention import LowerAttentionPass
 from tfgraph.passes.rewrite_utils import MISS_REASON_KEY
+from tfgraph.targets import get_target
 
 B, D = 2, 16
 ATOL = 1e-5
@@ -191,9 +192,9 @@ def ops(model: ir.Model) -> Counter:
 
 
 def lower(model: ir.Model, profile: str) -> ir.Model:
-    result = LowerAttentionPass(profile)(model)
+    result = LowerAttentionPass(get_target(profile))(model)
     assert result.modified
-    assert LowerAttentionPass(profile)(result.model).modified is False
+    assert LowerAttentionPass(get_target(profile))(result.model).modified is False
     return result.model
 
 
@@ -308,12 +309,12 @@ def test_graph_without_attention_is_unmodified() -> None:
     x = ir.val("x", ir.DataType.FLOAT, [2])
     node = ir.node("Relu", [x])
     graph = ir.Graph([x], node.outputs, nodes=[node], opset_imports={"": 20})
-    assert LowerAttentionPass("ort")(ir.Model(graph, ir_version=10)).modified is False
+    assert LowerAttentionPass(get_target("ort"))(ir.Model(graph, ir_version=10)).modified is False
 
 
-def test_unknown_profile() -> None:
-    with pytest.raises(ValueError, match="profile"):
-        LowerAttentionPass("cuda")
+def test_a_pass_takes_a_target_not_a_name() -> None:
+    with pytest.raises(TypeError, match=r"get_target\('ort'\)"):
+        LowerAttentionPass("ort")
 
 
 def test_reference_matches_a_loop() -> None:

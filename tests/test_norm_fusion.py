@@ -11,12 +11,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tfgraph import from_module
-from tfgraph.fusions import count_fusions, op_histogram
+from tfgraph.compile.fusions import count_fusions, op_histogram
+from tfgraph.compile.pipeline import check_model, run_pipeline
 from tfgraph.passes.fuse_norms import FuseNormsPass
 from tfgraph.passes.lower_norms import LowerNormsPass
 from tfgraph.passes.norm_rules import SeedLayerNormRule
-from tfgraph.pipeline import check_model, run_pipeline
-from tfgraph.trace import trace
+from tfgraph.sources.trace import trace
+from tfgraph.targets import get_target
 
 C = 16
 EPS = 1e-5
@@ -136,7 +137,7 @@ def test_form_folds_and_lowers_exactly(fn):
         }
         for profile in profiles:
             lowered = _copy(model)
-            assert LowerNormsPass(profile)(lowered).modified
+            assert LowerNormsPass(get_target(profile))(lowered).modified
             check_model(lowered, f"lowering for {profile}")
             assert not any(n.domain == "tfgraph" for n in lowered.graph)
             got = _run(lowered, X)[0]
@@ -159,7 +160,7 @@ def test_ort_keeps_layernorm_residual_apart():
     model = trace(from_module(Residual(ln_rsqrt), example))
     run_pipeline(model, "cleanup")
     FuseNormsPass()(model)
-    LowerNormsPass("ort")(model)
+    LowerNormsPass(get_target("ort"))(model)
     hist = op_histogram(model)
     assert not any("Skip" in op for op in hist), hist
     assert hist["LayerNormalization"] == 1
@@ -205,7 +206,7 @@ def test_residual_add_folds_into_skip_norm(fn, op, target):
     want = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options).run(None, feeds)
     run_pipeline(model, "cleanup")
     FuseNormsPass()(model)
-    LowerNormsPass(target)(model)
+    LowerNormsPass(get_target(target))(model)
     check_model(model, "skip lowering")
     hist = op_histogram(model)
     assert hist[f"com.microsoft::{op}"] == 1
@@ -221,7 +222,7 @@ def test_tensorrt_before_10_15_keeps_rmsnorm_decomposed():
     run_pipeline(model, "cleanup")
     want = _run(model, X)[0]
     FuseNormsPass()(model)
-    LowerNormsPass("tensorrt@10.14")(model)
+    LowerNormsPass(get_target("tensorrt@10.14"))(model)
     norm = count_fusions(model)["norm"]
     assert (norm["fused"], norm["total"]) == (0, 1)
     assert "TensorRT 10.14 does not parse RMSNormalization" in norm["missed"][0]["reason"]

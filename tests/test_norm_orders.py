@@ -11,7 +11,7 @@ from pipeline_check import compile_and_prove
 
 from tfgraph.passes.norm_products import reorder_norm_products
 from tfgraph.sources import from_module
-from tfgraph.trace import trace
+from tfgraph.sources.trace import trace
 
 ORDERS = len(idiom_models.RMS_ORDERS)
 

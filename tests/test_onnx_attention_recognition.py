@@ -22,10 +22,10 @@ import pytest
 from onnx import TensorProto, helper
 
 import tfgraph
-from tfgraph.fusions import count_fusions, op_histogram
+from tfgraph.compile.fusions import count_fusions, op_histogram
+from tfgraph.compile.pipeline import run_pipeline
 from tfgraph.passes.fuse_attention import FuseAttentionPass
 from tfgraph.passes.rewrite_utils import MISS_REASON_KEY
-from tfgraph.pipeline import run_pipeline
 
 B, D = 2, 16
 ATOL = 1e-5

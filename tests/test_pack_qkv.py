@@ -13,9 +13,9 @@ import torch
 from test_generation_parity import PAD
 
 import tfgraph
-from tfgraph.generation_parity import compare_greedy
 from tfgraph.runtime import CachedDecoder, Session
 from tfgraph.sources import load_source
+from tfgraph.verify.generation_parity import compare_greedy
 
 
 def _save(tmp_path, cls: str, config) -> str:

@@ -1,7 +1,7 @@
 """fp16 exports proven against eager PyTorch in fp32 and in fp16 (``--precision fp16``).
 
 Every zoo decoder and encoder-decoder, KV-cached (prefill and decode steps), and Hugging Face
-GPT-2, Llama, T5 (cached) and BERT pass the precision's rule (``tfgraph.precision.judge``:
+GPT-2, Llama, T5 (cached) and BERT pass the precision's rule (``tfgraph.precision.islands.judge``:
 within 4× eager fp16's own error of fp32 eager, plus 4 fp16 units at the output's scale), with
 their fp32 islands reported; a residual stream beyond 65504 is caught and named by layer; a
 cancellation is kept in fp32 by measurement. ONNX Runtime's CPU provider ran every artifact
@@ -18,7 +18,7 @@ import pytest
 import tfgraph
 from tfgraph.cli import main
 from tfgraph.models import PRESETS, describe
-from tfgraph.precision import ERROR_FACTOR
+from tfgraph.precision.islands import ERROR_FACTOR
 
 GENERATIVE = [n for n in PRESETS if describe(n)["family"] in ("decoder", "encoder-decoder")]
 

@@ -10,15 +10,15 @@ import toy_target
 import tfgraph
 from tfgraph import TfgraphError
 from tfgraph.cli import main
-from tfgraph.fusions import op_histogram
+from tfgraph.compile.fusions import op_histogram
+from tfgraph.compile.pipeline import run_pipeline
 from tfgraph.passes import PIPELINES, PipelineOptions, build_pipeline, pass_names
 from tfgraph.passes.insert_kv_cache import InsertKVCachePass
 from tfgraph.passes.lower_attention import LowerAttentionPass
 from tfgraph.passes.share_kv_buffer import ShareKVBufferPass
-from tfgraph.pipeline import run_pipeline
 from tfgraph.sources import load_source
+from tfgraph.sources.trace import trace
 from tfgraph.targets import get_target, target_names
-from tfgraph.trace import trace
 
 
 def test_builtin_targets_are_registered():
@@ -65,24 +65,24 @@ def test_toy_target_exports_a_preset_with_parity(preset, tmp_path):
 
 
 def test_pipeline_is_built_for_target_and_options():
-    plain = pass_names(build_pipeline("ort"))
-    cached = pass_names(build_pipeline("ort", PipelineOptions(kv_cache=True)))
+    plain = pass_names(build_pipeline(get_target("ort")))
+    cached = pass_names(build_pipeline(get_target("ort"), PipelineOptions(kv_cache=True)))
     assert "InsertKVCachePass" not in plain and "ShareKVBufferPass" not in plain
     assert cached.index("InsertKVCachePass") == cached.index("ClassifyAttentionBiasPass") + 1
     assert cached.index("ShareKVBufferPass") == cached.index("LowerAttentionPass") + 1
-    onnx_cached = pass_names(build_pipeline("onnx", PipelineOptions(kv_cache=True)))
+    onnx_cached = pass_names(build_pipeline(get_target("onnx"), PipelineOptions(kv_cache=True)))
     assert "InsertKVCachePass" in onnx_cached and "ShareKVBufferPass" not in onnx_cached
     assert onnx_cached.index("StaticKVCachePass") > onnx_cached.index("LowerAttentionPass")
-    trt_cached = pass_names(build_pipeline("tensorrt", PipelineOptions(kv_cache=True)))
+    trt_cached = pass_names(build_pipeline(get_target("tensorrt"), PipelineOptions(kv_cache=True)))
     assert "StaticKVCachePass" in trt_cached
-    assert "StaticKVCachePass" not in pass_names(build_pipeline("onnx"))
-    assert "ExpandAttentionMaskPass" not in pass_names(build_pipeline("toy"))
+    assert "StaticKVCachePass" not in pass_names(build_pipeline(get_target("onnx")))
+    assert "ExpandAttentionMaskPass" not in pass_names(build_pipeline(get_target("toy")))
     with pytest.raises(ValueError, match="pipeline 'cleanup' fuses none"):
-        build_pipeline("ort", PipelineOptions(kv_cache=True), name="cleanup")
+        build_pipeline(get_target("ort"), PipelineOptions(kv_cache=True), name="cleanup")
 
 
 def test_pass_names_are_unique_per_position():
-    names = pass_names(build_pipeline("ort"))
+    names = pass_names(build_pipeline(get_target("ort")))
     assert len(names) == len(set(names))
     assert names.count("RemoveUnusedNodesPass") == 1
     assert "RemoveUnusedNodesPass#2" in names and "RemoveUnusedNodesPass#3" in names
@@ -108,7 +108,7 @@ def test_cache_pass_requires_canonical_attention(gpt_traced, monkeypatch):
     """The cache pass after lowering: its requires() names the order, as a one-line error."""
     _, traced = gpt_traced
     model = ir.from_proto(ir.to_proto(traced))
-    lowered = [p for p in build_pipeline("ort") if not isinstance(p, InsertKVCachePass)]
+    lowered = [p for p in build_pipeline(get_target("ort")) if not isinstance(p, InsertKVCachePass)]
     monkeypatch.setitem(PIPELINES, "misordered", lambda target: [*lowered, InsertKVCachePass()])
     with pytest.raises(TfgraphError, match="run InsertKVCachePass before LowerAttentionPass"):
         run_pipeline(model, "misordered")
@@ -117,7 +117,7 @@ def test_cache_pass_requires_canonical_attention(gpt_traced, monkeypatch):
 def test_share_pass_requires_lowered_attention(gpt_traced, monkeypatch):
     _, traced = gpt_traced
     model = ir.from_proto(ir.to_proto(traced))
-    passes = build_pipeline("ort", PipelineOptions(kv_cache=True))
+    passes = build_pipeline(get_target("ort"), PipelineOptions(kv_cache=True))
     cut = next(i for i, p in enumerate(passes) if isinstance(p, LowerAttentionPass))
     early = [*passes[:cut], ShareKVBufferPass()]  # before lowering
     monkeypatch.setitem(PIPELINES, "early-share", lambda target: early)

@@ -74,8 +74,8 @@ def test_the_second_opinion_against_onnxruntime(trt_artifact, tmp_path, monkeypa
     import numpy as np
 
     import tfgraph.runtime as runtime
-    from tfgraph.recheck import engine_vs_onnxruntime
     from tfgraph.sources import load_source
+    from tfgraph.verify.recheck import engine_vs_onnxruntime
 
     class Skewed(runtime.Session):
         def run(self, inputs, *, native=False):
@@ -101,9 +101,9 @@ def test_the_eager_reference_of_an_engine_runs_on_its_gpu(trt_artifact, monkeypa
 
     import torch
 
-    from tfgraph.parity import eager_device
-    from tfgraph.recheck import recheck
     from tfgraph.sources import load_source
+    from tfgraph.verify.parity import eager_device
+    from tfgraph.verify.recheck import recheck
 
     engine, cpu = types.SimpleNamespace(device="cuda:0"), types.SimpleNamespace(device="cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -1,21 +1,26 @@
-"""TritonServer runs a real tritonserver (from the nvidia-pytriton wheel) on the CPU."""
+"""TritonServer runs a real tritonserver (from the server environment's nvidia-pytriton wheel)
+on the CPU, its Python backend on the server environment's numpy<2 while this process may run
+NumPy 2."""
 
-import importlib.util
 import os
+import subprocess
+import sys
 import textwrap
 
 import numpy as np
 import pytest
 
 from tfgraph.errors import TfgraphError
+from tfgraph.serving import install as server_install
 from tfgraph.serving.launcher import TritonServer, find_tritonserver, python_site_paths
 
-for _dist, _module in [
-    ("nvidia-pytriton", "pytriton"),
-    ("tritonclient[http,grpc]", "tritonclient"),
-]:
-    if importlib.util.find_spec(_module) is None:
-        pytest.skip(f"needs the {_dist} wheel (pip install -e '.[serve]')", allow_module_level=True)
+try:
+    find_tritonserver()
+    _MISSING = None
+except TfgraphError as exc:
+    _MISSING = str(exc)
+needs_server = pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
+
 
 CONFIG = """\
 backend: "python"
@@ -39,12 +44,12 @@ class TritonPythonModel:
     def initialize(self, args):
         params = json.loads(args["model_config"])["parameters"]
         paths = params["python_paths"]["string_value"].split({pathsep!r})
-        for path in reversed(paths):
-            sys.path.insert(0, path)
         for path in paths:
-            site.addsitedir(path)  # runs .pth files: the editable install of tfgraph
+            site.addsitedir(path)  # appended; runs .pth files: the editable install of tfgraph
         global np
         import numpy as np
+
+        print(f"add_one: numpy {{np.__version__}} at {{np.__file__}}", flush=True)
 
         import tfgraph.errors  # noqa: F401  (tfgraph imports inside the stub)
         {fail}
@@ -70,16 +75,45 @@ def write_add_one(repository, name="add_one", fail=""):
     return model
 
 
+def test_missing_server_env_is_one_line_naming_the_install_command(tmp_path, monkeypatch):
+    monkeypatch.setenv(server_install.ENV_VAR, str(tmp_path / "nowhere"))
+    with pytest.raises(TfgraphError) as info:
+        TritonServer(tmp_path).start()
+    message = str(info.value)
+    assert "\n" not in message and str(tmp_path / "nowhere") in message
+    assert server_install.INSTALL_COMMAND in message
+    result = subprocess.run(
+        [sys.executable, "-m", "tfgraph.serving.install", "--check"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, server_install.ENV_VAR: str(tmp_path / "nowhere")},
+        timeout=120,
+    )
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and server_install.INSTALL_COMMAND in result.stderr
+
+
+def test_server_requirements_pin_numpy_1_and_follow_tfgraph():
+    wanted = server_install.requirements()
+    assert wanted[0] == "numpy<2"
+    names = [server_install._normalize(r.split(">")[0].split("=")[0]) for r in wanted[1:]]
+    assert names == list(server_install.RUNTIME)
+    assert any(r.startswith("onnxruntime>=") for r in wanted)  # tfgraph's own specifier
+
+
+@needs_server
 def test_finds_wheel_and_site_paths():
     install = find_tritonserver()
     assert install.binary.is_file() and install.stub.is_file()
     assert install.stub.parent.name == install.python_version
+    assert (install.python_bin / "python3").exists()
     assert any(p.endswith("site-packages") for p in python_site_paths())
 
 
+@needs_server
 def test_serves_add_one_over_http_and_grpc(tmp_path):
-    import tritonclient.grpc as grpcclient
-    import tritonclient.http as httpclient
+    grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install -e '.[serve]'")
+    httpclient = pytest.importorskip("tritonclient.http", reason="pip install -e '.[serve]'")
 
     write_add_one(tmp_path / "repo")
     x = np.array([0.0, 1.5, -2.0, 41.0], dtype=np.float32)
@@ -109,8 +143,14 @@ def test_serves_add_one_over_http_and_grpc(tmp_path):
         http.close()
     assert process.poll() is not None
     assert "add_one" in server.log_text()
+    # the stub ran the server environment's NumPy 1, whatever this process runs
+    env = server_install.find_server_env()
+    line = next(x for x in server.log_text().splitlines() if x.startswith("add_one: numpy"))
+    version, where = line.split()[2], line.split(" at ")[1]
+    assert int(version.split(".")[0]) < 2 and where.startswith(str(env.site_packages))
 
 
+@needs_server
 def test_model_that_fails_to_load_raises_with_log_tail(tmp_path):
     write_add_one(tmp_path / "repo", fail='raise RuntimeError("tfgraph-test-boom")')
     server = TritonServer(tmp_path / "repo", load=["add_one"], startup_timeout=45)
@@ -122,6 +162,7 @@ def test_model_that_fails_to_load_raises_with_log_tail(tmp_path):
     assert server.process is not None and server.process.poll() is not None
 
 
+@needs_server
 def test_startup_timeout_stops_server(tmp_path):
     write_add_one(tmp_path / "repo", fail="import time; time.sleep(60)")
     server = TritonServer(tmp_path / "repo", load=["add_one"], startup_timeout=3)

@@ -1,6 +1,8 @@
 """The generation model served by a real Triton Inference Server (``nvidia-pytriton``'s
-``tritonserver``, CPU, Python backend), over gRPC (tritonclient's streaming API) and HTTP
-(Triton's ``generate_stream`` endpoint: tritonclient's HTTP client takes no decoupled models).
+``tritonserver`` from the server environment, ``python -m tfgraph.serving.install``; CPU,
+Python backend on the server environment's numpy<2), over gRPC (tritonclient's streaming API,
+in this process, whatever its NumPy) and HTTP (Triton's ``generate_stream`` endpoint:
+tritonclient's HTTP client takes no decoupled models).
 
 Streamed tokens are compared with local :func:`tfgraph.runtime.generate` on the same artifact,
 token for token: greedy and seeded sampling, a decoder and an encoder-decoder, 16 concurrent
@@ -29,7 +31,7 @@ from tfgraph.serving.launcher import TritonServer, find_tritonserver  # noqa: E4
 try:
     find_tritonserver()
 except TfgraphError as exc:
-    pytest.skip(f"needs the nvidia-pytriton wheel: {exc}", allow_module_level=True)
+    pytest.skip(f"needs the Triton server environment: {exc}", allow_module_level=True)
 from tfgraph.serving.repository import write_repository  # noqa: E402
 
 DECODER, SEQ2SEQ, TEXT = "llama", "t5", "words"

@@ -17,10 +17,11 @@ import pytest
 
 import tfgraph
 from tfgraph.cli import main
-from tfgraph.generation_parity import compare_greedy
+from tfgraph.precision.activations import fake_quantize
+from tfgraph.precision.weights import dequantize, reference_from_artifact
 from tfgraph.runtime import CachedDecoder, open_runner
 from tfgraph.sources import load_source
-from tfgraph.weights import dequantize, fake_quantize, reference_from_artifact
+from tfgraph.verify.generation_parity import compare_greedy
 
 
 def _quantized_matmul(w: np.ndarray, bits, block, symmetric, level=0):

@@ -15,7 +15,7 @@ from pipeline_check import compile_and_prove
 
 from tfgraph import load_source
 from tfgraph.models import PRESETS
-from tfgraph.trace import trace
+from tfgraph.sources.trace import trace
 
 STANDARD_NORM_OPS = {"LayerNormalization", "RMSNormalization"}
 ORT_NORM_OPS = {

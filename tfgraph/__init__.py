@@ -6,7 +6,7 @@ ONNX Runtime, with every artifact proven against eager PyTorch.
 Heavy modules (torch) load on first use, so ``tfgraph.runtime`` runs without importing torch.
 """
 
-from .errors import ParityError, TfgraphError
+from tfgraph.errors import ParityError, TfgraphError
 
 __version__ = "0.1.0"
 
@@ -15,6 +15,7 @@ ARTIFACT_FORMAT = 2  # bumped when manifest.json changes (2: roles, graphs, kv_l
 _LAZY = {
     "export": "exporting",
     "ExportResult": "exporting",
+    "ExportOptions": "options",
     "ModelSource": "sources",
     "load_source": "sources",
     "from_module": "sources",

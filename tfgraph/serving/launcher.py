@@ -1,17 +1,21 @@
 """Start NVIDIA Triton Inference Server from the ``nvidia-pytriton`` wheel, on the CPU.
 
 The wheel bundles a ``tritonserver`` binary, its shared libraries and the Python backend;
-PyTriton's own Python layer is not used. What the raw binary needs here:
+PyTriton's own Python layer is not used. The wheel lives in the *server environment*
+(:mod:`.install`: ``python -m tfgraph.serving.install``), a virtual environment apart from
+tfgraph's that holds the ``numpy<2`` the backend's stub needs. What the raw binary needs here:
 
-- ``LD_LIBRARY_PATH`` with the wheel's ``nvidia_pytriton.libs/`` (and the running
-  interpreter's ``libpython``, so the Python-backend stub embeds the same Python);
+- ``LD_LIBRARY_PATH`` with the wheel's ``nvidia_pytriton.libs/`` (and the server
+  environment's ``libpython``, so the Python-backend stub embeds that Python);
 - a ``--backend-directory`` whose ``python/`` holds ``triton_python_backend_stub`` built for
-  the running ``3.X``: the wheel keeps the stubs apart, so a copy of ``backends/`` is made;
-- a model's ``model.py`` runs in the stub, an embedded Python that finds its prefix through
-  ``python3`` on ``PATH`` (:func:`server_env` puts ours first, so it sees our venv). Models
-  that must not depend on that carry :func:`python_site_paths` in their ``config.pbtxt``
-  ``parameters`` and add them with ``site.addsitedir`` in ``initialize`` before importing
-  anything third-party (``triton_python_backend_utils`` itself needs numpy, though).
+  its ``3.X``: the wheel keeps the stubs apart, so a copy of ``backends/`` is made;
+- a model's ``model.py`` runs in the stub, an embedded, isolated Python (``PYTHONPATH`` is
+  ignored) that finds its prefix through ``python3`` on ``PATH``: :func:`server_env` puts the
+  server environment's ``bin/`` first, so the stub's site-packages (and the NumPy that
+  ``triton_python_backend_utils`` imports before any model code runs) are that
+  environment's. Models carry :func:`python_site_paths` (tfgraph's environment) in their
+  ``config.pbtxt`` ``parameters`` and *append* them with ``site.addsitedir`` in
+  ``initialize``, for ``tfgraph`` itself and anything the server environment lacks.
 
 :class:`TritonServer` is a context manager that starts the server on loopback ports, waits
 until it is ready and always stops it (and its stub processes) on exit.
@@ -29,8 +33,6 @@ import signal
 import site
 import socket
 import subprocess
-import sys
-import sysconfig
 import tempfile
 import time
 import urllib.error
@@ -38,63 +40,17 @@ import urllib.parse
 import urllib.request
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
 
-from ..errors import TfgraphError
+from tfgraph.errors import TfgraphError
+
+from .install import STUB, TritonInstall, find_tritonserver
 
 logger = logging.getLogger(__name__)
 
-_INSTALL_HINT = "pip install nvidia-pytriton"
-_STUB = "triton_python_backend_stub"
 _TAIL_LINES = 40
 _server_ids = count()
-
-
-@dataclass(frozen=True)
-class TritonInstall:
-    """Where the ``nvidia-pytriton`` wheel keeps the server, for the running Python."""
-
-    binary: Path  # pytriton/tritonserver/bin/tritonserver
-    libs_dir: Path  # nvidia_pytriton.libs/: the binary's bundled shared libraries
-    backends_dir: Path  # pytriton/tritonserver/backends/ (python/ without its stub)
-    stub: Path  # python_backend_stubs/3.X/triton_python_backend_stub
-    python_version: str  # "3.X" the stub was chosen for
-
-
-def find_tritonserver() -> TritonInstall:
-    """The ``tritonserver`` of the installed ``nvidia-pytriton`` wheel, or a TfgraphError."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("pytriton")
-    if spec is None or not spec.submodule_search_locations:
-        raise TfgraphError(
-            f"Triton Inference Server not found: the nvidia-pytriton wheel is not installed "
-            f"({_INSTALL_HINT})"
-        )
-    package = Path(next(iter(spec.submodule_search_locations)))
-    root = package / "tritonserver"
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    install = TritonInstall(
-        binary=root / "bin" / "tritonserver",
-        libs_dir=package.parent / "nvidia_pytriton.libs",
-        backends_dir=root / "backends",
-        stub=root / "python_backend_stubs" / version / _STUB,
-        python_version=version,
-    )
-    for what, path in [
-        ("tritonserver binary", install.binary),
-        ("bundled libraries", install.libs_dir),
-        ("Python backend", install.backends_dir / "python"),
-        (f"Python {version} backend stub", install.stub),
-    ]:
-        if not path.exists():
-            raise TfgraphError(
-                f"the nvidia-pytriton wheel has no {what} at {path}: reinstall it "
-                f"({_INSTALL_HINT}) under a Python it ships a stub for"
-            )
-    return install
 
 
 def python_site_paths() -> list[str]:
@@ -102,8 +58,10 @@ def python_site_paths() -> list[str]:
 
     The running interpreter's site-packages (a virtual environment's included) and, when
     tfgraph is not installed inside them (editable install or a checkout), the directory
-    holding the ``tfgraph`` package. Add them with ``site.addsitedir`` so that ``.pth`` files
-    run too: an editable install maps ``tfgraph.runtime`` etc. through one.
+    holding the ``tfgraph`` package. Append them with ``site.addsitedir`` so that ``.pth``
+    files run too (an editable install maps ``tfgraph.runtime`` etc. through one), *after* the
+    stub's own site-packages: the server environment's ``numpy<2`` and runtime packages come
+    first, tfgraph and anything the server environment lacks from here.
     """
     candidates = list(site.getsitepackages())
     if site.ENABLE_USER_SITE:
@@ -126,39 +84,39 @@ def _backends_with_stub(install: TritonInstall) -> Path:
     atexit.register(shutil.rmtree, tmp, True)
     backends = tmp / "backends"
     shutil.copytree(install.backends_dir, backends, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy2(install.stub, backends / "python" / _STUB)
+    shutil.copy2(install.stub, backends / "python" / STUB)
     _backends_copies[install] = backends
     return backends
 
 
 def _library_path(install: TritonInstall) -> str:
-    """``LD_LIBRARY_PATH`` for the server and the stub: bundled libs, then our libpython."""
+    """``LD_LIBRARY_PATH`` for the server and the stub: bundled libs, then the stub's
+    libpython."""
     dirs = [str(install.libs_dir)]
-    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
-        libdir = sysconfig.get_config_var("LIBDIR")
-        if libdir and os.path.isdir(libdir):
-            dirs.append(libdir)
+    if install.python_libdir and os.path.isdir(install.python_libdir):
+        dirs.append(install.python_libdir)
     if os.environ.get("LD_LIBRARY_PATH"):
         dirs.append(os.environ["LD_LIBRARY_PATH"])
     return os.pathsep.join(dirs)
 
 
 def server_env(install: TritonInstall) -> dict[str, str]:
-    """The environment for ``tritonserver``: the stub must embed *our* Python.
+    """The environment for ``tritonserver``: the stub must embed the server environment's
+    Python.
 
-    The stub links ``libpython3.X.so`` (found through ``LD_LIBRARY_PATH``: ours first when
-    this Python is a shared build) and, as an embedded interpreter, finds its prefix by
-    looking up ``python3`` on ``PATH``: with our interpreter's ``bin/`` first it gets our
-    standard library and, in a virtual environment, the venv's site-packages (numpy, which
-    ``triton_python_backend_utils`` imports, and the ``.pth`` of an editable tfgraph).
-    Otherwise the stub may pair our libpython with another Python's standard library
-    (``No module named '_struct'``) or find no numpy.
+    The stub links ``libpython3.X.so`` (found through ``LD_LIBRARY_PATH``: the server
+    environment's first when it is a shared build) and, as an embedded interpreter, finds its
+    prefix by looking up ``python3`` on ``PATH``: with the server environment's ``bin/`` first
+    it gets that Python's standard library and the environment's site-packages (``numpy<2``,
+    which ``triton_python_backend_utils`` imports). Otherwise the stub may pair a libpython
+    with another Python's standard library (``No module named '_struct'``), find no numpy, or
+    find tfgraph's NumPy 2, with which every tensor crosses with a wrong size.
     """
     path = os.environ.get("PATH", os.defpath)
     return {
         **os.environ,
         "LD_LIBRARY_PATH": _library_path(install),
-        "PATH": os.pathsep.join([os.path.dirname(sys.executable), path]),
+        "PATH": os.pathsep.join([str(install.python_bin), path]),
     }
 
 

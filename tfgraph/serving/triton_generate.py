@@ -28,13 +28,16 @@ noise in the padded batch (greedy: equal unless two logits tie within that noise
 **Unloading** while streams are in flight: ``finalize`` asks them to stop; each ends with an
 error response ("model unloaded while generating") and its final flag.
 
-The Python backend's stub does not see a virtual environment's site-packages: the config's
-``python_paths`` parameter lists them, added to ``sys.path`` before anything else is imported.
-Only the standard library is imported at the top of this file.
+The Python backend's stub sees its own Python's site-packages (with tfgraph's launcher: the
+server environment's, ``numpy<2``, onnxruntime …; see :mod:`tfgraph.serving.install`), not
+tfgraph's: the config's ``python_paths`` parameter lists those, appended to ``sys.path`` with
+``site.addsitedir`` (their ``.pth`` files run: an editable tfgraph) before tfgraph is
+imported. Only the standard library is imported at the top of this file.
 """
 
 import json
 import os
+import site
 import sys
 import threading
 import time
@@ -74,7 +77,7 @@ class TritonPythonModel:
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         for path in params.get("python_paths", "").split(os.pathsep):
             if path and path not in sys.path:
-                sys.path.append(path)
+                site.addsitedir(path)  # appended: the stub's own packages come first
         import triton_python_backend_utils as pb_utils
 
         from tfgraph.runtime import CachedDecoder, open_runner

@@ -5,7 +5,7 @@ The cached engine (:func:`tfgraph.runtime.generate` on a :class:`CachedDecoder`)
 the whole padded prefix at every step. Each step's logits (the ones that chose a token) are
 compared within a tolerance, and the chosen tokens must be equal.
 
-Used by ``tests/test_generation_parity.py`` and the differential fuzzer (:mod:`tfgraph.fuzz`).
+Used by ``tests/test_generation_parity.py`` and the differential fuzzer (:mod:`tfgraph.tools.fuzz`).
 """
 
 from __future__ import annotations
@@ -17,15 +17,14 @@ import torch
 
 from tfgraph.runtime import CachedDecoder, GenerationConfig, generate
 from tfgraph.runtime.generate import left_pad
-
-from .parity import FP32, Tolerance, compare
-from .sources import ModelSource
+from tfgraph.sources import ModelSource
+from tfgraph.verify.parity import FP32, Tolerance, compare
 
 
 @dataclass
 class GreedyComparison:
     """``tokens``: the cached engine's new tokens per row; ``want_tokens``: eager's;
-    ``steps[t]``: :func:`tfgraph.parity.compare` of the logits that chose token t."""
+    ``steps[t]``: :func:`tfgraph.verify.parity.compare` of the logits that chose token t."""
 
     tokens: list[list[int]]
     want_tokens: list[list[int]]

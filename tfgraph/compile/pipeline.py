@@ -23,11 +23,10 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 
 from tfgraph import contract
+from tfgraph.errors import TfgraphError, first_line
 from tfgraph.passes import PIPELINES, PipelineOptions, build_pipeline, pass_names
 from tfgraph.passes.insert_kv_cache import KVCacheError
 from tfgraph.targets import Target, all_nonstandard_default_ops, get_target
-
-from .errors import TfgraphError, first_line
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from .onnxscript_private import NO_OP_RULES as _no_op
+from tfgraph.onnxscript_private import NO_OP_RULES as _no_op
 
 
 class _ExactNoOp(pattern.RewriteRuleClassBase):

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import TfgraphError, first_line
-from .sources import ModelSource, max_positions
+from tfgraph.errors import TfgraphError, first_line
+from tfgraph.sources.model import ModelSource, max_positions
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,8 @@ output fails, bisect to the first PyTorch module whose output diverges.
 
 The source is the one ``report.json`` names (a preset, a factory, a Hugging Face directory);
 the precision is the manifest's, and a quantized artifact is checked against eager with the
-weights dequantized from the artifact itself (:func:`tfgraph.weights.reference_from_artifact`).
+weights dequantized from the artifact itself
+(:func:`tfgraph.precision.weights.reference_from_artifact`).
 Parity runs as at export time, on this machine and with this ONNX Runtime.
 
 **Bisection** (:func:`bisect`). A copy of the graph exposes, for every module of the eager
@@ -13,9 +14,10 @@ shape); forward hooks record each module's eager output on the same inputs (atte
 all ones, an empty cache). The modules are compared in the order they finish in eager, so an
 inner module (``decoder.blocks.1.attn``) is named before the block that holds it; the first
 one outside tolerance is the culprit, with the kernels (fused nodes) inside it. In fp16 the
-tolerance is the precision's rule against eager fp16 (:func:`tfgraph.precision.judge`); where
+tolerance is the precision's rule against eager fp16
+(:func:`tfgraph.precision.islands.judge`); where
 the artifact's MatMulNBits quantize activations (accuracy level 4) it is the rule of
-:func:`tfgraph.weights.judge_activations`, module by module.
+:func:`tfgraph.verify.activation_rule.judge_activations`, module by module.
 """
 
 from __future__ import annotations
@@ -27,11 +29,10 @@ from pathlib import Path
 import onnx_ir as ir
 
 from tfgraph import contract
+from tfgraph.errors import TfgraphError
 from tfgraph.passes.provenance import module_name
 from tfgraph.runtime.session import checked_model
-
-from .errors import TfgraphError
-from .parity import FP32, compare
+from tfgraph.verify.parity import FP32, compare
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,8 @@ RESULT_FILE = "parity.json"
 def load_artifact_source(directory: Path, *, trust_remote_code: bool = False):
     """(source, reference, report, manifest): the source ``report.json`` names and the eager
     reference parity uses (the dequantized weights of a quantized artifact)."""
-    from .sources import load_source
-    from .weights import reference_from_artifact
+    from tfgraph.precision.weights import reference_from_artifact
+    from tfgraph.sources import load_source
 
     report_file = directory / "report.json"
     if not report_file.is_file():
@@ -72,8 +73,8 @@ def load_artifact_source(directory: Path, *, trust_remote_code: bool = False):
 def recheck(directory: str | Path, *, trust_remote_code: bool = False, bisect_failures=True):
     """Parity of the artifact in ``directory`` on this machine; on failure the bisection.
     Writes ``parity.json`` beside it and returns what it holds."""
-    from .cache_parity import check_cache_parity
-    from .parity import PARITY_SHAPES, check_parity
+    from tfgraph.verify.cache_parity import check_cache_parity
+    from tfgraph.verify.parity import PARITY_SHAPES, check_parity
 
     directory = Path(directory)
     source, reference, report, manifest = load_artifact_source(
@@ -104,8 +105,7 @@ def engine_vs_onnxruntime(source, model_file: Path, shapes) -> dict:
     parity inputs (``polygraphy run --trt --onnxrt``'s comparison): one row per output and
     shape, fp32 tolerance, 10x looser for an fp16/bf16 engine."""
     from tfgraph.runtime import Session, open_runner
-
-    from .parity import FP32, Tolerance, compare
+    from tfgraph.verify.parity import FP32, Tolerance, compare
 
     engine = open_runner(model_file, runner="tensorrt")
     session = Session(model_file, providers=("cpu",))
@@ -131,8 +131,7 @@ def _prefill_rows(engine, session, source, batch, seq, seed, tolerance) -> list[
     import numpy as np
 
     from tfgraph.runtime import CachedDecoder
-
-    from .parity import compare
+    from tfgraph.verify.parity import compare
 
     decoders = [CachedDecoder(engine), CachedDecoder(session)]
     if decoders[1].seq2seq:
@@ -231,8 +230,9 @@ def bisect(source, model_file: Path, precision: str = "fp32", shape=(1, 7)) -> d
     """The first module (in eager finishing order) whose graph value leaves tolerance."""
     import torch
 
-    from .precision import TORCH_TYPES, island_feeds, judge, run_exposed
-    from .weights import activation_quantization_off, judge_activations, quantizes_activations
+    from tfgraph.precision.activations import activation_quantization_off, quantizes_activations
+    from tfgraph.precision.islands import TORCH_TYPES, island_feeds, judge, run_exposed
+    from tfgraph.verify.activation_rule import judge_activations
 
     model = ir.load(model_file)
     feeds = island_feeds(model, source, [shape])

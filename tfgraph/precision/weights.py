@@ -28,17 +28,16 @@ creation; measured).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import numpy as np
 import onnx_ir as ir
 
 from tfgraph import contract
-
-from .errors import TfgraphError
-from .passes.gemm_as_matmul import gemm_as_matmul
-from .passes.provenance import layer_name
+from tfgraph.errors import TfgraphError
+from tfgraph.passes.gemm_as_matmul import gemm_as_matmul
+from tfgraph.passes.provenance import layer_name
+from tfgraph.precision.activations import ActivationQuantizer
 
 logger = logging.getLogger(__name__)
 
@@ -328,149 +327,6 @@ def _write(module, param, array: np.ndarray) -> list:
     return held
 
 
-class ActivationQuantizer:
-    """The activation side of an accuracy-level-4 ``MatMulNBits`` in eager PyTorch: while the
-    module runs, the left operand of every ``linear`` / ``matmul`` / ``addmm`` whose weight is
-    one of the quantized parameters (matched by storage, so ``w.T`` and views count) is
-    replaced by its int8 fake-quantization per block along K: ``round(x / s) · s`` with
-    ``s = max|x| / 127`` over each block (a partial last block as if zero-padded)."""
-
-    def __init__(self, blocks: dict[int, int]):
-        self.blocks = blocks
-        self.enabled = True  # off: the reference without activation quantization
-
-    def install(self, module) -> None:
-        """Run ``module``'s forward calls under the quantizing mode."""
-        mode = self.mode()
-
-        def enter(_module, _args):
-            mode.__enter__()  # a pre-hook returning a value would replace the arguments
-
-        def leave(_module, _args, _output):
-            mode.__exit__(None, None, None)
-
-        module.register_forward_pre_hook(enter)
-        module.register_forward_hook(leave, always_call=True)
-
-    def mode(self):
-        import torch
-        import torch.nn.functional as F
-        from torch.overrides import TorchFunctionMode
-
-        blocks, quantizer = self.blocks, self
-        # function → (index of the activation, index of the weight) in its positional args
-        operands = {
-            F.linear: (0, 1),
-            torch.matmul: (0, 1),
-            torch.Tensor.matmul: (0, 1),
-            torch.Tensor.__matmul__: (0, 1),
-            torch.mm: (0, 1),
-            torch.bmm: (0, 1),
-            torch.addmm: (1, 2),
-        }
-
-        class Mode(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                where = operands.get(func)
-                if quantizer.enabled and where is not None and len(args) > where[1]:
-                    weight = args[where[1]]
-                    block = blocks.get(weight.untyped_storage().data_ptr())
-                    if block is not None:
-                        args = list(args)
-                        args[where[0]] = fake_quantize(args[where[0]], block)
-                return func(*args, **kwargs)
-
-        return Mode()
-
-
-ACTIVATION_FACTOR = 2.0
-
-
-def activation_rule() -> dict:
-    """The passing rule of an artifact whose kernels quantize activations, for reports."""
-    return {
-        "factor": ACTIVATION_FACTOR,
-        "rule": f"max|export - reference| <= {ACTIVATION_FACTOR:g} x max|reference without "
-        "activation quantization - reference| + the fp32 tolerance at the output's scale",
-    }
-
-
-def quantizes_activations(source) -> bool:
-    """Whether ``source`` is the eager reference of kernels that quantize activations."""
-    return hasattr(source.module, "_tfgraph_activation_quantizer")
-
-
-@contextlib.contextmanager
-def activation_quantization_off(source):
-    """Within: ``source``'s eager module computes without its activation quantization."""
-    quantizer = getattr(source.module, "_tfgraph_activation_quantizer", None)
-    if quantizer is None:
-        yield
-        return
-    quantizer.enabled = False
-    try:
-        yield
-    finally:
-        quantizer.enabled = True
-
-
-def without_activation_quantization(source, inputs: dict) -> dict | None:
-    """``source``'s eager outputs with its activation quantization off; None without one."""
-    if not quantizes_activations(source):
-        return None
-    with activation_quantization_off(source):
-        return source.eager(inputs)
-
-
-def judge_activations(got, want, plain, keep=None) -> dict:
-    """One output of an artifact whose MatMulNBits quantize activations (accuracy level 4)
-    against the reference that quantizes them alike (``want``) and the same reference without
-    that quantization (``plain``).
-
-    Rounding to int8 is discontinuous: fp32 noise of the order of 1e-7 in an activation flips
-    the rounding of an element that sits at a half step, and one flip moves the output by
-    about as much as the whole activation quantization does (measured: a perturbation of
-    1e-6 relative moved gpt2-tiny's logits by 0.13 where all of the activation quantization
-    moved them by 0.16). Exact parity is not to be had; the artifact passes when it is within
-    :data:`ACTIVATION_FACTOR` times the activation quantization's own effect (plus the fp32
-    tolerance): a wrong weight, scale or layer moves outputs by the weight quantization's
-    error or more, 20x that effect on the zoo's tiny presets."""
-    from .parity import FP32
-
-    got, want, plain = (np.asarray(a, np.float64) for a in (got, want, plain))
-    if keep is not None and got.shape[:2] == keep.shape and not keep.all():
-        got, want, plain = got[keep], want[keep], plain[keep]
-    if got.shape != want.shape:
-        return {"passed": False, "error": f"shape {got.shape} != eager {want.shape}"}
-    scale = float(np.abs(want).max()) if want.size else 0.0
-    err = float(np.abs(got - want).max()) if got.size else 0.0
-    effect = float(np.abs(plain - want).max()) if plain.size else 0.0
-    allowed = ACTIVATION_FACTOR * effect + FP32.atol + FP32.rtol * scale
-    finite = bool(np.isfinite(got).all())
-    return {
-        "max_abs_err": err,
-        "max_rel_err": err / scale if scale > 0 else err,
-        "activation_quant_err": effect,
-        "allowed": allowed,
-        "passed": finite and err <= allowed,
-    }
-
-
-def fake_quantize(x, block: int):
-    """``x`` quantized to int8 per block of ``block`` along its last axis and back."""
-    import torch
-
-    k = x.shape[-1]
-    pad = -k % block
-    padded = torch.nn.functional.pad(x, (0, pad)) if pad else x
-    blocked = padded.reshape(*padded.shape[:-1], -1, block)
-    scale = blocked.abs().amax(-1, keepdim=True) / 127
-    inverse = torch.where(scale != 0, 1 / torch.where(scale != 0, scale, 1), 0)
-    q = torch.round(blocked * inverse).clamp(-127, 127) * scale
-    return q.reshape(padded.shape)[..., :k].to(x.dtype)
-
-
 def _activation_blocks(nodes) -> dict[str, int]:
     """node name → its activation block, for the MatMulNBits nodes at accuracy level 4."""
     return {
@@ -504,42 +360,3 @@ def reference_from_artifact(source, model_file, parameters: list[dict]):
         shape = (node.attributes.get_int("K"), node.attributes.get_int("N"))
         matrices[name] = dequantize(node, model.graph.initializers, shape)
     return _place(source, parameters, matrices, _activation_blocks(nodes[n] for n in names))
-
-
-GREEDY_TOKENS = 64
-
-
-def quantization_error(source, reference, model_file, shapes) -> dict:
-    """How far the dequantized model is from the fp32 one: the largest logits difference on
-    the parity inputs, and for a cached artifact the greedy tokens of both eager models over
-    :data:`GREEDY_TOKENS` steps (how many agree, where they part)."""
-    name = source.output_names[0]
-    worst, scale = 0.0, 0.0
-    for i, (batch, seq) in enumerate(shapes):
-        inputs = source.inputs(batch, seq, seed=i)
-        want = source.eager(inputs)[name].float().numpy()
-        got = reference.eager(inputs)[name].float().numpy()
-        worst = max(worst, float(np.abs(got - want).max()))
-        scale = max(scale, float(np.abs(want).max()))
-    out = {"max_logits_err": worst, "max_logits_rel_err": worst / scale if scale else worst}
-    if model_file is None:
-        return out
-    from tfgraph.runtime import CachedDecoder, open_runner
-
-    from .generation_parity import eager_greedy, encoder_inputs
-
-    decoder = CachedDecoder(open_runner(model_file))
-    tokens = source.inputs(1, 8, seed=11)[decoder.token_input].numpy()
-    prompts = tokens.tolist()
-    steps = GREEDY_TOKENS
-    limit = source.info.get("max_positions")
-    if limit:
-        steps = min(steps, limit - (1 if decoder.seq2seq else tokens.shape[1]))
-    extra = encoder_inputs(decoder, prompts) if decoder.seq2seq else {}
-    fp32, _ = eager_greedy(source, decoder, prompts, extra, steps)
-    deq, _ = eager_greedy(reference, decoder, prompts, extra, steps)
-    same = [a == b for a, b in zip(fp32[0], deq[0], strict=True)]
-    out["greedy_tokens"] = steps
-    out["greedy_agreement"] = sum(same)
-    out["greedy_first_difference"] = same.index(False) if False in same else None
-    return out

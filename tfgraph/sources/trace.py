@@ -18,13 +18,12 @@ import onnx_ir.passes.common as common
 import torch
 from onnxscript import rewriter
 
+from tfgraph import contract
+from tfgraph import onnxscript_private as private
+from tfgraph.errors import TfgraphError, first_line
+from tfgraph.passes.exact_no_op import exact
 from tfgraph.passes.provenance import module_name  # noqa: F401  (re-exported)
-
-from . import contract
-from . import onnxscript_private as private
-from .errors import TfgraphError, first_line
-from .exact_no_op import exact
-from .sources import ModelSource
+from tfgraph.sources.model import ModelSource
 
 logger = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@
   cannot hide or fake an error); each step's logits against eager full recompute of the whole
   prefix. Batch 2.
 
-Both use :func:`tfgraph.parity.compare` and the same tolerance as the uncached parity. A cached
-graph is causal, so positions before a row's first token (left padding) are not compared
-(:func:`tfgraph.parity.defined_positions`).
+Both use :func:`tfgraph.verify.parity.compare` and the same tolerance as the uncached
+parity. A cached graph is causal, so positions before a row's first token (left padding)
+are not compared (:func:`tfgraph.verify.parity.defined_positions`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from tfgraph.runtime import CachedDecoder, open_runner
-
-from .parity import (
+from tfgraph.sources import ModelSource
+from tfgraph.verify.parity import (
     BRACKET_KEYS,
     FP32,
     PARITY_SHAPES,
@@ -33,7 +33,6 @@ from .parity import (
     eager_outputs,
     runner_info,
 )
-from .sources import ModelSource
 
 logger = logging.getLogger(__name__)
 
@@ -161,10 +160,9 @@ def greedy_in_precision(source: ModelSource, decoder: CachedDecoder, precision: 
     Reported, not judged: a random model's near ties decide tokens in fp16."""
     import dataclasses
 
+    from tfgraph.precision.islands import TORCH_TYPES
     from tfgraph.runtime import GenerationConfig, generate
-
-    from .generation_parity import eager_greedy, encoder_inputs
-    from .precision import TORCH_TYPES
+    from tfgraph.verify.generation_parity import eager_greedy, encoder_inputs
 
     ids = source.inputs(2, 6, seed=seed + 13)[decoder.token_input].numpy()
     prompts = [ids[0].tolist(), ids[1, :3].tolist()]

@@ -120,7 +120,7 @@ def _float_values(model: ir.Model) -> list[str]:
 def run_exposed(model: ir.Model, names: list[str], feeds: list[dict]) -> list[dict]:
     """Run a copy of ``model`` with ``names`` (node outputs) exposed as graph outputs; one
     ``{name: array}`` per feed."""
-    from .pipeline import run_in_ort
+    from tfgraph.compile.pipeline import run_in_ort
 
     exposed = copy_model(model)
     present = {v.name for v in exposed.graph.outputs}
@@ -438,7 +438,7 @@ def apply_precision(
 
 def check_precision(precision: str, keep_io_types: bool, target) -> None:
     """Refuse a precision the target cannot take, with what it can."""
-    from .errors import TfgraphError
+    from tfgraph.errors import TfgraphError
 
     if precision not in PRECISIONS:
         raise TfgraphError(

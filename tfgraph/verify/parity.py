@@ -13,31 +13,16 @@ eager attention averages over the pads, a fused kernel may return anything finit
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from tfgraph.runtime import Runner, open_runner
-
-from .sources import ModelSource
+from tfgraph.sources.model import ModelSource
+from tfgraph.verify.tolerance import FP32, PARITY_SHAPES, Tolerance
 
 logger = logging.getLogger(__name__)
-
-PARITY_SHAPES = ((1, 7), (2, 33))  # (batch, sequence)
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    atol: float = 1e-4
-    rtol: float = 1e-3
-
-    def as_dict(self) -> dict:
-        return {"atol": self.atol, "rtol": self.rtol}
-
-
-FP32 = Tolerance()
 
 
 def defined_positions(mask: np.ndarray | None, start: int = 0) -> np.ndarray | None:
@@ -97,15 +82,16 @@ def compare_in(
     keep: np.ndarray | None = None,
 ) -> dict:
     """An output of an export in ``precision`` (fp16, bf16) against fp32 eager (``want``) and
-    eager in that precision (``want_low``): :func:`tfgraph.precision.judge`'s rule, in the row
-    format of :func:`compare`. In fp32 ``want_low`` is the reference without its activation
-    quantization (:func:`eager_outputs`), judged by :func:`tfgraph.weights.judge_activations`."""
+    eager in that precision (``want_low``): :func:`tfgraph.precision.islands.judge`'s rule,
+    in the row format of :func:`compare`. In fp32 ``want_low`` is the reference without its
+    activation quantization (:func:`eager_outputs`), judged by
+    :func:`tfgraph.verify.activation_rule.judge_activations`."""
     if precision == "fp32":
-        from .weights import activation_rule, judge_activations
+        from tfgraph.verify.activation_rule import activation_rule, judge_activations
 
         row = judge_activations(got, want, want_low, keep)
         return {"name": name, "tolerance": activation_rule(), **row}
-    from .precision import judge, rule
+    from tfgraph.precision.islands import judge, rule
 
     row = judge(got, want, want_low, precision, keep)
     return {"name": name, "tolerance": rule(precision), **row}
@@ -117,13 +103,13 @@ def eager_outputs(source: ModelSource, inputs: dict, precision: str) -> tuple[di
     gives, in fp32, its outputs without that quantization in place of the second."""
     want = {n: v.float().numpy() for n, v in source.eager(inputs).items()}
     if precision == "fp32":
-        from .weights import without_activation_quantization
+        from tfgraph.precision.activations import without_activation_quantization
 
         plain = without_activation_quantization(source, inputs)
         if plain is None:
             return want, None
         return want, {n: v.float().numpy() for n, v in plain.items()}
-    from .precision import TORCH_TYPES
+    from tfgraph.precision.islands import TORCH_TYPES
 
     low = source.eager_in(inputs, TORCH_TYPES[precision])
     return want, {n: v.float().numpy() for n, v in low.items()}

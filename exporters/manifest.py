@@ -14,13 +14,13 @@ import platform
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import ARTIFACT_FORMAT, __version__, contract
-from .errors import TfgraphError
+from tfgraph import ARTIFACT_FORMAT, __version__, contract
+from tfgraph.errors import TfgraphError
 
 if TYPE_CHECKING:
     import onnx_ir as ir
 
-    from .targets import Target
+    from tfgraph.targets import Target
 
 MANIFEST_FILE = "manifest.json"
 

@@ -1,0 +1,31 @@
+"""Feeds for evaluating a mask or bias subgraph: every symbolic dimension given a distinct size
+(``batch`` the batch), masks all ones (the last position zero with ``pad``), other inputs
+filled with one token."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+
+def probe_feeds(graph: onnx.GraphProto, size: int, pad: bool, masks, token=0, batch=2) -> dict:
+    dims: dict[str, int] = {}
+    feeds = {}
+    for inp in graph.input:
+        shape = []
+        for d in inp.type.tensor_type.shape.dim:
+            if d.dim_param:
+                if d.dim_param not in dims:
+                    dims[d.dim_param] = batch if d.dim_param == "batch" else size + 2 * len(dims)
+                shape.append(dims[d.dim_param])
+            else:
+                shape.append(d.dim_value)
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(inp.type.tensor_type.elem_type)
+        if inp.name in masks:
+            value = np.ones(shape, dtype=dtype)
+            if pad and value.ndim >= 2:  # (B, S), or a 4-D mask fed as is (ONNX attn_mask)
+                value[(-1,) * value.ndim] = 0
+        else:
+            value = np.full(shape, token, dtype=dtype)
+        feeds[inp.name] = value
+    return feeds

@@ -1,0 +1,226 @@
+"""The module structure: no import circles anywhere in the project, and the layering rule of
+docs/architecture.md — which stage may import which — read off every import statement
+(function-level ones included) of every module the distribution installs."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# installed package → its directory (pyproject.toml's package-dir)
+PACKAGES = {
+    "tfgraph": "tfgraph",
+    "tfgraph.passes": "passes",
+    "tfgraph.exporters": "exporters",
+    "tfgraph.runtime": "runtime",
+    "tfgraph.models": "models",
+    "tfgraph.bench": "bench",
+}
+
+# module prefix → stage (the longest prefix wins)
+STAGE_OF = {
+    "tfgraph": "core",  # the package itself: version, lazy names
+    "tfgraph.errors": "core",
+    "tfgraph.contract": "core",
+    "tfgraph.onnxscript_private": "core",
+    "tfgraph.models": "models",
+    "tfgraph.passes": "passes",
+    "tfgraph.targets": "targets",
+    "tfgraph.compile": "compile",
+    "tfgraph.exporters": "artifact",
+    "tfgraph.runtime": "runtime",
+    "tfgraph.sources": "sources",
+    "tfgraph.precision": "precision",
+    "tfgraph.verify": "verify",
+    "tfgraph.options": "export",
+    "tfgraph.exporting": "export",
+    "tfgraph.serving": "serving",
+    "tfgraph.tools": "tools",
+    "tfgraph.bench": "bench",
+    "tfgraph.cli": "cli",
+    "tfgraph.__main__": "cli",
+}
+
+# stage → the stages it may import (besides itself and core). The order of the pipeline:
+# graph stages (passes, targets, compile, artifact, runtime) know no torch and no source;
+# sources know the models; precision and verify work on sources and graphs; export composes
+# the stages; tools, serving, bench and the CLI sit on top.
+MAY_IMPORT = {
+    "core": set(),
+    "models": set(),
+    "passes": set(),
+    "targets": {"passes"},
+    "compile": {"passes", "targets"},
+    "artifact": {"passes", "targets", "compile"},
+    "runtime": {"targets", "artifact"},
+    "sources": {"models", "passes"},
+    "precision": {"passes", "targets", "compile", "sources"},
+    "verify": {"passes", "targets", "compile", "artifact", "runtime", "sources", "precision"},
+    "export": {"passes", "targets", "compile", "artifact", "sources", "precision", "verify"},
+    "serving": {"artifact", "runtime"},
+    "tools": {"models", "targets", "compile", "runtime", "sources", "verify", "export"},
+    "bench": {
+        "models",
+        "passes",
+        "targets",
+        "compile",
+        "artifact",
+        "runtime",
+        "sources",
+        "precision",
+        "verify",
+        "export",
+        "serving",
+    },  # fmt: skip
+    "cli": set(STAGE_OF.values()),
+}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package, directory in PACKAGES.items():
+        for path in (ROOT / directory).rglob("*.py"):
+            rel = path.relative_to(ROOT / directory).with_suffix("").parts
+            parts = [p for p in rel if p != "__init__"]
+            name = ".".join([package, *parts])
+            if package == "tfgraph" and any(
+                name == p or name.startswith(p + ".") for p in PACKAGES if p != "tfgraph"
+            ):
+                continue  # a directory of another package's name would shadow it
+            found[name] = path
+    return found
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node but those under ``if TYPE_CHECKING:`` (annotations only, never imported)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            test = getattr(child, "test", None) if isinstance(child, ast.If) else None
+            if test is not None and "TYPE_CHECKING" in ast.unparse(test):
+                stack.extend(child.orelse)
+                continue
+            stack.append(child)
+
+
+def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """module → the project modules it imports (the most specific module each names)."""
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        targets: set[str] = set()
+        for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                named = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                named = [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            for target in named:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target:  # `from pkg import name`: pkg.name when a module, else pkg
+                    targets.add(target)
+        targets.discard(name)
+        edges[name] = targets
+    return edges
+
+
+def _stage(module: str) -> str:
+    best = max((p for p in STAGE_OF if module == p or module.startswith(p + ".")), key=len)
+    return STAGE_OF[best]
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _without_package_inits(edges: dict[str, set[str]], modules) -> dict[str, set[str]]:
+    """Edges into a package's ``__init__`` from its own submodules dropped: Python imports a
+    package before its submodules whatever the code says, so those are not circles of ours."""
+    return {
+        m: {t for t in ts if not (modules[t].name == "__init__.py" and m.startswith(t + "."))}
+        for m, ts in edges.items()
+    }
+
+
+def test_the_module_graph_is_read():
+    """The reader sees the imports that matter (so the tests below can fail)."""
+    modules = _modules()
+    edges = _imports(modules)
+    assert len(modules) > 100
+    assert "tfgraph.verify.parity" in edges["tfgraph.verify.cache_parity"]
+    assert "tfgraph.sources.huggingface" in edges["tfgraph.sources.loading"]  # function-level
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_circles():
+    modules = _modules()
+    circles = _circles(_without_package_inits(_imports(modules), modules))
+    assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
+
+
+def test_stages_import_only_the_stages_below_them():
+    modules = _modules()
+    wrong = []
+    for module, targets in _imports(modules).items():
+        stage = _stage(module)
+        for target in sorted(targets):
+            other = _stage(target)
+            if other not in (stage, "core") and other not in MAY_IMPORT[stage]:
+                wrong.append(f"{module} ({stage}) imports {target} ({other})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_stage_rule_has_no_circle():
+    rule = {s: {t for t in ts if t != s} for s, ts in MAY_IMPORT.items()}
+    rule["cli"] = set()  # the top: it imports everything and nothing imports it
+    assert not _circles(rule)
+
+
+def test_no_long_files_in_the_package():
+    """tfgraph/ keeps its modules small (docs/architecture.md): none over 500 lines."""
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in (ROOT / "tfgraph").rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 500
+    }
+    assert not long, long

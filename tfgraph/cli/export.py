@@ -1,0 +1,167 @@
+"""``tfgraph export MODEL -o DIR``: trace, optimize, export to ONNX and check parity."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tfgraph.cli.output import (
+    print_compatibility,
+    print_fusions,
+    print_parity,
+    print_precision,
+    print_weights,
+    progress,
+    table,
+)
+
+EXPORT_STEPS = ("load", "trace", "passes", "save", "parity")
+
+
+def add_parser(sub):
+    from tfgraph.passes import PIPELINES
+    from tfgraph.targets import target_names
+
+    p = sub.add_parser("export", help="trace, optimize, export to ONNX and check parity")
+    p.add_argument("model", help="preset name, package.module:function, or a HF model directory")
+    p.add_argument("-o", "--output", required=True, type=Path, help="artifact directory")
+    p.add_argument("--pipeline", default="default", choices=list(PIPELINES))
+    p.add_argument(
+        "--profile",
+        "--target",
+        dest="profile",
+        default="ort",
+        metavar="TARGET",
+        help=f"target backend: {', '.join(target_names())}, or tensorrt@X.Y "
+        "(python -m tfgraph targets lists them; default: ort)",
+    )
+    p.add_argument(
+        "--opset", type=int, help="default-domain opset (default: the target's; 20 for ort)"
+    )
+    p.add_argument(
+        "--check-each-pass",
+        action="store_true",
+        help="run the ONNX checker and shape inference after every pass",
+    )
+    p.add_argument(
+        "--external-data",
+        action="store_true",
+        help="store weights in model.onnx.data (automatic past 2 GB)",
+    )
+    p.add_argument(
+        "--dump-after",
+        metavar="PASS",
+        help="also save the graph after pass PASS as after_PASS.onnx in the artifact",
+    )
+    p.add_argument("--atol", type=float, default=1e-4, help="parity: absolute tolerance")
+    p.add_argument("--rtol", type=float, default=1e-3, help="parity: relative tolerance")
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "fp16", "bf16"],
+        default="fp32",
+        help="the graph's float type; fp32 islands are kept where measured values need them "
+        "(targets list what they take: `tfgraph targets`)",
+    )
+    p.add_argument(
+        "--weights",
+        choices=["int8", "int4"],
+        help="weight-only quantization of MatMul weights (MatMulNBits, ort targets); parity "
+        "then runs against eager with the same dequantized weights",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=32,
+        help="--weights: rows of K per scale (a power of two >= 16; default 32)",
+    )
+    p.add_argument(
+        "--accuracy-level",
+        type=int,
+        choices=[0, 4],
+        help="--weights: MatMulNBits accuracy level. 4 (default on the CPU): activations "
+        "quantized to int8 per block, the fast kernel, and the eager reference quantizes them "
+        "alike; 0: fp32 activations",
+    )
+    p.add_argument(
+        "--symmetric", action="store_true", help="--weights: no zero points (default asymmetric)"
+    )
+    p.add_argument(
+        "--no-quantize-lm-head",
+        action="store_true",
+        help="--weights: keep the LM head in fp32 (embeddings always stay fp32)",
+    )
+    p.add_argument(
+        "--keep-io-types",
+        action="store_true",
+        help="with --precision fp16/bf16: fp32 inputs and outputs (cast at the graph's edge)",
+    )
+    p.add_argument(
+        "--attn-implementation",
+        choices=["eager", "sdpa"],
+        help="Hugging Face directories: attention implementation to load (default: the "
+        "library's; falls back to eager if the default does not trace)",
+    )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow a model directory's own Python code to run",
+    )
+    p.add_argument(
+        "--kv-cache",
+        action="store_true",
+        help="decoders: add past/present KV inputs and outputs (for `generate`); parity then "
+        "checks prefill and decode steps",
+    )
+    p.set_defaults(func=run)
+
+
+def options_from_args(args):
+    """The ``ExportOptions`` the command line asks for (parity shapes: the default)."""
+    from tfgraph.options import ExportOptions
+    from tfgraph.verify.tolerance import Tolerance
+
+    return ExportOptions(
+        pipeline=args.pipeline,
+        target=args.profile,
+        opset=args.opset,
+        check_each_pass=args.check_each_pass,
+        external_data=True if args.external_data else None,
+        tolerance=Tolerance(args.atol, args.rtol),
+        trust_remote_code=args.trust_remote_code,
+        attn_implementation=args.attn_implementation,
+        dump_after=args.dump_after,
+        kv_cache=args.kv_cache,
+        precision=args.precision,
+        keep_io_types=args.keep_io_types,
+        weights=args.weights,
+        block_size=args.block_size,
+        symmetric=args.symmetric,
+        quantize_lm_head=not args.no_quantize_lm_head,
+        accuracy_level=args.accuracy_level,
+    )
+
+
+def run(args) -> int:
+    from tfgraph.exporting import export
+
+    steps = len(EXPORT_STEPS) + (args.precision != "fp32") + 2 * (args.weights is not None)
+    result = export(args.model, args.output, options_from_args(args), progress=progress(steps))
+    report = result.report
+    if args.verbose:
+        rows = [
+            [p["name"], f"{p['seconds'] * 1000:.1f} ms", str(p["modified"])]
+            for p in report["passes"]
+        ]
+        print(table(rows, ["pass", "time", "modified"]))
+        print()
+    files = [*result.manifest["files"], "manifest.json", "report.json"]
+    print(f"wrote {result.out_dir}/ ({', '.join(files)})")
+    print_fusions(report["fusions"], verbose=args.verbose)
+    print_precision(report.get("precision") or {}, verbose=args.verbose)
+    print_weights(report.get("weights"), verbose=args.verbose)
+    print_compatibility(report.get("compatibility") or [], report["target"], args.verbose)
+    print_parity(report["parity"], cached=bool(report.get("kv_cache")))
+    if not result.passed:
+        print(f"error: parity failed; see {result.out_dir / 'report.json'}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,96 @@
+"""``tfgraph generate PATH``: generate tokens with a KV-cached artifact."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from tfgraph.cli.run import load_inputs, parse_ids
+from tfgraph.errors import TfgraphError
+
+
+def add_parser(sub):
+    p = sub.add_parser("generate", help="generate tokens with a KV-cached artifact")
+    p.add_argument("path", help="artifact directory exported with --kv-cache")
+    p.add_argument(
+        "--input-ids",
+        action="append",
+        help='prompt token ids, e.g. "1 2 3"; repeat for a batch (left-padded)',
+    )
+    p.add_argument("--text", action="append", help="prompt text (the artifact's tokenizer)")
+    p.add_argument(
+        "--inputs",
+        metavar="FILE.npz",
+        help="encoder inputs that are not token ids (a speech model's input_features), by name",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--do-sample", action="store_true", help="sample instead of greedy")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0: off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--eos-token-id", type=int, default=None)
+    p.add_argument("--pad-token-id", type=int, default=0)
+    p.add_argument(
+        "--decoder-start-token-id",
+        type=int,
+        default=0,
+        help="encoder-decoder models: the first decoder token",
+    )
+    p.add_argument("--provider", action="append", default=None, help="cpu (default) or cuda")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from tfgraph.runtime import CachedDecoder, GenerationConfig, generate, open_runner
+
+    decoder = CachedDecoder(open_runner(args.path, providers=args.provider))
+    tokenizer = None
+    if args.text is not None:
+        from tfgraph.runtime.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(args.path)
+        prompts = [tokenizer(t)["input_ids"] for t in args.text]
+    elif args.input_ids:
+        prompts = [parse_ids(t, "--input-ids") for t in args.input_ids]
+    elif args.inputs and decoder.seq2seq:  # a speech encoder-decoder: features feed the encoder
+        prompts = []
+    else:
+        raise TfgraphError('give a prompt: --input-ids "1 2 3" (or --text with a tokenizer)')
+    extra = load_inputs(args.inputs, decoder.session.signature, decoder.encoder)
+    if decoder.seq2seq and not prompts:
+        batch = next(iter(extra.values())).shape[0]
+        prompts = [[args.decoder_start_token_id]] * batch
+    elif decoder.seq2seq:  # encoder-decoder: prompts feed the encoder
+        from tfgraph.runtime.generate import seq2seq_prompts
+
+        prompts, feeds = seq2seq_prompts(
+            decoder, prompts, args.pad_token_id, args.decoder_start_token_id
+        )
+        extra = {**extra, **feeds}
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_token_id=args.eos_token_id,
+        pad_token_id=args.pad_token_id,
+    )
+    start = time.perf_counter()
+
+    def progress(done: int) -> None:
+        if done % 16 == 0 or done == args.max_new_tokens:
+            print(f"[{done}/{args.max_new_tokens}] tokens …", file=sys.stderr, flush=True)
+
+    result = generate(decoder, prompts, config, extra=extra, progress=progress)
+    seconds = time.perf_counter() - start
+    for row, tokens in enumerate(result.tokens):
+        text = " ".join(map(str, tokens))
+        if tokenizer is not None:
+            text = tokenizer.decode(tokens)
+        print(f"[{row}] {text}")
+    total = sum(len(t) for t in result.tokens)
+    print(f"{total} tokens in {seconds:.2f} s ({total / seconds:.1f} tokens/s)", file=sys.stderr)
+    return 0

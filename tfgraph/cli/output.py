@@ -1,0 +1,163 @@
+"""What more than one command prints: tables, step progress, and the export report's sections
+(parity, precision, weights, fusions, target compatibility)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)).rstrip()  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def progress(total: int):
+    start = time.perf_counter()
+    seen: list[str] = []
+
+    def report(step: str) -> None:
+        seen.append(step)
+        print(
+            f"[{len(seen)}/{total}] {step} … ({time.perf_counter() - start:.1f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return report
+
+
+def print_parity(parity: dict, *, cached: bool) -> None:
+    rows = [
+        [
+            o["name"],
+            f"{o['max_abs_err']:.3g}",
+            f"{o['max_rel_err']:.3g}",
+            _tolerance_text(o),
+            "pass" if o["passed"] else "FAIL",
+        ]
+        for o in parity["outputs"]
+    ]
+    shapes = ", ".join(f"{b}x{s}" for b, s in parity["shapes"])
+    print(f"parity vs eager PyTorch (batch x seq: {shapes}):")
+    print(table(rows, ["output", "max abs err", "max rel err", "tolerance", "result"]))
+    if cached:
+        rows = [
+            [
+                phase,
+                str(parity[phase]["cases"]),
+                f"{parity[phase]['max_abs_err']:.3g}",
+                "pass" if parity[phase]["passed"] else "FAIL",
+            ]
+            for phase in ("prefill", "decode")
+        ]
+        print(f"KV cache: prefill (empty past) and {parity['decode_steps']} decode steps:")
+        print(table(rows, ["phase", "cases", "max abs err", "result"]))
+        greedy = parity.get("greedy")
+        if greedy:
+            low = next(k for k in greedy if k.startswith("equal_to_") and "fp32" not in k)
+            print(
+                f"greedy {greedy['steps']} tokens x 2 prompts: {greedy['equal_to_fp32_eager']}/"
+                f"{greedy['tokens']} equal to fp32 eager, {greedy[low]}/{greedy['tokens']} to "
+                f"{low.split('_')[2]} eager (reported, not judged: near ties)"
+            )
+
+
+def _tolerance_text(row: dict) -> str:
+    tol = row["tolerance"]
+    if "atol" in tol:
+        return f"atol {tol['atol']:g} rtol {tol['rtol']:g}"
+    if "activation_quant_err" in row:
+        return f"{tol['factor']:g} x act. quant err {row['activation_quant_err']:.3g} + fp32 tol"
+    eager = row.get("eager_low_err", float("nan"))
+    if eager == float("inf"):
+        return f"eager {tol['precision']} overflows: within 1e-2 of scale"
+    return f"{tol['factor']:g} x eager {tol['precision']} err {eager:.3g} + {tol['floor_ulps']} ulp"
+
+
+def print_precision(precision: dict, *, verbose: bool) -> None:
+    """The fp32 islands of a low-precision export, and where the model leaves fp16."""
+    if precision.get("precision", "fp32") == "fp32":
+        return
+    islands = precision["islands"]
+    print(
+        f"precision {precision['precision']}: {len(islands)} node(s) kept in fp32"
+        + (" (inputs/outputs fp32)" if precision.get("keep_io_types") else "")
+    )
+    overflow = precision.get("first_overflow")
+    if overflow:
+        what = (
+            "overflows fp16 (max 65504)"
+            if overflow["max_abs"] > 65504
+            else (f"leaves fp16's headroom (|x| > {precision['overflow_limit']:.5g})")
+        )
+        print(
+            f"  {what} first at {overflow['module'] or '<top level>'}: {overflow['value']} "
+            f"reaches {overflow['max_abs']:.4g}; kept in fp32 there"
+        )
+    shown = islands if verbose else islands[:5]
+    for island in shown:
+        print(f"  fp32 {island['op']} in {island['module'] or '<top level>'}: {island['reason']}")
+    if len(islands) > len(shown):
+        print(f"  … {len(islands) - len(shown)} more (-v lists all)")
+    for stray in precision.get("unresolved", []):
+        where = stray["module"] or "<top level>"
+        print(f"  still off in {where}: {stray['value']} strays {stray['error']:.3g}")
+
+
+def print_weights(weights: dict | None, *, verbose: bool) -> None:
+    """What ``--weights`` quantized, the bytes, and how far it moved the fp32 model."""
+    if not weights:
+        return
+    kind = "symmetric" if weights["symmetric"] else "asymmetric"
+    before, after = (weights[k] / (1 << 20) for k in ("weight_bytes_before", "weight_bytes_after"))
+    print(
+        f"weights {weights['weights']} (block {weights['block_size']}, {kind}, accuracy level "
+        f"{weights.get('accuracy_level', 0)}): "
+        f"{len(weights['quantized'])} MatMul weights in MatMulNBits, "
+        f"{before:.2f} -> {after:.2f} MiB"
+    )
+    shown = weights["unquantized"] if verbose else weights["unquantized"][:3]
+    for row in shown:
+        print(f"  kept {row.get('module') or row.get('node')}: {row['reason']}")
+    error = weights.get("error_vs_fp32") or {}
+    if error:
+        line = f"  vs the fp32 model: max logits err {error['max_logits_err']:.3g}"
+        if "greedy_tokens" in error:
+            line += f", greedy tokens {error['greedy_agreement']}/{error['greedy_tokens']} equal"
+        print(line)
+
+
+def print_fusions(fusions: dict, *, verbose: bool) -> None:
+    rows = [[k, f"{v['fused']}/{v['total']}", str(len(v["missed"]))] for k, v in fusions.items()]
+    print(table(rows, ["fusion", "fused/total", "missed"]))
+    if not any(v["total"] or v["missed"] for v in fusions.values()):
+        print("  no attention, norm or GELU candidates found: nothing to fuse (not a transformer?)")
+    for kind, v in fusions.items():
+        shown = v["missed"] if verbose else v["missed"][:3]
+        for miss in shown:
+            label = "excluded" if miss.get("excluded") else "missed"
+            print(f"  {label} {kind} in {miss['module'] or '<top level>'}: {miss['reason']}")
+        if len(v["missed"]) > len(shown):
+            print(f"  … {len(v['missed']) - len(shown)} more {kind} misses (-v lists all)")
+
+
+def print_compatibility(findings: list[dict], target: dict, verbose: bool) -> None:
+    """A target's static check of the graph (TensorRT's parser): counts, then the findings."""
+    if not findings:
+        return
+    label = target.get("label") or target.get("name")
+    errors = sum(f["severity"] == "error" for f in findings)
+    print(
+        f"{label} compatibility: {errors} node(s) its parser refuses, "
+        f"{len(findings) - errors} unverified"
+    )
+    shown = findings if verbose else findings[:8]
+    rows = [
+        [f["severity"], f["op"], f["module"] or f["node"] or "-", f["reason"], f["fix"]]
+        for f in shown
+    ]
+    print(table(rows, ["severity", "op", "module", "reason", "what to do"]))
+    if len(findings) > len(shown):
+        print(f"  … {len(findings) - len(shown)} more (-v lists all)")

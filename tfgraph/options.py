@@ -1,0 +1,91 @@
+"""``ExportOptions``: everything ``export`` is asked for, in one frozen object.
+
+The CLI builds the same object from its flags (``tfgraph.cli.export.options_from_args``);
+:func:`tfgraph.export` takes it or the same fields as keyword arguments. :meth:`resolved`
+checks the choices against the target before any slow work and fills in the target's
+defaults (its opset, its MatMulNBits accuracy level).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from tfgraph.errors import TfgraphError
+from tfgraph.precision.weights import DEFAULT_BLOCK_SIZE, check_weights
+from tfgraph.targets import Target, get_target
+from tfgraph.verify.tolerance import FP32, PARITY_SHAPES, Tolerance
+
+MIN_OPSET = 18  # torch.onnx's dynamo exporter emits nothing older
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """What to export and how. ``target``: a :class:`tfgraph.targets.Target` or a registered
+    name (``ort``, ``onnx``, ``tensorrt@10.14``). ``precision`` (``fp16``, ``bf16``): the
+    graph's floats outside the fp32 islands measured on the parity inputs, fp32 inputs and
+    outputs with ``keep_io_types``. ``weights`` (``int8``, ``int4``): MatMul weights
+    block-wise in ``MatMulNBits``; ``accuracy_level`` (4 quantizes activations per block, 0
+    keeps them fp32; ``None``: the target's default)."""
+
+    pipeline: str = "default"
+    target: str | Target = "ort"
+    opset: int | None = None  # None: the target's
+    check_each_pass: bool = False
+    external_data: bool | None = None  # None: automatic past 2 GB
+    parity_shapes: tuple = PARITY_SHAPES
+    tolerance: Tolerance = FP32
+    trust_remote_code: bool = False
+    attn_implementation: str | None = None
+    dump_after: str | None = None
+    kv_cache: bool = False
+    precision: str = "fp32"
+    keep_io_types: bool = False
+    weights: str | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    symmetric: bool = False
+    quantize_lm_head: bool = True
+    accuracy_level: int | None = None
+
+    @classmethod
+    def of(cls, options: ExportOptions | None, fields: dict) -> ExportOptions:
+        """``options`` with ``fields`` replaced (``profile`` is the old name of ``target``;
+        ``target`` wins when both are given)."""
+        fields = dict(fields)
+        profile = fields.pop("profile", None)
+        if fields.get("target") is None:
+            fields.pop("target", None)
+            if profile is not None:
+                fields["target"] = profile
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise TypeError(f"export() got unexpected keyword arguments: {', '.join(unknown)}")
+        return dataclasses.replace(options or cls(), **fields)
+
+    @property
+    def target_object(self) -> Target:
+        return get_target(self.target)
+
+    def resolved(self) -> ExportOptions:
+        """These options checked against their target, with its defaults filled in: the
+        target as a :class:`Target`, the opset, the accuracy level."""
+        from tfgraph.precision.islands import check_precision
+
+        target = self.target_object
+        check_precision(self.precision, self.keep_io_types, target)
+        level = check_weights(self.weights, self.block_size, target, self.accuracy_level)
+        opset = target.opset if self.opset is None else self.opset
+        check_opset(opset)
+        return dataclasses.replace(self, target=target, accuracy_level=level, opset=opset)
+
+
+def check_opset(opset: int) -> None:
+    """Refuse an opset the exporter cannot write (instead of a silent conversion)."""
+    import onnx
+
+    newest = onnx.defs.onnx_opset_version()
+    if not MIN_OPSET <= opset <= newest:
+        raise TfgraphError(
+            f"--opset {opset} is not supported: choose {MIN_OPSET} to {newest} "
+            f"(torch.onnx's exporter starts at {MIN_OPSET}; this onnx knows up to {newest})"
+        )

@@ -1,0 +1,45 @@
+"""The precision and weights stages of ``export``, after the fp32 pipeline: the graph's floats
+in fp16/bf16 outside the measured fp32 islands, MatMul weights in int4/int8 with the eager
+reference that computes as the quantized kernels do. Each appends its record to the pass
+list and checks the graph it leaves."""
+
+from __future__ import annotations
+
+import time
+
+from tfgraph.compile.pipeline import PassRecord, check_model
+from tfgraph.precision.islands import apply_precision
+from tfgraph.precision.weights import dequantized_source, quantize
+
+
+def convert_precision(graph, source, options, shapes, records: list[PassRecord]) -> dict:
+    """Convert ``graph`` in place to ``options.precision``; what the report says of it."""
+    start = time.perf_counter()
+    report = apply_precision(
+        graph, source, options.precision, keep_io_types=options.keep_io_types, shapes=shapes
+    )
+    seconds = round(time.perf_counter() - start, 3)
+    check_model(graph, "ConvertPrecisionPass", options.target)
+    records.append(PassRecord("ConvertPrecisionPass", seconds, True))
+    return report
+
+
+def quantize_weights(graph, source, options, records: list[PassRecord]) -> tuple:
+    """(the graph with ``MatMulNBits`` weights, what the report says of them, the eager
+    reference: ``source`` with the dequantized weights, quantizing activations where the
+    kernels do)."""
+    start = time.perf_counter()
+    graph, report = quantize(
+        graph,
+        options.weights,
+        block_size=options.block_size,
+        symmetric=options.symmetric,
+        lm_head=options.quantize_lm_head,
+        accuracy_level=options.accuracy_level,
+    )
+    seconds = round(time.perf_counter() - start, 3)
+    check_model(graph, "MatMulNBitsQuantizer", options.target)
+    records.append(PassRecord("MatMulNBitsQuantizer", seconds, True))
+    reference, placed = dequantized_source(source, report.pop("_dequantized"), graph)
+    report["parameters"] = placed
+    return graph, report, reference

@@ -1,0 +1,164 @@
+"""The coverage matrix's token check: a decoder's KV-cached export, greedy, against Hugging
+Face.
+
+:func:`greedy_vs_hf` generates :data:`NEW_TOKENS` greedy tokens for the two left-padded
+:data:`PROMPTS` with :func:`tfgraph.runtime.generate` on the cached artifact and compares
+them with Hugging Face ``model.generate`` under a plain greedy config (no processors), or with
+eager greedy decoding by full recompute where ``generate`` post-processes (Whisper) or fails
+(Dory, Pop2Piano). :mod:`tfgraph.tools.coverage` measures each row with it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+NEW_TOKENS = 32
+PROMPTS = ([5, 17, 42], [7, 3, 99, 150, 23, 11, 64])
+
+
+def greedy_vs_hf(work: Path, model, kind: str) -> dict:
+    import numpy as np
+    import torch
+    import transformers
+
+    from tfgraph.errors import first_line
+    from tfgraph.runtime import CachedDecoder, GenerationConfig, Session, generate
+    from tfgraph.runtime.generate import left_pad
+
+    decoder = CachedDecoder(Session(work / "cached"))
+    hf_config = transformers.GenerationConfig(
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        num_beams=1,
+        pad_token_id=0,
+        eos_token_id=None,
+        # plain greedy: none of the model's own processors (BART forces EOS last, Whisper
+        # suppresses tokens); unset fields would be taken from model.generation_config
+        forced_eos_token_id=None,
+        forced_bos_token_id=None,
+        suppress_tokens=None,
+        begin_suppress_tokens=None,
+        no_repeat_ngram_size=0,
+        repetition_penalty=1.0,
+        bad_words_ids=None,
+        forced_decoder_ids=None,
+    )
+    ours = GenerationConfig(max_new_tokens=NEW_TOKENS, pad_token_id=0)
+    reference = "Hugging Face generate"
+    if kind == "causal-lm":
+        prompts = [list(p) for p in PROMPTS]
+        got = generate(decoder, prompts, ours).tokens
+        ids, mask = left_pad(prompts, 0)
+        ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
+        try:
+            out = _hf_generate(
+                model, input_ids=ids, attention_mask=mask, generation_config=hf_config
+            )
+            want = out[:, ids.shape[1] :].tolist()
+        except RuntimeError as exc:  # HF's own loop fails (Dory): recompute greedily instead
+            want = _eager_greedy_causal(model, ids, mask)
+            reference = f"eager greedy ({first_line(exc)})"
+    else:
+        start = _start_token(model.config)
+        hf_config.decoder_start_token_id = start
+        main = decoder.encoder_inputs[0]
+        # features, not token ids (speech models such as Pop2Piano and FunASR take ids)
+        dtype = decoder.encoder.input_dtype(main)
+        takes_features = dtype is not None and dtype.kind == "f"
+        if takes_features:
+            port = next(p for p in decoder.encoder.signature.inputs if p.name == main)
+            dims = [2 if d == "batch" else (d if isinstance(d, int) else 40) for d in port.shape]
+            features = np.random.default_rng(0).standard_normal(dims).astype(np.float32)
+            extra = {main: features}
+            hf_inputs = {main: torch.from_numpy(features)}
+        else:
+            ids, mask = left_pad([list(p) for p in PROMPTS], 0)
+            extra = decoder.encoder_feeds(ids, mask)
+            hf_inputs = {"input_ids": torch.from_numpy(ids)}
+            if "attention_mask" in extra:
+                hf_inputs["attention_mask"] = torch.from_numpy(mask)
+        got = generate(decoder, [[start], [start]], ours, extra=extra).tokens
+        if takes_features:  # Whisper's generate post-processes (it drops a
+            # repeated start token): the reference is eager greedy decoding instead
+            want = _eager_greedy(model, hf_inputs, start)
+            reference = "eager greedy (the speech model's generate post-processes)"
+        else:
+            try:
+                out = _hf_generate(model, **hf_inputs, generation_config=hf_config)
+                want = out[:, 1:].tolist()
+            except RuntimeError as exc:  # Pop2Piano's generate wants features: recompute
+                want = _eager_greedy(model, hf_inputs, start)
+                reference = f"eager greedy ({first_line(exc)})"
+    equal = got == want
+    result = {"tokens_equal": equal, "tokens_reference": reference}
+    if not equal:
+        first = next(
+            (
+                i
+                for i in range(NEW_TOKENS)
+                if any(g[i] != w[i] for g, w in zip(got, want, strict=True))
+            ),
+            None,
+        )
+        result["tokens_reason"] = f"first different token at step {first}"
+    return result
+
+
+def _start_token(config) -> int:
+    """The decoder's start token: the config's, its decoder/text config's, else BOS, else 0
+    (GLM-ASR's and MOSS's configs state none at the top level)."""
+    configs = [config]
+    try:
+        configs.append(config.get_text_config(decoder=True))
+    except Exception:  # noqa: BLE001 - a config without sub-configs
+        pass
+    for name in ("decoder_start_token_id", "bos_token_id"):
+        for cfg in configs:
+            value = getattr(cfg, name, None)
+            if isinstance(value, int):
+                return value
+    return 0
+
+
+def _eager_greedy_causal(model, ids, mask) -> list[list[int]]:
+    """Greedy decoding of a left-padded batch by full recompute of the eager causal LM, with
+    the positions ``generate`` derives from the mask."""
+    import torch
+
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+            logits = model(
+                input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
+            ).logits[:, -1]
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+    return ids[:, -NEW_TOKENS:].tolist()
+
+
+def _eager_greedy(model, inputs: dict, start: int) -> list[list[int]]:
+    """Greedy decoding by full recompute of the eager encoder-decoder."""
+    import torch
+
+    batch = next(iter(inputs.values())).shape[0]
+    ids = torch.full((batch, 1), start, dtype=torch.long)
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            logits = model(**inputs, decoder_input_ids=ids, use_cache=False).logits[:, -1]
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
+    return ids[:, 1:].tolist()
+
+
+def _hf_generate(model, **kwargs):
+    """Hugging Face's side; its own failure is said as such (not tfgraph's)."""
+    import torch
+
+    # the model's own generation_config fills fields left at their defaults (BART's
+    # forced_eos_token_id): replace it, so that only the plain greedy config applies
+    model.generation_config = kwargs.pop("generation_config")
+    try:
+        with torch.no_grad():
+            return model.generate(**kwargs)
+    except Exception as exc:
+        raise RuntimeError(f"Hugging Face generate failed: {type(exc).__name__}: {exc}") from exc
