@@ -124,7 +124,7 @@ def run(quick: bool, workdir: Path, progress: Callable[[str], None] = _no_progre
         _export(warmup, workdir / "warmup")
     rows = []
     for n in layers:
-        progress(f"export {PRESET} with {n} layers")
+        progress(f"export {PRESET} with {n} layer{'s' if n != 1 else ''}")
         report, wall = _export(n, workdir / f"layers_{n}")
         rows.append(_row(n, report, wall))
         logger.info("compile_cost: %d layers, %.2f s (wall %.2f s)", n, rows[-1]["total_s"], wall)

@@ -306,7 +306,8 @@ def exporters_section(d: dict) -> list[str]:
         "## Exporters: cached decode and prefill against what users pick instead",
         "",
         f"`python -m tfgraph.bench.exporters` — random-init Hugging Face models ({t['layers']} "
-        f"layers, hidden {t['hidden']}, {t['heads']} heads ({t['kv_heads']} KV heads where the "
+        f"layer{'s' if t['layers'] != 1 else ''}, hidden {t['hidden']}, {t['heads']} heads "
+        f"({t['kv_heads']} KV heads where the "
         f"architecture has GQA), vocab {t['vocab']}; T5: 2 + 2 layers), exported by each tool "
         f"that supports them. Every graph timed the same way: ONNX Runtime CPU, {d['threads']} "
         f"threads, batch 1, {_trials(d)} without torch per measurement; prefill of "

@@ -12,7 +12,45 @@ from __future__ import annotations
 
 # test (file::function) → the parameter ids that stay in the default tier; every other case
 # of that test is slow. An empty set: the whole test is slow.
-SWEEPS: dict[str, tuple[set[str], str]] = {}
+SWEEPS: dict[str, tuple[set[str], str]] = {
+    "test_zoo_pipelines.py::test_preset_all_profiles": (
+        {"llama-tiny", "t5-tiny", "bert-tiny"},
+        "every preset x every pipeline and target: a decoder, an encoder-decoder and an encoder "
+        "stay in the default tier",
+    ),
+    "test_generation_parity.py::test_cached_generation": (
+        {"preset:llama-tiny", "preset:t5-tiny", "hf:gpt2", "masked:gpt2"},
+        "every preset and HF architecture generating through the cache on ort",
+    ),
+    "test_generation_parity.py::test_static_cache_generation_on_the_onnx_target": (
+        {"gpt2-tiny", "t5-tiny"},
+        "every preset generating through the static cache on onnx",
+    ),
+    "test_generation_parity.py::test_static_cache_generation_on_the_tensorrt_target": (
+        {"llama-tiny"},
+        "the static cache on tensorrt's graph for four presets",
+    ),
+    "test_bf16.py::test_zoo_bf16_on_the_reference_runner": (
+        {"llama-tiny"},
+        "the zoo's bf16 sweep (numpy's reference evaluator, op by op)",
+    ),
+    "test_bf16.py::test_zoo_bf16_cached": ({"gpt-tiny"}, "bf16 with the cache, three presets"),
+    "test_precision.py::test_zoo_fp16_cached": (
+        {"llama-tiny", "bart-tiny"},
+        "the zoo's fp16 sweep with the cache",
+    ),
+    "test_precision.py::test_hugging_face_fp16": ({"gpt2"}, "HF architectures in fp16"),
+    "test_hf_pipelines.py::test_hf_model_all_profiles": (
+        {"gpt2-eager", "t5-eager"},
+        "HF architectures x attention implementations x targets",
+    ),
+    "test_fuzz.py::test_campaign_passes": (set(), "a fuzz campaign over the whole model space"),
+    "test_coverage.py::test_subset_is_complete": (
+        set(),
+        "the HF architecture matrix over ten architectures (each built, exported twice and "
+        "generating)",
+    ),
+}
 
 
 def is_slow(nodeid: str) -> bool:
