@@ -45,6 +45,35 @@ SWEEPS: dict[str, tuple[set[str], str]] = {
         "HF architectures x attention implementations x targets",
     ),
     "test_fuzz.py::test_campaign_passes": (set(), "a fuzz campaign over the whole model space"),
+    "test_fuzz.py::test_cli_reports_a_broken_lowering": (
+        set(),
+        "a fuzz campaign against a broken lowering until it is found and shrunk",
+    ),
+    "test_attention_fusion.py::test_preset_layers": (
+        {"llama-tiny", "t5-tiny"},
+        "per-layer attention fusion of eleven presets",
+    ),
+    "test_bias_windows.py::test_windows_longer_than_the_short_lengths_are_found": (
+        {"40"},
+        "the long-window check at three window sizes",
+    ),
+    "test_bmm_attention.py::test_bmm_layout_models_are_complete": (
+        {"xglm-causal-lm-XGLMForCausalLM"},
+        "bmm-layout HF architectures as coverage rows",
+    ),
+    "test_hf_batched_generation.py::test_padded_batch_equals_hf_generate": (
+        {"llama"},
+        "padded batches against HF generate for five architectures",
+    ),
+    "test_attention_sinks.py::test_sinks_fuse_into_gqa_head_sink_and_cache": (
+        {"concat"},
+        "three forms of attention sinks fused and cached",
+    ),
+    "test_bench_smoke.py": (
+        set(),
+        "the quick bench end to end (python -m tfgraph bench --quick, about 2 minutes); the "
+        "bench sections' own tests stay in the default tier",
+    ),
     "test_coverage.py::test_subset_is_complete": (
         set(),
         "the HF architecture matrix over ten architectures (each built, exported twice and "
@@ -57,6 +86,8 @@ def is_slow(nodeid: str) -> bool:
     """Whether the test ``nodeid`` (``tests/file.py::function[param]``) is in the slow tier."""
     name, _, param = nodeid.partition("[")
     name = name.removeprefix("tests/")
+    if name.split("::")[0] in SWEEPS:  # a whole file
+        return True
     if name not in SWEEPS:
         return False
     kept, _reason = SWEEPS[name]
