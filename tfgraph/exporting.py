@@ -24,6 +24,7 @@ from tfgraph.precision.stage import convert_precision, quantize_weights
 from tfgraph.sources import ModelSource, load_source
 from tfgraph.sources.trace import TraceCache
 from tfgraph.sources.tracing import trace_source
+from tfgraph.targets import get_target
 from tfgraph.verify.artifact import check_artifact, weights_error
 
 logger = logging.getLogger(__name__)
@@ -75,9 +76,9 @@ def export(
     earlier export's trace of the same source and opset."""
     out_dir = Path(out_dir)
     options = ExportOptions.of(options, fields)
-    options.target_object  # an unknown target is refused first  # noqa: B018
+    target = get_target(options.target)  # an unknown target is refused first
     check_target(out_dir)  # before any slow work
-    options = options.resolved()
+    options = options.resolved(target)
     stages = Stages(progress)
 
     source = model if isinstance(model, ModelSource) else stages.run("load", _load, model, options)

@@ -62,16 +62,13 @@ class ExportOptions:
             raise TypeError(f"export() got unexpected keyword arguments: {', '.join(unknown)}")
         return dataclasses.replace(options or cls(), **fields)
 
-    @property
-    def target_object(self) -> Target:
-        return get_target(self.target)
-
-    def resolved(self) -> ExportOptions:
-        """These options checked against their target, with its defaults filled in: the
-        target as a :class:`Target`, the opset, the accuracy level."""
+    def resolved(self, target: Target | None = None) -> ExportOptions:
+        """These options checked against their target (``target``: it, already looked up),
+        with its defaults filled in: the target as a :class:`Target`, the opset, the accuracy
+        level."""
         from tfgraph.precision.islands import check_precision
 
-        target = self.target_object
+        target = target or get_target(self.target)
         check_precision(self.precision, self.keep_io_types, target)
         level = check_weights(self.weights, self.block_size, target, self.accuracy_level)
         opset = target.opset if self.opset is None else self.opset

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import shutil
@@ -41,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tfgraph.errors import TfgraphError
+
+logger = logging.getLogger(__name__)
 
 INSTALL_COMMAND = "python -m tfgraph.serving.install"
 ENV_VAR = "TFGRAPH_TRITON_ENV"
@@ -136,7 +139,7 @@ def find_server_env(root: Path | None = None) -> ServerEnv:
 
 
 def _run(cmd: list[str], what: str) -> None:
-    print(f"+ {' '.join(cmd)}", flush=True)
+    logger.info("+ %s", " ".join(cmd))
     code = subprocess.call(cmd)
     if code != 0:
         raise TfgraphError(f"{what} failed (exit {code}); its output is above")
@@ -171,7 +174,7 @@ def install_server_env(root: Path | None = None, *, force: bool = False) -> Serv
             pass
         else:
             if json.loads((root / MARKER).read_text()).get("requirements") == wanted:
-                print(f"Triton server environment at {root} is up to date", flush=True)
+                logger.info("Triton server environment at %s is up to date", root)
                 return env
     if root.resolve() == Path(sys.prefix).resolve():
         raise TfgraphError(f"{root} is the environment tfgraph runs in: choose another path")
@@ -266,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="recreate it from scratch")
     parser.add_argument("--check", action="store_true", help="only say whether it is installed")
     args = parser.parse_args(argv)
+    # the command shows the library's progress (each pip step) on stderr
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         if args.check:
             env = find_server_env(args.path)
