@@ -29,7 +29,9 @@ import torch
 from torch import nn
 
 from tfgraph.errors import TfgraphError, first_line
+from tfgraph.sources.checkpoint import Checkpoint
 from tfgraph.sources.model import ModelSource, max_positions
+from tfgraph.sources.streamed import empty_model, streamed_model, to_meta
 
 logger = logging.getLogger(__name__)
 
@@ -283,8 +285,11 @@ def from_hf_dir(
     # one loops over the experts hit (data-dependent); batched_mm gathers each token's experts
     # and traces. All three compute the same function.
     experts = {"experts_implementation": "batched_mm"} if _has_experts(config) else {}
-    model = _load_hf_weights(cls, path, trust_remote_code, attn_implementation, experts)
-    source = hf_source(model, origin=f"hf:{path}")
+    if Checkpoint.present(path):
+        source = _streamed_source(cls, config, path, attn_implementation, experts)
+    else:
+        model = _load_hf_weights(cls, path, trust_remote_code, attn_implementation, experts)
+        source = hf_source(model, origin=f"hf:{path}")
     source.info.update(
         {
             "hf_architecture": arch,
@@ -301,8 +306,28 @@ def from_hf_dir(
     return source
 
 
-def hf_source(model: nn.Module, *, origin: str) -> ModelSource:
-    """A loaded Hugging Face ``PreTrainedModel`` as a source (see the module docstring)."""
+def _streamed_source(cls, config, path: Path, attn_implementation, experts) -> ModelSource:
+    """A safetensors directory, never loaded whole: traced without weights, the weights bound
+    lazily, the eager reference streamed module by module (:mod:`tfgraph.sources.streamed`)."""
+    checkpoint = Checkpoint(path)
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    extra.update(experts)
+    logger.info("streaming %s from %s (%s)", cls.__name__, path, checkpoint.dtypes())
+    reference = streamed_model(cls, config, extra, checkpoint)
+    source = hf_source(reference, origin=f"hf:{path}", trace_model=empty_model(cls, config, extra))
+    source.binder = to_meta(source.trace_module, checkpoint)
+    stored = checkpoint.dtypes()
+    source.info["checkpoint_dtype"] = max(stored, key=stored.get) if stored else None
+    source.info["checkpoint_bytes"] = checkpoint.nbytes
+    source.info["eager_reference"] = "streamed (accelerate disk offload from the checkpoint), fp32"
+    return source
+
+
+def hf_source(
+    model: nn.Module, *, origin: str, trace_model: nn.Module | None = None
+) -> ModelSource:
+    """A loaded Hugging Face ``PreTrainedModel`` as a source (see the module docstring);
+    ``trace_model``: the same model built without weights, for torch.export."""
     model = model.eval()
     config = model.config
     main = getattr(model, "main_input_name", "input_ids") or "input_ids"
@@ -355,7 +380,8 @@ def hf_source(model: nn.Module, *, origin: str) -> ModelSource:
         return out
 
     wrapper = wrapper_cls(model, output).eval()
-    source = ModelSource(wrapper, names, (output,), axes, make, origin)
+    traced = wrapper_cls(trace_model, output).eval() if trace_model is not None else None
+    source = ModelSource(wrapper, names, (output,), axes, make, origin, trace_module=traced)
     source.info.update(
         {
             "model_type": config.model_type,

@@ -29,6 +29,10 @@ class ModelSource:
     origin: str  # "preset:gpt-tiny", "factory:pkg.mod:fn", "hf:/path"
     info: dict = field(default_factory=dict)
     device: str = "cpu"  # where the eager module runs; parity of a GPU engine uses "cuda"
+    # what torch.export traces when it is not ``module`` (a checkpoint's model built without
+    # weights), and what binds the traced graph's weights then (tfgraph.sources.streamed)
+    trace_module: nn.Module | None = None
+    binder: object | None = None
 
     def on_device(self, device: str) -> ModelSource:
         """This source with its eager module on ``device`` (a moved copy; inputs follow it and

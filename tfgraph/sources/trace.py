@@ -35,6 +35,8 @@ def trace(source: ModelSource, *, opset: int = DEFAULT_OPSET) -> ir.Model:
     """Export the source's module to an ``onnx_ir.Model`` with named dynamic axes."""
     inputs = source.inputs(*EXAMPLE_SHAPE)
     args = tuple(inputs[n] for n in source.input_names)
+    if source.binder is not None:  # a module without weights traces on meta inputs
+        args = tuple(a.to("meta") for a in args)
     dynamic = tuple(source.dynamic_axes.get(n, {}) for n in source.input_names)
     logger.info("tracing %s (opset %d)", source.origin, opset)
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
@@ -42,7 +44,7 @@ def trace(source: ModelSource, *, opset: int = DEFAULT_OPSET) -> ir.Model:
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
-                source.module,
+                source.trace_module or source.module,
                 args,
                 dynamo=True,
                 dynamic_shapes=dynamic,
@@ -58,6 +60,8 @@ def trace(source: ModelSource, *, opset: int = DEFAULT_OPSET) -> ir.Model:
             f"tracing {source.origin} failed: {first_line(exc, named=True, root=True)}"
         ) from exc
     model = program.model
+    if source.binder is not None:  # weights traced on the meta device: bound lazily here
+        source.binder.bind(model)
     # The exporter's own optimize() is onnxscript's optimizer (constant folding, CSE, dead
     # code) plus, at opset 23, onnxscript's ONNX fusions (RMSNormalization, RotaryEmbedding,
     # GQA). Run only the former: recognition and lowering are our passes' job, with reports

@@ -1,0 +1,217 @@
+"""A Hugging Face directory's safetensors shards, read one tensor at a time.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header (each tensor's
+dtype, shape and byte range) and the raw little-endian data. :class:`Checkpoint` reads only the
+headers (``model.safetensors.index.json`` names the shards of a sharded checkpoint), checks
+them against the files on disk, and hands out each tensor on demand: as a torch tensor in the
+dtype asked for (:meth:`Checkpoint.tensor`, one read of that tensor's bytes, no mapping kept),
+or as an ``onnx_ir`` lazy tensor that reads and converts when it is written or looked at
+(:meth:`Checkpoint.lazy`). Nothing here ever holds more than one tensor.
+
+A missing shard, a truncated one, or a header that does not fit its file is one error naming
+the file (and the tensor); :meth:`Checkpoint.check_shapes` names a tensor whose shape is not the
+model's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from tfgraph.errors import TfgraphError
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+
+# safetensors dtype names → torch dtypes (the ones checkpoints of transformers use)
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Where one tensor's bytes are: ``file``, absolute byte ``offset``, ``length``."""
+
+    name: str
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    length: int
+
+
+class Checkpoint:
+    """The tensors of the safetensors files in ``directory``, by state-dict key."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self.entries: dict[str, Entry] = {}
+        for file in self._shards():
+            for entry in _read_header(file):
+                self.entries[entry.name] = entry
+        self.reads = 0  # tensors read (tests count what a stage materializes)
+        self.bytes_read = 0
+
+    @staticmethod
+    def present(directory: Path) -> bool:
+        return any(Path(directory).glob("*.safetensors"))
+
+    def _shards(self) -> list[Path]:
+        index = self.directory / INDEX_FILE
+        if not index.is_file():
+            return sorted(self.directory.glob("*.safetensors"))
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise TfgraphError(f"cannot read '{index}': {exc}; re-save the checkpoint") from exc
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not (self.directory / name).is_file():
+                tensor = next(k for k, v in weight_map.items() if v == name)
+                raise TfgraphError(
+                    f"'{index.name}' names shard '{name}' (for {tensor} and others), which is not "
+                    f"in '{self.directory}': copy the missing shard or re-save the checkpoint"
+                )
+        return [self.directory / n for n in files]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.length for e in self.entries.values())
+
+    def dtypes(self) -> dict[str, int]:
+        """Bytes of floating tensors per dtype name (what the checkpoint is stored in)."""
+        out: dict[str, int] = {}
+        for e in self.entries.values():
+            if e.dtype.is_floating_point:
+                key = str(e.dtype).removeprefix("torch.")
+                out[key] = out.get(key, 0) + e.length
+        return out
+
+    def entry(self, name: str) -> Entry:
+        found = self.entries.get(name)
+        if found is None:
+            raise TfgraphError(
+                f"the checkpoint in '{self.directory}' has no tensor '{name}', which the model "
+                "needs: the shards do not match config.json (re-save the checkpoint)"
+            )
+        return found
+
+    def check_shapes(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Every name in ``shapes`` (key → the model's shape) is in the checkpoint with that
+        shape."""
+        for name, shape in shapes.items():
+            entry = self.entry(name)
+            if tuple(entry.shape) != tuple(shape):
+                raise TfgraphError(
+                    f"tensor '{name}' in '{entry.file.name}' has shape {list(entry.shape)}, but "
+                    f"the model built from config.json needs {list(shape)}: the checkpoint and "
+                    "its config do not match"
+                )
+
+    def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One tensor, read from its file, converted to ``dtype`` (its own when None)."""
+        entry = self.entry(name)
+        with open(entry.file, "rb") as f:
+            f.seek(entry.offset)
+            data = bytearray(entry.length)
+            if f.readinto(data) != entry.length:
+                raise TfgraphError(
+                    f"'{entry.file.name}' is truncated: tensor '{name}' ends past the end of "
+                    "the file; copy the shard again"
+                )
+        self.reads += 1
+        self.bytes_read += entry.length
+        raw = torch.frombuffer(data, dtype=torch.uint8) if entry.length else torch.empty(0)
+        value = raw.view(entry.dtype).reshape(entry.shape) if entry.length else torch.empty(
+            entry.shape, dtype=entry.dtype
+        )
+        if dtype is not None and dtype != entry.dtype:
+            value = value.to(dtype)
+        return value
+
+    def lazy(self, name: str, dtype: torch.dtype, value_name: str | None = None) -> ir.LazyTensor:
+        """``name`` as an ``onnx_ir`` tensor of ``dtype`` that reads (and converts) its bytes
+        each time they are asked for, and keeps nothing."""
+        entry = self.entry(name)
+
+        def read() -> ir.Tensor:
+            return ir.Tensor(_to_numpy(self.tensor(name, dtype)), name=value_name or name)
+
+        return ir.LazyTensor(
+            read, dtype=_ir_dtype(dtype), shape=ir.Shape(entry.shape), name=value_name or name
+        )
+
+
+def _to_numpy(value: torch.Tensor) -> np.ndarray:
+    if value.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return value.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    return value.numpy()
+
+
+def _ir_dtype(dtype: torch.dtype) -> ir.DataType:
+    return {
+        torch.float32: ir.DataType.FLOAT,
+        torch.float16: ir.DataType.FLOAT16,
+        torch.bfloat16: ir.DataType.BFLOAT16,
+        torch.float64: ir.DataType.DOUBLE,
+        torch.int64: ir.DataType.INT64,
+        torch.int32: ir.DataType.INT32,
+        torch.int8: ir.DataType.INT8,
+        torch.uint8: ir.DataType.UINT8,
+        torch.bool: ir.DataType.BOOL,
+    }[dtype]
+
+
+def _read_header(file: Path) -> list[Entry]:
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise TfgraphError(f"'{file.name}' is not a safetensors file (shorter than 8 bytes)")
+        (length,) = struct.unpack("<Q", head)
+        if length > size - 8 or length > 100 * 1024**2:
+            raise TfgraphError(
+                f"'{file.name}' is not a safetensors file, or is truncated (its header claims "
+                f"{length} bytes of a {size}-byte file)"
+            )
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as exc:
+            raise TfgraphError(f"'{file.name}' has an unreadable safetensors header: {exc}") from exc
+    base = 8 + length
+    entries = []
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _DTYPES.get(meta.get("dtype"))
+        if dtype is None:
+            raise TfgraphError(f"tensor '{name}' in '{file.name}' has dtype {meta.get('dtype')}, "
+                               "which tfgraph does not read")  # fmt: skip
+        start, end = meta["data_offsets"]
+        if base + end > size:
+            raise TfgraphError(
+                f"'{file.name}' is truncated: tensor '{name}' ends at byte {base + end} of a "
+                f"{size}-byte file; copy the shard again"
+            )
+        entries.append(Entry(name, file, dtype, tuple(meta["shape"]), base + start, end - start))
+    return entries

@@ -1,0 +1,145 @@
+"""A safetensors checkpoint without its weights in memory: one model to trace, one to run.
+
+- **The traced model** is built under accelerate's ``init_empty_weights`` (parameters on the
+  meta device, buffers such as RoPE's ``inv_freq`` real) in fp32, whatever dtype the checkpoint
+  is stored in. torch.export traces it without weights; its initializers come out named by
+  their parameter names, and :class:`WeightBinder` binds each one to a lazy tensor that reads
+  its checkpoint tensor (converted to the graph's dtype) only when it is written or looked at.
+- **The eager reference** is the same empty model dispatched by accelerate's big-model
+  inference: every module that owns parameters is offloaded to "disk", with an offload index
+  that points into the checkpoint's own safetensors files (nothing is copied), so a forward
+  pass loads each module's weights, converted to fp32, just before the module runs and drops
+  them after. The reference never holds more than one module's weights.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import onnx_ir as ir
+import torch
+from torch import nn
+
+from tfgraph.errors import TfgraphError, first_line
+from tfgraph.sources.checkpoint import Checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+def empty_model(cls, config, extra: dict) -> nn.Module:
+    """``cls`` built from ``config`` in fp32 with parameters on the meta device."""
+    import accelerate
+    import transformers
+
+    try:
+        with accelerate.init_empty_weights(include_buffers=False):
+            if cls is transformers.AutoModel or not hasattr(cls, "_from_config"):
+                model = transformers.AutoModel.from_config(config, dtype=torch.float32, **extra)
+            else:
+                model = cls._from_config(config, dtype=torch.float32, **extra)
+    except Exception as exc:  # a config the class cannot build is the user's input
+        raise TfgraphError(
+            f"cannot build {cls.__name__} from its config.json: {first_line(exc, named=True)}"
+        ) from exc
+    return model.eval()
+
+
+def checkpoint_keys(model: nn.Module, checkpoint: Checkpoint) -> dict[str, str]:
+    """Every parameter name of ``model`` (tied aliases included) → the checkpoint key that holds
+    it; shapes checked. A parameter missing from the checkpoint is refused by name."""
+    aliases: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+        params[id(param)] = param
+    keys: dict[str, str] = {}
+    for pid, names in aliases.items():
+        key = next((n for n in names if n in checkpoint.entries), None)
+        if key is None:
+            checkpoint.entry(names[0])  # raises, naming the tensor
+        checkpoint.check_shapes({key: tuple(params[pid].shape)})
+        for name in names:
+            keys[name] = key
+    return keys
+
+
+class WeightBinder:
+    """Binds a traced graph's initializers (named by the wrapper's parameter names) to lazy
+    tensors reading ``checkpoint``."""
+
+    def __init__(
+        self, checkpoint: Checkpoint, keys: dict[str, str], buffers: dict[str, torch.Tensor]
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.keys = keys
+        self.buffers = buffers  # computed at build time (RoPE's inv_freq), not in the checkpoint
+
+    def bind(self, model: ir.Model) -> int:
+        """Replace every meta-device initializer of ``model`` by its lazy checkpoint tensor;
+        returns how many were bound."""
+        bound = 0
+        for name, value in model.graph.initializers.items():
+            tensor = value.const_value
+            if not _is_meta(tensor):
+                continue
+            if name in self.buffers:
+                value.const_value = ir.Tensor(self.buffers[name].numpy(), name=name)
+                continue
+            key = self.keys.get(name)
+            if key is None:
+                raise TfgraphError(
+                    f"the traced graph has a weight '{name}' that no checkpoint tensor holds; "
+                    "report this with the model's config.json"
+                )
+            dtype = _torch_dtype(value.dtype)
+            value.const_value = self.checkpoint.lazy(key, dtype, value_name=name)
+            bound += 1
+        logger.info("bound %d initializers lazily to %s", bound, self.checkpoint.directory)
+        return bound
+
+
+def to_meta(wrapper: nn.Module, checkpoint: Checkpoint) -> WeightBinder:
+    """Move ``wrapper`` (its ``model``: an :func:`empty_model`) wholly to the meta device, so that
+    torch.export traces it on meta inputs; the binder for the graph it traces."""
+    keys = {f"model.{n}": k for n, k in checkpoint_keys(wrapper.model, checkpoint).items()}
+    buffers = {n: b.detach().clone() for n, b in wrapper.named_buffers() if b.device.type != "meta"}
+    wrapper.to("meta")
+    return WeightBinder(checkpoint, keys, buffers)
+
+
+def _is_meta(tensor) -> bool:
+    raw = getattr(tensor, "raw", None)
+    return isinstance(raw, torch.Tensor) and raw.device.type == "meta"
+
+
+def _torch_dtype(dtype: ir.DataType) -> torch.dtype:
+    return {
+        ir.DataType.FLOAT: torch.float32,
+        ir.DataType.FLOAT16: torch.float16,
+        ir.DataType.BFLOAT16: torch.bfloat16,
+    }[dtype]
+
+
+def streamed_model(cls, config, extra: dict, checkpoint: Checkpoint) -> nn.Module:
+    """The eager model with every parameter-owning module offloaded to the checkpoint's files
+    (accelerate's disk offload hooks): weights load per module, in fp32, as it runs."""
+    from accelerate import dispatch_model
+
+    model = empty_model(cls, config, extra)
+    keys = checkpoint_keys(model, checkpoint)
+    index = {
+        name: {
+            "safetensors_file": str(checkpoint.entry(key).file),
+            "weight_name": key,
+            "dtype": "float32",
+        }
+        for name, key in keys.items()
+    }
+    device_map = {
+        name: "disk"
+        for name, module in model.named_modules()
+        if any(True for _ in module.parameters(recurse=False))
+    }
+    dispatch_model(model, device_map, main_device="cpu", offload_index=index)
+    model.tfgraph_streamed = True
+    return model.eval()

@@ -1,0 +1,195 @@
+"""A random-init Hugging Face checkpoint of any size, written one tensor at a time.
+
+``write_random_checkpoint(config, directory, dtype="bf16")`` writes what ``save_pretrained``
+would (``config.json``, safetensors shards, ``model.safetensors.index.json`` when sharded)
+without ever building the model: the tensor names and shapes come from the model built on the
+meta device, each tensor is drawn (normal with the config's ``initializer_range`` for matrices,
+ones for norm scales, zeros for biases, seeded per tensor), converted and appended to its shard,
+then dropped. Memory stays at one tensor whatever the model's size, so tests and benches can
+write 7B checkpoints on a 24 GiB machine.
+
+    python -m tfgraph.tools.random_checkpoint llama2-7b OUT --dtype bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import struct
+import sys
+import zlib
+from pathlib import Path
+
+import torch
+
+from tfgraph.sources.checkpoint import INDEX_FILE
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+SHARD_BYTES = 2 * 1024**3
+
+# Shapes of published models (random weights): what the scale bench exports.
+SHAPES = {
+    "llama-120m": dict(
+        model_type="llama", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+        num_attention_heads=12, num_key_value_heads=4, vocab_size=32000,
+    ),
+    "tinyllama-1.1b": dict(
+        model_type="llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+        num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
+    ),
+    "llama2-7b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+    ),
+    "qwen2-1.5b": dict(
+        model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+        num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+}  # fmt: skip
+
+
+def shape_config(name: str, **overrides):
+    """A transformers config of one of :data:`SHAPES`."""
+    import transformers
+
+    fields = {**SHAPES[name], **overrides}
+    model_type = fields.pop("model_type")
+    config = transformers.AutoConfig.for_model(model_type, max_position_embeddings=4096, **fields)
+    config.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[model_type]]
+    return config
+
+
+def tensor_layout(config, model_class=None) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, how it is drawn) of every tensor ``save_pretrained`` writes, from the
+    model built on the meta device (tied weights once, persistent buffers included)."""
+    import transformers
+
+    cls = model_class or getattr(transformers, (config.architectures or ["AutoModel"])[0])
+    with torch.device("meta"):
+        model = (
+            cls.from_config(config) if cls is transformers.AutoModel else cls._from_config(config)
+        )
+    out = []
+    for name, param in model.named_parameters():
+        kind = "normal" if param.dim() >= 2 else ("zeros" if name.endswith("bias") else "ones")
+        out.append((name, tuple(param.shape), kind))
+    persistent = {n for n, _ in model.state_dict(keep_vars=True).items()}
+    for name, buf in model.named_buffers():
+        if name in persistent and buf.dtype.is_floating_point:
+            out.append((name, tuple(buf.shape), "zeros"))
+    return out
+
+
+def _draw(name: str, shape, kind: str, std: float, seed: int) -> torch.Tensor:
+    if kind == "ones":
+        return torch.ones(shape)
+    if kind == "zeros":
+        return torch.zeros(shape)
+    generator = torch.Generator().manual_seed(seed ^ zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=generator) * std
+
+
+def write_random_checkpoint(
+    config,
+    directory: str | Path,
+    *,
+    dtype: str = "fp32",
+    shard_bytes: int = SHARD_BYTES,
+    seed: int = 0,
+    model_class=None,
+    progress=None,
+) -> Path:
+    """Write ``config`` with random weights into ``directory`` as ``save_pretrained`` would;
+    returns the directory. ``progress(done, total)`` is told after each tensor."""
+    torch_dtype = DTYPES[dtype]
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    layout = tensor_layout(config, model_class)
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    shards: list[list[tuple[str, tuple[int, ...], str]]] = [[]]
+    size = 0
+    for item in layout:
+        nbytes = _numel(item[1]) * itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += nbytes
+    std = float(getattr(config, "initializer_range", 0.02) or 0.02)
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    weight_map = {}
+    done = 0
+    for file, items in zip(names, shards, strict=True):
+        header, offset = {}, 0
+        for name, shape, _ in items:
+            length = _numel(shape) * itemsize
+            header[name] = {
+                "dtype": _NAMES[torch_dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + length],
+            }
+            offset += length
+            weight_map[name] = file
+        header["__metadata__"] = {"format": "pt"}
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes
+        with open(directory / file, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for name, shape, kind in items:
+                value = _draw(name, shape, kind, std, seed).to(torch_dtype).contiguous()
+                f.write(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+                done += 1
+                if progress is not None:
+                    progress(done, len(layout))
+    if len(shards) > 1:
+        total = sum(_numel(s) * itemsize for _, s, _ in layout)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    config.dtype = torch_dtype  # what save_pretrained records (torch_dtype before transformers 5)
+    config.save_pretrained(directory)
+    logger.info("wrote %d tensors in %d shard(s) to %s", len(layout), len(shards), directory)
+    return directory
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tfgraph.tools.random_checkpoint",
+        description="Write a random-init Hugging Face checkpoint, one tensor at a time.",
+    )
+    parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("out")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    def show(done, total):
+        if done % 16 == 0 or done == total:
+            print(f"\r  {done}/{total} tensors", end="", file=sys.stderr, flush=True)
+
+    write_random_checkpoint(
+        shape_config(args.shape), args.out, dtype=args.dtype, seed=args.seed, progress=show
+    )
+    print(file=sys.stderr)
+    print(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
