@@ -23,6 +23,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 
 from tfgraph import contract
+from tfgraph.compile.skeleton import skeleton
 from tfgraph.errors import TfgraphError, first_line
 from tfgraph.passes import PIPELINES, PipelineOptions, build_pipeline, pass_names
 from tfgraph.passes.insert_kv_cache import KVCacheError
@@ -48,19 +49,10 @@ class GraphCheckError(TfgraphError):
 
 
 # Checks look at types and shapes, not at weight values: larger initializers are handed to the
-# checker as graph inputs of the same type and shape, which keeps a check of GPT-2-small to a
-# fraction of a second instead of seconds.
-_WEIGHT_BYTES = 1 << 16
-
-
+# checker as graph inputs of the same type and shape (never read: a lazily bound checkpoint
+# stays on disk), which keeps a check of GPT-2-small to a fraction of a second.
 def _checkable(model: ir.Model, nonstandard: frozenset) -> onnx.ModelProto:
-    proto = ir.serde.serialize_model(model)
-    weights = [t for t in proto.graph.initializer if len(t.raw_data) > _WEIGHT_BYTES]
-    for tensor in weights:
-        proto.graph.input.append(
-            onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
-        )
-        proto.graph.initializer.remove(tensor)
+    proto = skeleton(model)
     moved = False
     for node in proto.graph.node:
         if node.domain in ("", "ai.onnx") and node.op_type in nonstandard:

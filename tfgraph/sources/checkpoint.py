@@ -140,8 +140,10 @@ class Checkpoint:
         self.reads += 1
         self.bytes_read += entry.length
         raw = torch.frombuffer(data, dtype=torch.uint8) if entry.length else torch.empty(0)
-        value = raw.view(entry.dtype).reshape(entry.shape) if entry.length else torch.empty(
-            entry.shape, dtype=entry.dtype
+        value = (
+            raw.view(entry.dtype).reshape(entry.shape)
+            if entry.length
+            else torch.empty(entry.shape, dtype=entry.dtype)
         )
         if dtype is not None and dtype != entry.dtype:
             value = value.to(dtype)
@@ -197,7 +199,9 @@ def _read_header(file: Path) -> list[Entry]:
         try:
             header = json.loads(f.read(length))
         except ValueError as exc:
-            raise TfgraphError(f"'{file.name}' has an unreadable safetensors header: {exc}") from exc
+            raise TfgraphError(
+                f"'{file.name}' has an unreadable safetensors header: {exc}"
+            ) from exc
     base = 8 + length
     entries = []
     for name, meta in header.items():

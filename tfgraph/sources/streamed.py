@@ -41,6 +41,8 @@ def empty_model(cls, config, extra: dict) -> nn.Module:
         raise TfgraphError(
             f"cannot build {cls.__name__} from its config.json: {first_line(exc, named=True)}"
         ) from exc
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # from_pretrained ties after loading; a tied head is one tensor
     return model.eval()
 
 
@@ -53,8 +55,21 @@ def checkpoint_keys(model: nn.Module, checkpoint: Checkpoint) -> dict[str, str]:
         aliases.setdefault(id(param), []).append(name)
         params[id(param)] = param
     keys: dict[str, str] = {}
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    tied = getattr(model, "_tied_weights_keys", None)
+    tied = tied if isinstance(tied, dict) else {}
+
+    def candidates(name: str):
+        yield name
+        if prefix and name.startswith(prefix + "."):
+            yield name[len(prefix) + 1 :]  # a base model's checkpoint under its head class
+        elif prefix:
+            yield f"{prefix}.{name}"
+        if name in tied:
+            yield from candidates(tied[name])
+
     for pid, names in aliases.items():
-        key = next((n for n in names if n in checkpoint.entries), None)
+        key = next((c for n in names for c in candidates(n) if c in checkpoint.entries), None)
         if key is None:
             checkpoint.entry(names[0])  # raises, naming the tensor
         checkpoint.check_shapes({key: tuple(params[pid].shape)})
