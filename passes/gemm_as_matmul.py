@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import onnx_ir as ir
 
-from .rewrite_utils import constant, replace_value
+from .lazy_weights import tensor_of, transposed
+from .rewrite_utils import replace_value
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +34,8 @@ def _plain(node: ir.Node) -> bool:
         and attrs.get_int("transA", 0) == 0
         and attrs.get_float("alpha", 1.0) == 1.0
         and (not has_c or attrs.get_float("beta", 1.0) == 1.0)
-        and (weight := constant(node.inputs[1])) is not None
-        and weight.ndim == 2
+        and (weight := tensor_of(node.inputs[1])) is not None
+        and len(weight.shape) == 2
     )
 
 
@@ -48,14 +48,7 @@ def gemm_as_matmul(model: ir.Model) -> int:
             continue
         weight = node.inputs[1]
         if node.attributes.get_int("transB", 0):
-            array = np.ascontiguousarray(constant(weight).T)
-            weight = ir.Value(
-                name=f"{weight.name}__kn",
-                const_value=ir.tensor(array),
-                shape=ir.Shape(array.shape),
-                type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
-            )
-            graph.register_initializer(weight)
+            weight = transposed(graph, f"{weight.name}__kn", tensor_of(weight))
         matmul = ir.node("MatMul", [node.inputs[0], weight], name=f"{node.name}__matmul")
         new = [matmul]
         out = matmul.outputs[0]

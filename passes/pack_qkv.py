@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import onnx_ir as ir
 
+from .lazy_weights import concatenated, tensor_of
 from .lower_attention import MS_DOMAIN
-from .rewrite_utils import add_initializer, constant
+from .rewrite_utils import constant
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +33,8 @@ def _projection(value: ir.Value | None, user: ir.Node):
     nodes = []
     if node is not None and node.op_type == "Add" and node.domain in ("", "ai.onnx"):
         for a, b in (node.inputs, reversed(node.inputs)):
-            c = constant(b)
-            if c is not None and c.ndim == 1 and a.producer() is not None:
+            c = tensor_of(b)
+            if c is not None and len(c.shape) == 1 and a.producer() is not None:
                 bias, value, nodes = c, a, [node]
                 break
         else:
@@ -44,8 +44,8 @@ def _projection(value: ir.Value | None, user: ir.Node):
         node = value.producer()
     if node is None or node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
         return None
-    weight = constant(node.inputs[1])
-    if weight is None or weight.ndim != 2:
+    weight = tensor_of(node.inputs[1])  # not read: a checkpoint's weight stays on disk
+    if weight is None or len(weight.shape) != 2:
         return None
     return node.inputs[0], weight, bias, [node, *nodes]
 
@@ -122,12 +122,12 @@ class PackQKVPass(ir.passes.InPlacePass):
         if wk.shape[1] != kv_heads * head or wv.shape[1] != kv_heads * head:
             return 0  # the packed form needs one head size for Q, K and V
         prefix = node.name or "gqa"
-        weight = add_initializer(graph, f"{prefix}_qkv_weight", np.concatenate([wq, wk, wv], 1))
+        weight = concatenated(graph, f"{prefix}_qkv_weight", [wq, wk, wv], 1)
         matmul = ir.node("MatMul", [xq, weight], name=f"{prefix}_qkv")
         graph.insert_before(node, matmul)
         out = matmul.outputs[0]
         if bq is not None:
-            bias = add_initializer(graph, f"{prefix}_qkv_bias", np.concatenate([bq, bk, bv]))
+            bias = concatenated(graph, f"{prefix}_qkv_bias", [bq, bk, bv], 0)
             add = ir.node("Add", [out, bias], name=f"{prefix}_qkv_bias")
             graph.insert_before(node, add)
             out = add.outputs[0]

@@ -9,6 +9,7 @@ import time
 
 from tfgraph.compile.pipeline import PassRecord, check_model
 from tfgraph.precision.islands import apply_precision
+from tfgraph.precision.streamed_reference import is_streamed, placements, streamed_dequantized
 from tfgraph.precision.weights import dequantized_source, quantize
 
 
@@ -40,6 +41,12 @@ def quantize_weights(graph, source, options, records: list[PassRecord]) -> tuple
     seconds = round(time.perf_counter() - start, 3)
     check_model(graph, "MatMulNBitsQuantizer", options.target)
     records.append(PassRecord("MatMulNBitsQuantizer", seconds, True))
-    reference, placed = dequantized_source(source, report.pop("_dequantized"), graph)
+    quantized = report.pop("_quantized")
+    if is_streamed(source):  # a checkpoint's weights: streamed, dequantized per block
+        placed = placements(quantized)
+        nodes = {n.name: n for n in graph.graph}
+        reference = streamed_dequantized(source, placed, nodes, graph.graph.initializers)
+    else:
+        reference, placed = dequantized_source(source, quantized, graph)
     report["parameters"] = placed
     return graph, report, reference

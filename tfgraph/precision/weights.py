@@ -36,8 +36,10 @@ import onnx_ir as ir
 from tfgraph import contract
 from tfgraph.errors import TfgraphError
 from tfgraph.passes.gemm_as_matmul import gemm_as_matmul
+from tfgraph.passes.lazy_weights import transposed
 from tfgraph.passes.provenance import layer_name
 from tfgraph.precision.activations import ActivationQuantizer
+from tfgraph.precision.nbits import quantize_matmuls
 
 logger = logging.getLogger(__name__)
 
@@ -104,12 +106,7 @@ def _untie_head(model: ir.Model, head: ir.Node) -> bool:
     if table.const_value is None:
         return False
     perm = node.attributes.get_ints("perm", [1, 0])
-    array = np.ascontiguousarray(np.transpose(table.const_value.numpy(), perm))
-    value = ir.Value(
-        name=f"{table.name}__head", const_value=ir.tensor(array), shape=ir.Shape(array.shape)
-    )
-    value.type = ir.TensorType(ir.DataType.FLOAT)
-    model.graph.register_initializer(value)
+    value = transposed(model.graph, f"{table.name}__head", table.const_value, perm)
     head.replace_input_with(1, value)
     return True
 
@@ -125,9 +122,8 @@ def quantize(
 ) -> tuple[ir.Model, dict]:
     """``model`` with its MatMul weights in ``MatMulNBits``; and what the report says: the
     quantized and unquantized layers, weight bytes before and after, and under
-    ``"_dequantized"`` ``{MatMulNBits node: ((K, N) original, (K, N) dequantized)}``."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
+    ``"_quantized"`` the ``(MatMulNBits node, original weight value)`` pairs. The new weights
+    are lazy (:mod:`tfgraph.precision.nbits`): quantized when written."""
     bits = WEIGHT_FORMATS[weights]
     if bits == 8 and accuracy_level == 0:
         logger.warning(
@@ -140,42 +136,33 @@ def quantize(
     unquantized = []
     if head is not None and lm_head:
         _untie_head(model, head)
-    originals, provenance = {}, {}
-    for node in model.graph:
-        if node.op_type == "MatMul" and node.inputs[1].const_value is not None:
-            originals[node.name] = (node.inputs[1].name, node.inputs[1].const_value.numpy())
-            provenance[node.name] = dict(node.metadata_props)
     before = _weight_bytes(model)
     exclude = [head.name] if head is not None and not lm_head else []
     if exclude:
         unquantized.append(
             {"module": layer_name(head), "reason": "LM head (--no-quantize-lm-head)"}
         )
-    proto = ir.serde.serialize_model(model)
-    quantizer = MatMulNBitsQuantizer(
-        proto,
-        bits=bits,
+    done = quantize_matmuls(
+        model,
+        bits,
         block_size=block_size,
-        is_symmetric=symmetric,
+        symmetric=symmetric,
         accuracy_level=accuracy_level,
-        nodes_to_exclude=exclude,
+        exclude=exclude,
     )
-    quantizer.process()
-    quantized_model = ir.serde.deserialize_model(quantizer.model.model)
-    quantized, dequant = [], {}
-    initializers = quantized_model.graph.initializers
+    quantized_model = model
+    quantized = [
+        {"module": layer_name(node), "shape": [int(d) for d in weight.shape]}
+        for node, weight in done
+    ]
     for node in quantized_model.graph:
-        if node.op_type != "MatMulNBits":
-            continue
-        base = node.name.removesuffix(f"_Q{bits}")  # the quantizer's name for the MatMul's
-        if base not in originals:
-            continue
-        name, original = originals.pop(base)
-        node.metadata_props.update(provenance[base])  # the quantizer drops the module scopes
-        dequant[node.name] = (original, dequantize(node, initializers, original.shape))
-        quantized.append({"module": layer_name(node), "shape": list(original.shape)})
-    for name in originals:  # MatMuls with constant weights the quantizer left alone
-        unquantized.append({"node": name, "reason": "not taken by the quantizer"})
+        if (
+            node.op_type == "MatMul"
+            and node.inputs[1] is not None
+            and node.inputs[1].is_initializer()
+        ):
+            if node.name not in exclude:
+                unquantized.append({"node": node.name, "reason": "not taken by the quantizer"})
     for node in quantized_model.graph:
         if node.op_type == "Gather" and node.inputs[0].const_value is not None:
             unquantized.append({"module": layer_name(node), "reason": "embedding (stays fp32)"})
@@ -189,7 +176,7 @@ def quantize(
         "unquantized": unquantized,
         "weight_bytes_before": before,
         "weight_bytes_after": _weight_bytes(quantized_model),
-        "_dequantized": dequant,
+        "_quantized": done,
     }
 
 
@@ -239,10 +226,10 @@ def locate(module, dequantized: dict[str, tuple[np.ndarray, np.ndarray]]) -> lis
         if param.ndim != 2:
             continue
         data = param.detach().float().numpy()
-        for transposed in (True, False):  # Linear (out, in) is Wᵀ; Conv1D (in, out) is W
-            view = data.T if transposed else data
+        for flipped in (True, False):  # Linear (out, in) is Wᵀ; Conv1D (in, out) is W
+            view = data.T if flipped else data
             columns.setdefault(np.ascontiguousarray(view[:, 0]).tobytes(), []).append(
-                (pname, transposed, view)
+                (pname, flipped, view)
             )
     found = []
     for name, (original, _) in dequantized.items():
@@ -336,10 +323,15 @@ def _activation_blocks(nodes) -> dict[str, int]:
     }
 
 
-def dequantized_source(source, dequantized: dict, model: ir.Model) -> tuple:
+def dequantized_source(source, quantized: list, model: ir.Model) -> tuple:
     """(a copy of ``source`` whose module computes as ``model``'s MatMulNBits do: the
     dequantized weights, and activations quantized where the nodes say: the eager reference of
     a quantized artifact; where each block went, for the report)."""
+    initializers = model.graph.initializers
+    dequantized = {}
+    for node, weight in quantized:
+        original = weight.const_value.numpy()
+        dequantized[node.name] = (original, dequantize(node, initializers, original.shape))
     placements = locate(source.module, dequantized)
     logger.info("eager reference: %d parameter blocks set to dequantized values", len(placements))
     matrices = {node: deq for node, (_, deq) in dequantized.items()}
@@ -353,6 +345,10 @@ def reference_from_artifact(source, model_file, parameters: list[dict]):
     activations quantized as its ``accuracy_level`` says."""
     model = ir.load(model_file)
     nodes = {n.name: n for n in model.graph}
+    from tfgraph.precision.streamed_reference import is_streamed, streamed_dequantized
+
+    if is_streamed(source):
+        return streamed_dequantized(source, parameters, nodes, model.graph.initializers)
     matrices = {}
     names = {entry["node"] for entry in parameters}
     for name in names:

@@ -30,6 +30,7 @@ from tfgraph.errors import TfgraphError
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
+CHECKPOINT_KEY = "tfgraph.checkpoint_key"
 
 # safetensors dtype names → torch dtypes (the ones checkpoints of transformers use)
 _DTYPES = {
@@ -44,6 +45,10 @@ _DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+
+
+class MissingTensor(TfgraphError):
+    """The model needs a tensor the checkpoint does not name (renamed or computed weights)."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +113,7 @@ class Checkpoint:
     def entry(self, name: str) -> Entry:
         found = self.entries.get(name)
         if found is None:
-            raise TfgraphError(
+            raise MissingTensor(
                 f"the checkpoint in '{self.directory}' has no tensor '{name}', which the model "
                 "needs: the shards do not match config.json (re-save the checkpoint)"
             )
@@ -157,9 +162,11 @@ class Checkpoint:
         def read() -> ir.Tensor:
             return ir.Tensor(_to_numpy(self.tensor(name, dtype)), name=value_name or name)
 
-        return ir.LazyTensor(
+        lazy = ir.LazyTensor(
             read, dtype=_ir_dtype(dtype), shape=ir.Shape(entry.shape), name=value_name or name
         )
+        lazy.meta[CHECKPOINT_KEY] = name  # where it comes from (the quantized reference asks)
+        return lazy
 
 
 def _to_numpy(value: torch.Tensor) -> np.ndarray:

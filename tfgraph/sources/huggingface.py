@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from tfgraph.errors import TfgraphError, first_line
-from tfgraph.sources.checkpoint import Checkpoint
+from tfgraph.sources.checkpoint import Checkpoint, MissingTensor
 from tfgraph.sources.model import ModelSource, max_positions
-from tfgraph.sources.streamed import empty_model, streamed_model, to_meta
+from tfgraph.sources.streamed import Streamed, empty_model, to_meta
 
 logger = logging.getLogger(__name__)
 
@@ -285,9 +285,10 @@ def from_hf_dir(
     # one loops over the experts hit (data-dependent); batched_mm gathers each token's experts
     # and traces. All three compute the same function.
     experts = {"experts_implementation": "batched_mm"} if _has_experts(config) else {}
+    source = None
     if Checkpoint.present(path):
         source = _streamed_source(cls, config, path, attn_implementation, experts)
-    else:
+    if source is None:
         model = _load_hf_weights(cls, path, trust_remote_code, attn_implementation, experts)
         source = hf_source(model, origin=f"hf:{path}")
     source.info.update(
@@ -309,18 +310,31 @@ def from_hf_dir(
 def _streamed_source(cls, config, path: Path, attn_implementation, experts) -> ModelSource:
     """A safetensors directory, never loaded whole: traced without weights, the weights bound
     lazily, the eager reference streamed module by module (:mod:`tfgraph.sources.streamed`)."""
-    checkpoint = Checkpoint(path)
+    checkpoint = Checkpoint(path)  # a missing or truncated shard is refused here
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     extra.update(experts)
     logger.info("streaming %s from %s (%s)", cls.__name__, path, checkpoint.dtypes())
-    reference = streamed_model(cls, config, extra, checkpoint)
-    source = hf_source(reference, origin=f"hf:{path}", trace_model=empty_model(cls, config, extra))
-    source.binder = to_meta(source.trace_module, checkpoint)
+    streamed = Streamed(cls, config, extra, checkpoint)
+    try:
+        source = hf_source(
+            streamed.model(), origin=f"hf:{path}", trace_model=empty_model(cls, config, extra)
+        )
+        source.binder = to_meta(source.trace_module, checkpoint)
+    except (MissingTensor, _StreamFailed) as exc:
+        # transformers renames or fuses some checkpoints' tensors as it loads them (MoE
+        # experts, ViT), or computes weights the file does not hold (sinusoidal positions)
+        logger.warning("%s cannot stream from its shards (%s): loading it whole", path, exc)
+        return None
+    source.binder.streamed = streamed
     stored = checkpoint.dtypes()
     source.info["checkpoint_dtype"] = max(stored, key=stored.get) if stored else None
     source.info["checkpoint_bytes"] = checkpoint.nbytes
     source.info["eager_reference"] = "streamed (accelerate disk offload from the checkpoint), fp32"
     return source
+
+
+class _StreamFailed(TfgraphError):
+    """The streamed model does not run (a module reads weights outside its own forward)."""
 
 
 def hf_source(
@@ -415,7 +429,8 @@ def _probe_layout(model, config, main: str, seq2seq: bool, vocab: int) -> _MainI
                 logger.info("%s: %s has a fixed length %d (%s)", main, symbol, base, exc)
                 axis = None
         return _MainInput(main, make, axis, base, symbol)
-    raise TfgraphError(
+    error = _StreamFailed if getattr(model, "tfgraph_streamed", False) else TfgraphError
+    raise error(
         f"{type(model).__name__} runs on no {main} layout its config suggests "
         f"({'; '.join(errors[:2])}); wrap it in a module with the tfgraph input protocol"
     )
@@ -442,7 +457,8 @@ def _output_kind(model, main_input: _MainInput, seq2seq, vocab, params) -> tuple
         probe = {main_input.name: main_input.make(batch, seq, generator)}
         out = _forward(model, probe, seq2seq, vocab)
     except Exception as exc:
-        raise TfgraphError(
+        error = _StreamFailed if getattr(model, "tfgraph_streamed", False) else TfgraphError
+        raise error(
             f"{type(model).__name__} fails on inputs derived from its config "
             f"({first_line(exc, named=True)})"
         ) from exc

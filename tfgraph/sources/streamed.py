@@ -25,6 +25,8 @@ from tfgraph.sources.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
 
+PARAMETER = "tfgraph.parameter"  # a bound weight's parameter name (in the traced wrapper)
+
 
 def empty_model(cls, config, extra: dict) -> nn.Module:
     """``cls`` built from ``config`` in fp32 with parameters on the meta device."""
@@ -80,11 +82,12 @@ def checkpoint_keys(model: nn.Module, checkpoint: Checkpoint) -> dict[str, str]:
 
 class WeightBinder:
     """Binds a traced graph's initializers (named by the wrapper's parameter names) to lazy
-    tensors reading ``checkpoint``."""
+    tensors reading ``checkpoint``; ``streamed`` rebuilds the eager reference."""
 
     def __init__(
         self, checkpoint: Checkpoint, keys: dict[str, str], buffers: dict[str, torch.Tensor]
     ) -> None:
+        self.streamed: Streamed | None = None
         self.checkpoint = checkpoint
         self.keys = keys
         self.buffers = buffers  # computed at build time (RoPE's inv_freq), not in the checkpoint
@@ -108,6 +111,7 @@ class WeightBinder:
                 )
             dtype = _torch_dtype(value.dtype)
             value.const_value = self.checkpoint.lazy(key, dtype, value_name=name)
+            value.const_value.meta[PARAMETER] = name
             bound += 1
         logger.info("bound %d initializers lazily to %s", bound, self.checkpoint.directory)
         return bound
@@ -135,26 +139,66 @@ def _torch_dtype(dtype: ir.DataType) -> torch.dtype:
     }[dtype]
 
 
-def streamed_model(cls, config, extra: dict, checkpoint: Checkpoint) -> nn.Module:
-    """The eager model with every parameter-owning module offloaded to the checkpoint's files
-    (accelerate's disk offload hooks): weights load per module, in fp32, as it runs."""
-    from accelerate import dispatch_model
+class Streamed:
+    """How to build the streamed eager model of one checkpoint, again when needed (the
+    quantized reference is the same model with some weights replaced)."""
 
-    model = empty_model(cls, config, extra)
-    keys = checkpoint_keys(model, checkpoint)
-    index = {
-        name: {
-            "safetensors_file": str(checkpoint.entry(key).file),
-            "weight_name": key,
-            "dtype": "float32",
+    def __init__(self, cls, config, extra: dict, checkpoint: Checkpoint) -> None:
+        self.cls, self.config, self.extra, self.checkpoint = cls, config, extra, checkpoint
+
+    def model(self, overrides=None, untie: tuple[str, ...] = ()) -> nn.Module:
+        """The streamed model; ``overrides``: a mapping of parameter name → tensor, read (on
+        demand, as a module runs) instead of the checkpoint; ``untie``: parameters given their
+        own tensor where the model ties them to another (a quantized LM head)."""
+        from accelerate import dispatch_model
+
+        model = empty_model(self.cls, self.config, self.extra)
+        keys = checkpoint_keys(model, self.checkpoint)
+        for name in untie:
+            owner, _, attr = name.rpartition(".")
+            module = model.get_submodule(owner)
+            shared = module._parameters[attr]
+            module._parameters[attr] = nn.Parameter(
+                torch.empty_like(shared, device="meta"), requires_grad=False
+            )
+        index = {
+            name: {
+                "safetensors_file": str(self.checkpoint.entry(key).file),
+                "weight_name": key,
+                "dtype": "float32",
+            }
+            for name, key in keys.items()
         }
-        for name, key in keys.items()
-    }
-    device_map = {
-        name: "disk"
-        for name, module in model.named_modules()
-        if any(True for _ in module.parameters(recurse=False))
-    }
-    dispatch_model(model, device_map, main_device="cpu", offload_index=index)
-    model.tfgraph_streamed = True
-    return model.eval()
+        dispatch_model(
+            model,
+            _device_map(model),
+            main_device="cpu",
+            offload_index=index,
+            state_dict=overrides,
+        )
+        model.tfgraph_streamed = True
+        return model.eval()
+
+
+def _device_map(model: nn.Module) -> dict[str, str]:
+    """Offload units: each block the model says must not be split (its decoder layers), and
+    every other module that owns parameters. A unit's weights load together when it runs (a
+    layer reading its children's weights directly still finds them)."""
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    units: dict[str, str] = {}
+    covered: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(c + ".") for c in covered):
+            continue
+        if type(module).__name__ in blocks and name:
+            units[name] = "disk"
+            covered.append(name)
+        elif any(True for _ in module.parameters(recurse=False)):
+            units[name] = "disk"
+    return units
+
+
+def streamed_model(cls, config, extra: dict, checkpoint: Checkpoint) -> nn.Module:
+    """The eager model with its weights offloaded to the checkpoint's files (accelerate's disk
+    offload hooks): weights load per block, in fp32, as it runs."""
+    return Streamed(cls, config, extra, checkpoint).model()

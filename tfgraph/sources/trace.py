@@ -22,6 +22,7 @@ from tfgraph import contract
 from tfgraph import onnxscript_private as private
 from tfgraph.errors import TfgraphError, first_line
 from tfgraph.passes.exact_no_op import exact
+from tfgraph.passes.lazy_weights import fold_weight_transposes
 from tfgraph.passes.provenance import module_name  # noqa: F401  (re-exported)
 from tfgraph.sources.model import ModelSource
 
@@ -62,6 +63,7 @@ def trace(source: ModelSource, *, opset: int = DEFAULT_OPSET) -> ir.Model:
     model = program.model
     if source.binder is not None:  # weights traced on the meta device: bound lazily here
         source.binder.bind(model)
+        fold_weight_transposes(model)  # Linear's W.T, folded without reading W
     # The exporter's own optimize() is onnxscript's optimizer (constant folding, CSE, dead
     # code) plus, at opset 23, onnxscript's ONNX fusions (RMSNormalization, RotaryEmbedding,
     # GQA). Run only the former: recognition and lowering are our passes' job, with reports

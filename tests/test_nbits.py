@@ -1,0 +1,89 @@
+"""Per-MatMul quantization (:mod:`tfgraph.precision.nbits`) gives the nodes, names and bytes
+of ONNX Runtime's ``MatMulNBitsQuantizer`` run on the whole model, on zoo presets after their
+pipeline, and materializes one weight at a time."""
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+from tfgraph.compile.pipeline import run_pipeline
+from tfgraph.precision.nbits import quantize_matmuls
+from tfgraph.sources import load_source
+from tfgraph.sources.trace import trace
+
+
+def _graph(preset: str) -> ir.Model:
+    model = trace(load_source(preset))
+    run_pipeline(model, "default", profile="ort", kv_cache=True)
+    return model
+
+
+def _materialized(model: ir.Model) -> ir.Model:
+    return ir.serde.deserialize_model(ir.serde.serialize_model(model))
+
+
+@pytest.mark.parametrize(
+    "preset, bits, symmetric, level",
+    [("llama-tiny", 4, False, 4), ("gpt2-tiny", 4, True, 0), ("t5-tiny", 8, False, 4)],
+)
+def test_same_nodes_and_bytes_as_matmul_nbits_quantizer(preset, bits, symmetric, level):
+    graph = _graph(preset)
+    theirs = MatMulNBitsQuantizer(
+        ir.serde.serialize_model(graph),
+        bits=bits,
+        block_size=32,
+        is_symmetric=symmetric,
+        accuracy_level=level,
+    )
+    theirs.process()
+    want = ir.serde.deserialize_model(theirs.model.model)
+    done = quantize_matmuls(graph, bits, block_size=32, symmetric=symmetric, accuracy_level=level)
+    got = _materialized(graph)
+    want_nodes = [n for n in want.graph if n.op_type == "MatMulNBits"]
+    got_nodes = [n for n in got.graph if n.op_type == "MatMulNBits"]
+    assert len(got_nodes) == len(want_nodes) == len(done) > 0
+    for g, w in zip(got_nodes, want_nodes, strict=True):
+        assert g.name == w.name
+        assert [v.name for v in g.inputs] == [v.name for v in w.inputs]
+        assert {k: a.value for k, a in g.attributes.items()} == {
+            k: a.value for k, a in w.attributes.items()
+        }
+        for gv, wv in zip(g.inputs[1:], w.inputs[1:], strict=True):
+            assert gv.const_value.tobytes() == wv.const_value.tobytes(), gv.name
+    assert [n.op_type for n in got.graph] == [n.op_type for n in want.graph]
+    assert sorted(got.graph.initializers) == sorted(want.graph.initializers)
+
+
+def test_one_weight_quantized_at_a_time():
+    """Writing the graph reads each fp32 weight once, and holds no quantized weight after its
+    parts are written."""
+    graph = _graph("llama-tiny")
+    reads = []
+    for value in graph.graph.initializers.values():
+        tensor = value.const_value
+        if tensor is not None and len(tensor.shape) == 2:
+            value.const_value = _Counted(tensor, reads)
+    done = quantize_matmuls(graph, 4, block_size=32, symmetric=False, accuracy_level=4)
+    assert not reads  # rewriting the graph reads nothing
+    ir.serde.serialize_model(graph)
+    quantized = sorted(weight.name for _, weight in done)
+    assert sorted(r for r in reads if r in quantized) == quantized  # each once, for 3 parts
+    assert all(h._value is None for h in _holders(graph))
+
+
+class _Counted(ir.LazyTensor):
+    def __init__(self, tensor, reads):
+        def read():
+            reads.append(tensor.name)
+            return ir.Tensor(np.asarray(tensor.numpy()), name=tensor.name)
+
+        super().__init__(read, dtype=tensor.dtype, shape=tensor.shape, name=tensor.name)
+
+
+def _holders(graph):
+    for value in graph.graph.initializers.values():
+        raw = getattr(value.const_value, "raw", None)
+        holder = getattr(raw, "__self__", None) if raw is not None else None
+        if holder is not None and hasattr(holder, "_value"):
+            yield holder
