@@ -7,6 +7,8 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+from tfgraph.progress import tick
+
 logger = logging.getLogger(__name__)
 
 PROTOBUF_LIMIT = 2 * 1024**3
@@ -35,7 +37,16 @@ def save_onnx(
     if external_data:
         data = DATA_FILE if name == MODEL_FILE else f"{name}.data"
         logger.info("saving %s with external data %s", path, data)
-        ir.save(model, path, external_data=data)
+
+        def written(_tensor, info) -> None:
+            tick("tensors written", info.index + 1, info.total)
+
+        # one tensor at a time (a lazy one is read, converted or quantized as it is written);
+        # the graph's initializers then refer to the written file instead of holding values
+        ir.external_data.unload_from_model(
+            model, directory, data, size_threshold_bytes=256, callback=written
+        )  # as ir.save: small tensors stay inline (shape inference reads them)
+        ir.save(model, path)
         return [name, data]
     ir.save(model, path)
     return [name]

@@ -89,8 +89,8 @@ def fold_weight_transposes(model: ir.Model) -> int:
         source = node.inputs[0]
         if source is None or not source.is_initializer():
             continue
-        if not isinstance(source.const_value, ir.LazyTensor):
-            continue
+        if not isinstance(source.const_value, ir.LazyTensor) or len(source.uses()) != 1:
+            continue  # as constant folding: a table also read elsewhere (a tied head) stays
         out = node.outputs[0]
         perm = node.attributes.get_ints("perm", None)
         value = transposed(graph, f"{source.name}__t", source.const_value, perm)

@@ -18,9 +18,11 @@ from pathlib import Path
 from tfgraph.compile.fusions import count_fusions
 from tfgraph.compile.pipeline import run_pipeline
 from tfgraph.exporters import check_target, staged_directory, write_json
+from tfgraph.exporters.budget import check_budget
 from tfgraph.exporters.write import write_artifact
 from tfgraph.options import ExportOptions
 from tfgraph.precision.stage import convert_precision, quantize_weights
+from tfgraph.progress import stage
 from tfgraph.sources import ModelSource, load_source
 from tfgraph.sources.trace import TraceCache
 from tfgraph.sources.tracing import trace_source
@@ -55,7 +57,8 @@ class Stages:
     def run(self, name: str, fn, *args, **kwargs):
         self.progress(name)
         start = time.perf_counter()
-        value = fn(*args, **kwargs)
+        with stage(name):  # a listener (the CLI) sees it start, tick and end
+            value = fn(*args, **kwargs)
         self.timings[name] = round(time.perf_counter() - start, 3)
         logger.info("%s: %.2f s", name, self.timings[name])
         return value
@@ -82,6 +85,7 @@ def export(
     stages = Stages(progress)
 
     source = model if isinstance(model, ModelSource) else stages.run("load", _load, model, options)
+    budget = check_budget(source, options, out_dir)  # disk and memory, before the slow work
     source, graph = stages.run("trace", trace_source, model, source, options, trace_cache)
     shapes = _within(options.parity_shapes, source.info.get("max_positions"))
     with staged_directory(out_dir) as stage:
@@ -105,6 +109,7 @@ def export(
         report = _report(source, options, graph, manifest, parity, fusions, passes, stages)
         report["precision"] = precision or {"precision": "fp32"}
         report["weights"] = weights
+        report["budget"] = budget
         if weights is not None:
             weights["error_vs_fp32"] = stages.run(
                 "quantization error", weights_error, source, reference, stage / files[0],

@@ -145,7 +145,11 @@ def run(args) -> int:
     from tfgraph.exporting import export
 
     steps = len(EXPORT_STEPS) + (args.precision != "fp32") + 2 * (args.weights is not None)
-    result = export(args.model, args.output, options_from_args(args), progress=progress(steps))
+    from tfgraph.progress import listening
+
+    lines = progress(steps)
+    with listening(lines):
+        result = export(args.model, args.output, options_from_args(args))
     report = result.report
     if args.verbose:
         rows = [

@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 import time
 
+from tfgraph.progress import Listener, eta
+
 
 def table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
@@ -13,19 +15,60 @@ def table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
-def progress(total: int):
-    start = time.perf_counter()
-    seen: list[str] = []
+class StageLines(Listener):
+    """``[i/n] stage …`` as each stage starts, ``[i/n] stage: 12.3 s`` as it ends, and within
+    a long stage a line every few seconds: count done, time so far, time left at that pace."""
 
-    def report(step: str) -> None:
-        seen.append(step)
-        print(
-            f"[{len(seen)}/{total}] {step} … ({time.perf_counter() - start:.1f} s)",
-            file=sys.stderr,
-            flush=True,
-        )
+    EVERY_S = 5.0
 
-    return report
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.start = time.perf_counter()
+        self.seen: list[str] = []
+        self.last_tick = 0.0
+
+    def __call__(self, step: str) -> None:  # the plain callback form of ``export(progress=)``
+        self.started(step)
+
+    def started(self, name: str) -> None:
+        self.seen.append(name)
+        self.last_tick = time.perf_counter()
+        print(f"[{len(self.seen)}/{self.total}] {name} … ({self._at():.1f} s)", **_ERR)
+
+    def finished(self, name: str, seconds: float) -> None:
+        index = self.seen.index(name) + 1 if name in self.seen else len(self.seen)
+        print(f"[{index}/{self.total}] {name}: {seconds:.1f} s", **_ERR)
+
+    def ticked(self, what: str, done: int, total: int, seconds: float) -> None:
+        now = time.perf_counter()
+        if now - self.last_tick < self.EVERY_S and done < total:
+            return
+        if done >= total and seconds < self.EVERY_S:
+            return  # a short loop: its stage line says enough
+        self.last_tick = now
+        left = eta(done, total, seconds)
+        tail = f", ~{left:.0f} s left" if left else ""
+        print(f"      {what}: {done}/{total} ({seconds:.0f} s{tail})", **_ERR)
+
+    def _at(self) -> float:
+        return time.perf_counter() - self.start
+
+
+class _Err(dict):
+    """print() keywords for stderr, looked up at each call (tests swap sys.stderr)."""
+
+    def __getitem__(self, key):
+        return sys.stderr if key == "file" else super().__getitem__(key)
+
+    def keys(self):
+        return ["file", "flush"]
+
+
+_ERR = _Err(flush=True)
+
+
+def progress(total: int) -> StageLines:
+    return StageLines(total)
 
 
 def print_parity(parity: dict, *, cached: bool) -> None:

@@ -25,6 +25,7 @@ from torch import nn
 from tfgraph.errors import TfgraphError
 from tfgraph.passes.lazy_weights import DERIVED
 from tfgraph.precision.activations import fake_quantize
+from tfgraph.precision.dequantize import dequantize
 from tfgraph.sources.streamed import PARAMETER, empty_model
 
 logger = logging.getLogger(__name__)
@@ -80,8 +81,6 @@ class _Dequantized(Mapping):
     """Parameter name → its dequantized value, computed when accelerate loads it."""
 
     def __init__(self, placed: dict[str, dict], nodes: dict, initializers) -> None:
-        from tfgraph.precision.weights import dequantize
-
         self._placed, self._nodes, self._initializers = placed, nodes, initializers
         self._dequantize = dequantize
         self._last: tuple[str, np.ndarray] | None = None  # one node (packed Q/K/V: 3 reads)

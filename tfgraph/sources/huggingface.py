@@ -30,8 +30,9 @@ from torch import nn
 
 from tfgraph.errors import TfgraphError, first_line
 from tfgraph.sources.checkpoint import Checkpoint, MissingTensor
+from tfgraph.sources.hf_layouts import candidates
 from tfgraph.sources.model import ModelSource, max_positions
-from tfgraph.sources.streamed import Streamed, empty_model, to_meta
+from tfgraph.sources.streamed import Streamed, empty_model, prepare_trace
 
 logger = logging.getLogger(__name__)
 
@@ -186,63 +187,6 @@ def _text_config(config):
         return config
 
 
-def _float_maker(shape_at: Callable[[int, int], tuple[int, ...]]) -> _Make:
-    def make(batch, length, generator):
-        return torch.randn(shape_at(batch, length), generator=generator)
-
-    return make
-
-
-def _image_size(config) -> tuple[int, int] | None:
-    size = getattr(config, "image_size", None)
-    if isinstance(size, int) and size > 0:
-        return size, size
-    if isinstance(size, (list, tuple)) and len(size) == 2:
-        return int(size[0]), int(size[1])
-    return None
-
-
-def _candidates(model: nn.Module, config, main: str) -> list[tuple[_Make, int | None, int]]:
-    """(make, length axis, base length) layouts to try for a non-token main input, the most
-    specific first."""
-    if main == "pixel_values":
-        size = _image_size(config)
-        if size is None:  # a ConvNet takes any size: the common 224 × 224
-            logger.warning("%s states no image_size: 224 × 224 images", type(model).__name__)
-            size = (224, 224)
-        channels = getattr(config, "num_channels", 3) or 3
-        return [(_float_maker(lambda b, _n: (b, channels, *size)), None, 0)]
-    if main == "input_values":  # raw audio (batch, samples)
-        return [(_float_maker(lambda b, n: (b, n)), 1, base) for base in (1600, 4000, 16000)]
-    if main == "input_features":
-        found = []
-        mel = getattr(config, "num_mel_bins", None)
-        fixed = getattr(config, "max_source_positions", None)
-        if mel:
-            if fixed:  # Whisper: frames = 2 × max_source_positions exactly
-                found.append((_float_maker(lambda b, n: (b, mel, n)), 2, 2 * fixed))
-            found += [(_float_maker(lambda b, n: (b, mel, n)), 2, base) for base in (64, 200)]
-        per_channel = getattr(config, "input_feat_per_channel", None)
-        features = (
-            per_channel * (getattr(config, "input_channels", 1) or 1)
-            if per_channel
-            else getattr(config, "feature_size", None)
-        )
-        if features:  # Speech2Text and the like: (batch, frames, features)
-            found += [(_float_maker(lambda b, n: (b, n, features)), 1, base) for base in (64, 200)]
-        if found:
-            return found
-        raise TfgraphError(
-            f"{type(model).__name__} takes input_features but its config states neither "
-            "num_mel_bins nor input_feat_per_channel/feature_size"
-        )
-    raise TfgraphError(
-        f"{type(model).__name__}'s main input '{main}' is not one tfgraph can make "
-        "(input_ids, input_features, input_values, pixel_values); wrap the model in a module "
-        "with the tfgraph input protocol"
-    )
-
-
 # --- loading ----------------------------------------------------------------------------------
 
 
@@ -319,7 +263,7 @@ def _streamed_source(cls, config, path: Path, attn_implementation, experts) -> M
         source = hf_source(
             streamed.model(), origin=f"hf:{path}", trace_model=empty_model(cls, config, extra)
         )
-        source.binder = to_meta(source.trace_module, checkpoint)
+        source.binder = prepare_trace(source.trace_module, checkpoint)
     except (MissingTensor, _StreamFailed) as exc:
         # transformers renames or fuses some checkpoints' tensors as it loads them (MoE
         # experts, ViT), or computes weights the file does not hold (sinusoidal positions)
@@ -415,7 +359,7 @@ def _probe_layout(model, config, main: str, seq2seq: bool, vocab: int) -> _MainI
     also runs at a longer length."""
     errors = []
     generator = torch.Generator().manual_seed(0)
-    for make, axis, base in _candidates(model, config, main):
+    for make, axis, base in candidates(model, config, main):
         try:
             _forward(model, {main: make(2, base, generator)}, seq2seq, vocab)
         except Exception as exc:  # this layout does not fit the model; try the next

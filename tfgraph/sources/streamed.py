@@ -2,9 +2,10 @@
 
 - **The traced model** is built under accelerate's ``init_empty_weights`` (parameters on the
   meta device, buffers such as RoPE's ``inv_freq`` real) in fp32, whatever dtype the checkpoint
-  is stored in. torch.export traces it without weights; its initializers come out named by
-  their parameter names, and :class:`WeightBinder` binds each one to a lazy tensor that reads
-  its checkpoint tensor (converted to the graph's dtype) only when it is written or looked at.
+  is stored in, then given uninitialized CPU storage (address space nobody touches).
+  torch.export traces it without reading a weight; its initializers come out named by their
+  parameter names, and :class:`WeightBinder` binds each one to a lazy tensor that reads its
+  checkpoint tensor (converted to the graph's dtype) only when it is written or looked at.
 - **The eager reference** is the same empty model dispatched by accelerate's big-model
   inference: every module that owns parameters is offloaded to "disk", with an offload index
   that points into the checkpoint's own safetensors files (nothing is copied), so a forward
@@ -14,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import onnx_ir as ir
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from tfgraph.errors import TfgraphError, first_line
+from tfgraph.progress import tick
 from tfgraph.sources.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
@@ -93,12 +96,12 @@ class WeightBinder:
         self.buffers = buffers  # computed at build time (RoPE's inv_freq), not in the checkpoint
 
     def bind(self, model: ir.Model) -> int:
-        """Replace every meta-device initializer of ``model`` by its lazy checkpoint tensor;
-        returns how many were bound."""
+        """Replace every initializer of ``model`` that is a parameter by its lazy checkpoint
+        tensor; returns how many were bound."""
         bound = 0
         for name, value in model.graph.initializers.items():
             tensor = value.const_value
-            if not _is_meta(tensor):
+            if not _is_torch(tensor) or name not in self.keys:
                 continue
             if name in self.buffers:
                 value.const_value = ir.Tensor(self.buffers[name].numpy(), name=name)
@@ -117,18 +120,28 @@ class WeightBinder:
         return bound
 
 
-def to_meta(wrapper: nn.Module, checkpoint: Checkpoint) -> WeightBinder:
-    """Move ``wrapper`` (its ``model``: an :func:`empty_model`) wholly to the meta device, so that
-    torch.export traces it on meta inputs; the binder for the graph it traces."""
+def prepare_trace(wrapper: nn.Module, checkpoint: Checkpoint) -> WeightBinder:
+    """Give ``wrapper``'s parameters (its ``model``: an :func:`empty_model`) uninitialized CPU
+    storage, which torch.export traces without reading; the binder that replaces them in the
+    traced graph by the checkpoint's tensors.
+
+    Uninitialized storage is address space, not memory: pages nobody writes are never
+    resident (a 6.7B fp32 model reserves 27 GB and touches none of it). Tracing on the meta
+    device instead gives a different graph (extra shape arithmetic around SDPA's reshapes,
+    measured), so CPU storage it is."""
     keys = {f"model.{n}": k for n, k in checkpoint_keys(wrapper.model, checkpoint).items()}
-    buffers = {n: b.detach().clone() for n, b in wrapper.named_buffers() if b.device.type != "meta"}
-    wrapper.to("meta")
-    return WeightBinder(checkpoint, keys, buffers)
+    buffers = {n: b.detach().clone() for n, b in wrapper.named_buffers()}
+    wrapper.to_empty(device="cpu")
+    for name, value in buffers.items():  # to_empty drops buffers too: RoPE's inv_freq back
+        owner, _, attr = name.rpartition(".")
+        (wrapper.get_submodule(owner) if owner else wrapper)._buffers[attr] = value
+    if hasattr(wrapper.model, "tie_weights"):
+        wrapper.model.tie_weights()  # to_empty gave each alias of a tied weight its own storage
+    return WeightBinder(checkpoint, keys, {})
 
 
-def _is_meta(tensor) -> bool:
-    raw = getattr(tensor, "raw", None)
-    return isinstance(raw, torch.Tensor) and raw.device.type == "meta"
+def _is_torch(tensor) -> bool:
+    return isinstance(getattr(tensor, "raw", None), torch.Tensor)
 
 
 def _torch_dtype(dtype: ir.DataType) -> torch.dtype:
@@ -169,15 +182,37 @@ class Streamed:
             }
             for name, key in keys.items()
         }
-        dispatch_model(
-            model,
-            _device_map(model),
-            main_device="cpu",
-            offload_index=index,
-            state_dict=overrides,
-        )
+        units = _device_map(model)
+        with _quiet("accelerate.big_modeling"):  # "some parameters are on the meta device"
+            dispatch_model(
+                model, units, main_device="cpu", offload_index=index, state_dict=overrides
+            )
+        _tick_blocks(model, units)
         model.tfgraph_streamed = True
         return model.eval()
+
+
+@contextlib.contextmanager
+def _quiet(name: str):
+    named = logging.getLogger(name)
+    level = named.level
+    named.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        named.setLevel(level)
+
+
+def _tick_blocks(model: nn.Module, units: dict[str, str]) -> None:
+    """Each offload unit that runs ticks ``eager blocks`` (a 7B forward pass streams 13 GB)."""
+    names = list(units)
+    for i, name in enumerate(names):
+        module = model.get_submodule(name) if name else model
+
+        def ran(_module, _args, _out, i=i):
+            tick("eager blocks streamed", i + 1, len(names))
+
+        module.register_forward_hook(ran)
 
 
 def _device_map(model: nn.Module) -> dict[str, str]:

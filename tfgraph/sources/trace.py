@@ -36,8 +36,6 @@ def trace(source: ModelSource, *, opset: int = DEFAULT_OPSET) -> ir.Model:
     """Export the source's module to an ``onnx_ir.Model`` with named dynamic axes."""
     inputs = source.inputs(*EXAMPLE_SHAPE)
     args = tuple(inputs[n] for n in source.input_names)
-    if source.binder is not None:  # a module without weights traces on meta inputs
-        args = tuple(a.to("meta") for a in args)
     dynamic = tuple(source.dynamic_axes.get(n, {}) for n in source.input_names)
     logger.info("tracing %s (opset %d)", source.origin, opset)
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
@@ -62,7 +60,7 @@ def trace(source: ModelSource, *, opset: int = DEFAULT_OPSET) -> ir.Model:
         ) from exc
     model = program.model
     if source.binder is not None:  # weights traced on the meta device: bound lazily here
-        source.binder.bind(model)
+        source.binder.bind(model)  # parameters were uninitialized storage: the checkpoint's
         fold_weight_transposes(model)  # Linear's W.T, folded without reading W
     # The exporter's own optimize() is onnxscript's optimizer (constant folding, CSE, dead
     # code) plus, at opset 23, onnxscript's ONNX fusions (RMSNormalization, RotaryEmbedding,

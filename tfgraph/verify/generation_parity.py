@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tfgraph.progress import tick
 from tfgraph.runtime import CachedDecoder, GenerationConfig, generate
 from tfgraph.runtime.generate import left_pad
 from tfgraph.sources import ModelSource
@@ -77,7 +78,8 @@ def eager_greedy(
     else:
         tokens, _ = left_pad(prompts, pad)
     chosen, logits = [], []
-    for _ in range(new_tokens):
+    for step in range(new_tokens):
+        tick("eager greedy tokens", step, new_tokens)
         inputs = {n: torch.from_numpy(v) for n, v in extra.items() if n in source.input_names}
         inputs[decoder.token_input] = torch.from_numpy(tokens)
         if decoder.mask_input is not None:  # the decoder's own padding mask, grown per token
@@ -88,6 +90,7 @@ def eager_greedy(
         logits.append(last)
         chosen.append(last.argmax(-1))
         tokens = np.concatenate([tokens, chosen[-1][:, None]], axis=1)
+    tick("eager greedy tokens", new_tokens, new_tokens)
     return np.stack(chosen, 1).tolist(), logits
 
 

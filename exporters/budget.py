@@ -1,0 +1,117 @@
+"""Before any slow work: will the artifact fit on the disk, and could it be opened here?
+
+The artifact's size is estimated from the model's parameters and the chosen format (fp32 4
+bytes a weight, fp16/bf16 2, int4 half a byte plus a scale, and half a byte of zero point when
+asymmetric, per block; embeddings stay in the activation precision). Opening it takes about its
+size in memory again (ONNX Runtime reads or maps the weights, and prepacks MatMulNBits ones),
+while the streamed eager reference holds one layer. An export that could not finish is refused
+in one line, with the figure and a format that fits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from torch import nn
+
+from tfgraph.errors import TfgraphError
+
+logger = logging.getLogger(__name__)
+
+GiB = 1024**3
+
+
+def _size(n: float) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB / 10 else f"{n / 1024**2:.1f} MiB"
+
+OPEN_FACTOR = 1.25  # session memory per artifact byte (measured: fp32 1.1B 1.05, int4 1.2)
+_BITS = {"int4": 4, "int8": 8}
+
+
+def estimate_bytes(
+    module: nn.Module, precision: str, weights: str | None, block: int, symmetric: bool
+) -> int:
+    """Bytes of the artifact's weights."""
+    float_bytes = 4 if precision == "fp32" else 2
+    total = 0
+    seen: set[int] = set()
+    for owner in module.modules():
+        for param in owner.parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            n = param.numel()
+            if weights and param.dim() == 2 and not isinstance(owner, nn.Embedding):
+                bits = _BITS[weights]
+                blocks = n / block
+                total += int(n * bits / 8 + blocks * float_bytes + (0 if symmetric else blocks / 2))
+            else:
+                total += n * float_bytes
+    return total
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this process could still take: MemAvailable, under a cgroup limit."""
+    found = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found = int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+        if limit != "max":
+            found = min(found or int(limit), int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return found
+
+
+def check_budget(source, options, out_dir: Path) -> dict:
+    """Refuse an export whose artifact would not fit on the disk at ``out_dir`` or could not be
+    opened in the memory available; the figures, for the report."""
+    module = source.trace_module or source.module
+    size = estimate_bytes(
+        module, options.precision, options.weights, options.block_size, options.symmetric
+    )
+    figures = {"estimated_artifact_bytes": size}
+    parent = out_dir.resolve().parent
+    free = shutil.disk_usage(parent if parent.exists() else Path(os.getcwd())).free
+    figures["disk_free_bytes"] = free
+    if size > free:
+        raise TfgraphError(
+            f"the artifact needs about {_size(size)} on disk and {parent} has "
+            f"{_size(free)} free: free space, or write it elsewhere with -o"
+        )
+    memory = available_memory()
+    if memory is None:
+        return figures
+    figures["memory_available_bytes"] = memory
+    needed = size * OPEN_FACTOR
+    if needed > memory:
+        what = f"--weights {options.weights}" if options.weights else options.precision
+        smaller = _fits(module, options, memory)
+        advice = f"; use {smaller} instead" if smaller else ""
+        raise TfgraphError(
+            f"the {what} artifact (about {_size(size)}) could not be opened in the "
+            f"{_size(memory)} of memory available here (ONNX Runtime needs about "
+            f"{_size(needed)}){advice}"
+        )
+    return figures
+
+
+def _fits(module, options, memory: int) -> str | None:
+    """The first format, smallest last, whose artifact could be opened here."""
+    for precision, weights, text in (
+        ("fp32", "int8", "--weights int8"),
+        ("fp32", "int4", "--weights int4"),
+    ):
+        size = estimate_bytes(module, precision, weights, options.block_size, options.symmetric)
+        if size * OPEN_FACTOR <= memory:
+            return f"{text} (about {_size(size)})"
+    return None

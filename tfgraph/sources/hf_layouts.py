@@ -1,0 +1,74 @@
+"""Layouts of a Hugging Face model's non-token main input, read off its config: images
+(``pixel_values``), raw audio (``input_values``), speech features (``input_features``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tfgraph.errors import TfgraphError
+
+logger = logging.getLogger(__name__)
+
+# make(batch, length, generator) of one input; ``length`` is its dynamic axis' size
+_Make = Callable[[int, int, torch.Generator], torch.Tensor]
+
+
+def _float_maker(shape_at: Callable[[int, int], tuple[int, ...]]) -> _Make:
+    def make(batch, length, generator):
+        return torch.randn(shape_at(batch, length), generator=generator)
+
+    return make
+
+
+def _image_size(config) -> tuple[int, int] | None:
+    size = getattr(config, "image_size", None)
+    if isinstance(size, int) and size > 0:
+        return size, size
+    if isinstance(size, (list, tuple)) and len(size) == 2:
+        return int(size[0]), int(size[1])
+    return None
+
+
+def candidates(model: nn.Module, config, main: str) -> list[tuple[_Make, int | None, int]]:
+    """(make, length axis, base length) layouts to try for a non-token main input, the most
+    specific first."""
+    if main == "pixel_values":
+        size = _image_size(config)
+        if size is None:  # a ConvNet takes any size: the common 224 × 224
+            logger.warning("%s states no image_size: 224 × 224 images", type(model).__name__)
+            size = (224, 224)
+        channels = getattr(config, "num_channels", 3) or 3
+        return [(_float_maker(lambda b, _n: (b, channels, *size)), None, 0)]
+    if main == "input_values":  # raw audio (batch, samples)
+        return [(_float_maker(lambda b, n: (b, n)), 1, base) for base in (1600, 4000, 16000)]
+    if main == "input_features":
+        found = []
+        mel = getattr(config, "num_mel_bins", None)
+        fixed = getattr(config, "max_source_positions", None)
+        if mel:
+            if fixed:  # Whisper: frames = 2 × max_source_positions exactly
+                found.append((_float_maker(lambda b, n: (b, mel, n)), 2, 2 * fixed))
+            found += [(_float_maker(lambda b, n: (b, mel, n)), 2, base) for base in (64, 200)]
+        per_channel = getattr(config, "input_feat_per_channel", None)
+        features = (
+            per_channel * (getattr(config, "input_channels", 1) or 1)
+            if per_channel
+            else getattr(config, "feature_size", None)
+        )
+        if features:  # Speech2Text and the like: (batch, frames, features)
+            found += [(_float_maker(lambda b, n: (b, n, features)), 1, base) for base in (64, 200)]
+        if found:
+            return found
+        raise TfgraphError(
+            f"{type(model).__name__} takes input_features but its config states neither "
+            "num_mel_bins nor input_feat_per_channel/feature_size"
+        )
+    raise TfgraphError(
+        f"{type(model).__name__}'s main input '{main}' is not one tfgraph can make "
+        "(input_ids, input_features, input_values, pixel_values); wrap the model in a module "
+        "with the tfgraph input protocol"
+    )
