@@ -33,11 +33,11 @@ class StageLines(Listener):
     def started(self, name: str) -> None:
         self.seen.append(name)
         self.last_tick = time.perf_counter()
-        print(f"[{len(self.seen)}/{self.total}] {name} … ({self._at():.1f} s)", **_ERR)
+        _err(f"[{len(self.seen)}/{self.total}] {name} … ({self._at():.1f} s)")
 
     def finished(self, name: str, seconds: float) -> None:
         index = self.seen.index(name) + 1 if name in self.seen else len(self.seen)
-        print(f"[{index}/{self.total}] {name}: {seconds:.1f} s", **_ERR)
+        _err(f"[{index}/{self.total}] {name}: {seconds:.1f} s")
 
     def ticked(self, what: str, done: int, total: int, seconds: float) -> None:
         now = time.perf_counter()
@@ -48,23 +48,14 @@ class StageLines(Listener):
         self.last_tick = now
         left = eta(done, total, seconds)
         tail = f", ~{left:.0f} s left" if left else ""
-        print(f"      {what}: {done}/{total} ({seconds:.0f} s{tail})", **_ERR)
+        _err(f"      {what}: {done}/{total} ({seconds:.0f} s{tail})")
 
     def _at(self) -> float:
         return time.perf_counter() - self.start
 
 
-class _Err(dict):
-    """print() keywords for stderr, looked up at each call (tests swap sys.stderr)."""
-
-    def __getitem__(self, key):
-        return sys.stderr if key == "file" else super().__getitem__(key)
-
-    def keys(self):
-        return ["file", "flush"]
-
-
-_ERR = _Err(flush=True)
+def _err(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def progress(total: int) -> StageLines:
