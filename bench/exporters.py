@@ -143,20 +143,27 @@ def save_model(name: str, kind: str, config, root: Path) -> Path:
     """A random-init checkpoint and a word-level tokenizer (the builder needs one)."""
     import torch
     import transformers as T
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
     out = root / name
     torch.manual_seed(0)
     cls = T.AutoModelForSeq2SeqLM if kind == "seq2seq" else T.AutoModelForCausalLM
     model = cls.from_config(config, attn_implementation="eager").eval()
     model.save_pretrained(out)
-    vocab = {f"t{i}": i for i in range(config.vocab_size)}
+    save_tokenizer(config.vocab_size, out)
+    return out
+
+
+def save_tokenizer(vocab_size: int, out: Path) -> None:
+    """A word-level tokenizer over ``vocab_size`` ids (``t0``, ``t1``, …) beside a checkpoint."""
+    import transformers as T
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     T.PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2", pad_token="t0"
     ).save_pretrained(out)
-    return out
 
 
 # --- graphs and their inputs --------------------------------------------------------------------
@@ -234,6 +241,11 @@ def tfgraph_peer(src: Path, kind: str, work: Path, high: int = 900, **options) -
     result = shared.export(str(src), out, kv_cache=True, **options)
     if not result.passed:
         raise RuntimeError("tfgraph's parity check failed")
+    return tfgraph_graphs(out, kind, high)
+
+
+def tfgraph_graphs(out: Path, kind: str, high: int = 900) -> dict:
+    """The prefill and decode-step probes of a cached tfgraph artifact in ``out``."""
     manifest = json.loads((out / "manifest.json").read_text())
     roles = {i["name"]: i.get("role") for i in manifest["graphs"]["model.onnx"]["inputs"]}
     bind = manifest.get("kv_layout", {}).get("present_aliases_past") or {}
@@ -365,6 +377,12 @@ def genai_peer(src: Path, kind: str, work: Path, precision: str = "fp32") -> dic
         lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
         errors = [line for line in lines if "Error:" in line]  # the raise, not the help text
         raise RuntimeError(((errors or lines) or ["builder failed"])[-1][:200])
+    return genai_graphs(out)
+
+
+def genai_graphs(out: Path) -> dict:
+    """The prefill and decode-step probes of an onnxruntime-genai builder output in ``out``."""
+    path = out / "model.onnx"
     config = json.loads((out / "genai_config.json").read_text())
     shared = bool(config.get("search", {}).get("past_present_share_buffer"))
     head_size = config["model"]["decoder"]["head_size"]

@@ -105,6 +105,36 @@ def _serving(plt, d: dict, bench: Path) -> list[str]:
     return ["serving.png"]
 
 
+def _scale(plt, d: dict, bench: Path) -> list[str]:
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    peers = ("tfgraph fp32", "tfgraph int4", "builder fp32", "builder int4")
+    for peer in peers:
+        points = [
+            (m["parameters"] / 1e9, m[peer])
+            for m in d["models"].values()
+            if peer in m and not m[peer].get("exit") and "killed" not in m[peer]
+        ]
+        if not points:
+            continue
+        xs = [x for x, _ in points]
+        style = "-" if peer.startswith("tfgraph") else "--"
+        axes[0].plot(xs, [r["wall_s"] for _, r in points], style, marker="o", label=peer)
+        axes[1].plot(xs, [r["peak_rss_gib"] for _, r in points], style, marker="o", label=peer)
+        decode = [(x, r["decode_step_ms"]) for x, r in points if "decode_step_ms" in r]
+        if decode:
+            axes[2].plot(*zip(*decode, strict=True), style, marker="o", label=peer)
+    for ax, label in zip(
+        axes, ("export wall (s)", "peak RSS (GiB)", "decode step (ms)"), strict=True
+    ):
+        ax.set(xscale="log", xlabel="parameters (billions)", ylabel=label)
+        ax.legend()
+    axes[1].axhline(d["cap_gib"], color="grey", linestyle=":")
+    fig.tight_layout()
+    fig.savefig(bench / "scale.png", dpi=100)
+    plt.close(fig)
+    return ["scale.png"]
+
+
 def draw(results: dict, bench: Path) -> list[str]:
     """``results``: section name → its result dict (sections with errors already left out)."""
     plt = _pyplot()
@@ -114,6 +144,7 @@ def draw(results: dict, bench: Path) -> list[str]:
         ("decode", _decode),
         ("compile_cost", _compile),
         ("serving", _serving),
+        ("scale", _scale),
     ):
         if name in results:
             written += fn(plt, results[name], bench)

@@ -516,6 +516,47 @@ def serving_section(d: dict) -> list[str]:
     return lines
 
 
+def scale_section(d: dict) -> list[str]:
+    lines = [
+        "## Scale: export time, peak memory and decode step against model size",
+        "",
+        "`python -m tfgraph bench --only scale` — random-init checkpoints of published shapes "
+        "(written tensor by tensor), each exported in its own process: tfgraph `export DIR "
+        "--kv-cache` (fp32) and `… --weights int4` (parity, cache parity and the quantization "
+        "report included), the onnxruntime-genai builder `-p fp32` / `-p int4 -e cpu` (no "
+        f"parity). Peak RSS of the whole process tree, sampled every 0.2 s; runs above "
+        f"{d['cap_gib']:g} GiB are killed. Decode step: batch 1, past {d['past']}, "
+        f"{d['threads']} threads, median of 5 in a fresh process; session RSS after loading.",
+        "",
+        "| model | checkpoint | exporter | export wall | peak RSS | artifact | decode step | "
+        "session RSS |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, m in d["models"].items():
+        size = f"{m['parameters'] / 1e9:.2f}B, {m['dtype']}, {m['checkpoint_gib']:.1f} GiB"
+        for peer in ("tfgraph fp32", "tfgraph int4", "builder fp32", "builder int4"):
+            r = m.get(peer)
+            if r is None:
+                continue
+            if "killed" in r:
+                status = f"{r['killed']} after {r['wall_s']:.0f} s"
+                lines.append(f"| {name} | {size} | {peer} | {status} | — | — | — | — |")
+                continue
+            if r.get("exit"):
+                lines.append(
+                    f"| {name} | {size} | {peer} | refused/failed after {r['wall_s']:.0f} s: "
+                    f"{r.get('error', '?')} | {r['peak_rss_gib']:.2f} GiB | — | — | — |"
+                )
+                continue
+            decode = f"{r['decode_step_ms']:.1f} ms" if "decode_step_ms" in r else "—"
+            session = f"{r['session_rss_gib']:.2f} GiB" if "session_rss_gib" in r else "—"
+            lines.append(
+                f"| {name} | {size} | {peer} | {r['wall_s']:.0f} s | {r['peak_rss_gib']:.2f} GiB "
+                f"| {r.get('artifact_gib', 0):.2f} GiB | {decode} | {session} |"
+            )
+    return [*lines, "", "![scale](bench/scale.png)", ""]
+
+
 SECTIONS = {
     "prefill": lambda d: prefill_section(d),
     "attention_memory": lambda d: attention_section(d),
@@ -525,6 +566,7 @@ SECTIONS = {
     "exporters": lambda d: exporters_section(d),
     "precision": lambda d: precision_section(d),
     "serving": lambda d: serving_section(d),
+    "scale": lambda d: scale_section(d),
     "norm_folding": lambda d: norm_section(d),
 }
 FILES = {  # section → JSON file in OUT/bench/ (the older scripts' names kept)
@@ -536,6 +578,7 @@ FILES = {  # section → JSON file in OUT/bench/ (the older scripts' names kept)
     "exporters": "exporters.json",
     "precision": "precision.json",
     "serving": "serving.json",
+    "scale": "scale.json",
     "norm_folding": "norm_folding.json",
 }
 

@@ -29,6 +29,7 @@ SECTIONS = {
     "exporters",
     "precision",
     "serving",
+    "scale",
     "norm_folding",
 }
 TITLES = (
@@ -40,6 +41,7 @@ TITLES = (
     "## Exporters",
     "## Precision",
     "## Serving",
+    "## Scale",
 )
 
 
@@ -152,6 +154,19 @@ def test_serving(bench: Run, suite: dict):
     assert [r["concurrency"] for r in serving["served"]] == [1, 4]
     assert all(r["tokens_per_s"] > 0 and r["requests"] >= 1 for r in serving["served"])
     assert serving["local"]["tokens_per_s"] > 0 and "serving.png" in suite["plots"]
+
+
+def test_scale(bench: Run, suite: dict):
+    """The quick run's scale section: the ~120M checkpoint through every exporter."""
+    row = bench.json("scale")["models"]["llama-120m"]
+    assert 1.0e8 < row["parameters"] < 1.5e8
+    for peer in ("tfgraph fp32", "tfgraph int4", "builder fp32", "builder int4"):
+        entry = row[peer]
+        assert entry["exit"] == 0 and "killed" not in entry, (peer, entry)
+        assert entry["wall_s"] > 0 and entry["peak_rss_gib"] > 0.1, (peer, entry)
+        assert entry["decode_step_ms"] > 0 and entry["session_rss_gib"] > 0, (peer, entry)
+    assert row["tfgraph int4"]["artifact_gib"] < 0.5 * row["tfgraph fp32"]["artifact_gib"]
+    assert "scale.png" in suite["plots"]
 
 
 def test_plots_and_markdown(bench: Run, suite: dict):

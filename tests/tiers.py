@@ -13,6 +13,10 @@ from __future__ import annotations
 # test (file::function) → the parameter ids that stay in the default tier; every other case
 # of that test is slow. An empty set: the whole test is slow.
 SWEEPS: dict[str, tuple[set[str], str]] = {
+    "test_streamed_checkpoints.py::test_low_precision_checkpoint_exports_with_parity": (
+        {"llama-bf16-ort", "mistral-fp16-ort", "qwen2-bf16-ort"},
+        "bf16/fp16 checkpoints streamed to every target: three architectures on ort stay",
+    ),
     "test_zoo_pipelines.py::test_preset_all_profiles": (
         {"llama-tiny", "t5-tiny", "bert-tiny"},
         "every preset x every pipeline and target: a decoder, an encoder-decoder and an encoder "

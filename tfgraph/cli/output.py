@@ -41,10 +41,10 @@ class StageLines(Listener):
 
     def ticked(self, what: str, done: int, total: int, seconds: float) -> None:
         now = time.perf_counter()
+        if seconds < self.EVERY_S:
+            return  # a short loop (or its start): its stage line says enough
         if now - self.last_tick < self.EVERY_S and done < total:
             return
-        if done >= total and seconds < self.EVERY_S:
-            return  # a short loop: its stage line says enough
         self.last_tick = now
         left = eta(done, total, seconds)
         tail = f", ~{left:.0f} s left" if left else ""

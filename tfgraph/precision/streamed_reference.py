@@ -18,14 +18,13 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 
-import numpy as np
 import torch
 from torch import nn
 
 from tfgraph.errors import TfgraphError
 from tfgraph.passes.lazy_weights import DERIVED
 from tfgraph.precision.activations import fake_quantize
-from tfgraph.precision.dequantize import dequantize
+from tfgraph.precision.dequantize import dequantize_rows
 from tfgraph.sources.streamed import PARAMETER, empty_model
 
 logger = logging.getLogger(__name__)
@@ -82,18 +81,19 @@ class _Dequantized(Mapping):
 
     def __init__(self, placed: dict[str, dict], nodes: dict, initializers) -> None:
         self._placed, self._nodes, self._initializers = placed, nodes, initializers
-        self._dequantize = dequantize
-        self._last: tuple[str, np.ndarray] | None = None  # one node (packed Q/K/V: 3 reads)
+        self._last: tuple[str, torch.Tensor] | None = None  # one node (packed Q/K/V: 3 reads)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         entry = self._placed[name]
         node = self._nodes[entry["node"]]
         if self._last is None or self._last[0] != node.name:
-            shape = (node.attributes.get_int("K"), node.attributes.get_int("N"))
-            self._last = (node.name, self._dequantize(node, self._initializers, shape))
+            self._last = (node.name, dequantize_rows(node, self._initializers))  # (N, K)
         c0, c1 = entry["columns"]
-        block = self._last[1][:, c0:c1]
-        return torch.from_numpy(np.ascontiguousarray(block.T if entry["transposed"] else block))
+        rows = self._last[1][c0:c1]  # a Linear's (out, in) block: no transpose
+        return rows.clone() if entry["transposed"] else rows.T.contiguous()
+
+    def __contains__(self, name) -> bool:  # Mapping's own would compute the value
+        return name in self._placed
 
     def __iter__(self):
         return iter(self._placed)

@@ -1,0 +1,189 @@
+"""``scale``: export time, peak memory and the artifact's decode step against model size.
+
+Random-init checkpoints of published shapes, written tensor by tensor
+(:mod:`tfgraph.tools.random_checkpoint`): Llama ~120M, TinyLlama 1.1B (fp32), Qwen2 1.5B
+(bf16, the non-Llama architecture) and Llama 2 7B (bf16, as the hub ships it). Each is exported
+in its own process, as a user would run it, by
+
+- ``tfgraph``: ``python -m tfgraph export DIR -o OUT --kv-cache`` (fp32) and ``… --weights int4``,
+  parity, cache parity and the quantization report included;
+- the onnxruntime-genai model builder: ``-p fp32`` and ``-p int4``, ``-e cpu`` (no parity check).
+
+Peak RSS is the whole process tree's, sampled every 0.2 s; a run above :data:`CAP_GIB` is
+killed and recorded as such (the builder loads the whole model). The decode step (batch 1, past
+512, 2 threads, median of 5 in a fresh process) and the session's RSS after loading come from
+:func:`tfgraph.bench.ort_probe.probe`. Artifacts are deleted after measuring; checkpoints are
+kept under the work directory only for the run.
+
+    python -m tfgraph bench --only scale
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from .exporters import genai_graphs, save_tokenizer, tfgraph_graphs
+from .ort_probe import probe
+
+logger = logging.getLogger(__name__)
+
+CAP_GIB = 20.0  # a run's process tree is killed above this (the machine has 24 GiB)
+TIMEOUT_S = 3600
+PAST = 512
+THREADS = 2
+GiB = 1024**3
+MODELS = {  # name → (shape, checkpoint dtype)
+    "llama-120m": ("llama-120m", "fp32"),
+    "tinyllama-1.1b": ("tinyllama-1.1b", "fp32"),
+    "qwen2-1.5b": ("qwen2-1.5b", "bf16"),
+    "llama2-7b": ("llama2-7b", "bf16"),
+}
+QUICK_MODELS = ("llama-120m",)
+PEERS = {
+    "tfgraph fp32": ("tfgraph", []),
+    "tfgraph int4": ("tfgraph", ["--weights", "int4"]),
+    "builder fp32": ("builder", ["fp32"]),
+    "builder int4": ("builder", ["int4"]),
+}
+
+
+def measured(cmd: list[str], cap_gib: float = CAP_GIB, timeout: float = TIMEOUT_S) -> dict:
+    """Run ``cmd``; wall seconds, the process tree's peak RSS, how it ended."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    root = psutil.Process(proc.pid)
+    peak, killed = 0, None
+    output: list[str] = []
+    while proc.poll() is None:
+        try:
+            tree = [root, *root.children(recursive=True)]
+            rss = sum(p.memory_info().rss for p in tree if p.is_running())
+        except psutil.Error:
+            rss = 0
+        peak = max(peak, rss)
+        if rss > cap_gib * GiB or time.perf_counter() - start > timeout:
+            killed = f"killed at {rss / GiB:.1f} GiB" if rss > cap_gib * GiB else "timed out"
+            for p in [*root.children(recursive=True), root]:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+            break
+        time.sleep(0.2)
+    out, _ = proc.communicate()
+    output = [line for line in (out or "").splitlines() if line.strip()]
+    result = {
+        "wall_s": round(time.perf_counter() - start, 1),
+        "peak_rss_gib": round(peak / GiB, 2),
+        "exit": proc.returncode,
+    }
+    if killed:
+        result["killed"] = f"{killed} (cap {cap_gib:g} GiB)"
+    elif proc.returncode:
+        result["error"] = (output or ["no output"])[-1][:300]
+    result["tail"] = output[-12:]
+    return result
+
+
+def _command(peer: str, checkpoint: Path, out: Path, work: Path) -> list[str]:
+    kind, args = PEERS[peer]
+    if kind == "tfgraph":
+        return [sys.executable, "-m", "tfgraph", "export", str(checkpoint), "-o", str(out),
+                "--kv-cache", *args]  # fmt: skip
+    builder = "onnxruntime_genai.models.builder"
+    return [sys.executable, "-m", builder, "-i", str(checkpoint), "-o", str(out),
+            "-p", args[0], "-e", "cpu", "-c", str(work / "genai-cache")]  # fmt: skip
+
+
+def _decode(peer: str, out: Path) -> dict:
+    graphs = tfgraph_graphs(out, "decoder") if peer.startswith("tfgraph") else genai_graphs(out)
+    path, inputs, bind = graphs["step"](PAST)
+    found = probe(path, inputs, repeats=5, threads=THREADS, bind=bind)
+    return {
+        "decode_step_ms": round(found["seconds"] * 1000, 2),
+        "session_rss_gib": round(found["rss_before_run_mib"] / 1024, 2),
+    }
+
+
+def write_checkpoint(name: str, root: Path) -> Path:
+    from tfgraph.tools.random_checkpoint import shape_config, write_random_checkpoint
+
+    shape, dtype = MODELS[name]
+    config = shape_config(shape)
+    path = write_random_checkpoint(config, root / name, dtype=dtype)
+    save_tokenizer(config.vocab_size, path)
+    return path
+
+
+def run(quick: bool, workdir: Path, progress=lambda step: None, only=None) -> dict:
+    names = QUICK_MODELS if quick else tuple(MODELS)
+    if only:
+        names = tuple(n for n in names if n in only)
+    results: dict = {"past": PAST, "threads": THREADS, "cap_gib": CAP_GIB, "models": {}}
+    for name in names:
+        progress(f"scale: writing the {name} checkpoint")
+        checkpoint = write_checkpoint(name, workdir / "checkpoints")
+        weights = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
+        row: dict = {"checkpoint_gib": round(weights / GiB, 2), "dtype": MODELS[name][1]}
+        row["parameters"] = _parameters(checkpoint)
+        for peer in PEERS:
+            progress(f"scale: {name}: {peer}")
+            out = workdir / "artifacts" / f"{name}-{peer.replace(' ', '-')}"
+            shutil.rmtree(out, ignore_errors=True)
+            entry = measured(_command(peer, checkpoint, out, workdir))
+            if entry["exit"] == 0 and "killed" not in entry:
+                try:
+                    entry.update(_decode(peer, out))
+                except Exception as exc:  # noqa: BLE001 - a probe failure is recorded
+                    entry["decode_error"] = str(exc)[:200]
+                entry["artifact_gib"] = round(_bytes(out) / GiB, 2)
+            row[peer] = entry
+            shutil.rmtree(out, ignore_errors=True)
+            logger.info("%s %s: %s", name, peer, {k: v for k, v in entry.items() if k != "tail"})
+        results["models"][name] = row
+        shutil.rmtree(checkpoint, ignore_errors=True)
+        shutil.rmtree(workdir / "genai-cache", ignore_errors=True)
+    return results
+
+
+def _parameters(checkpoint: Path) -> int:
+    from tfgraph.sources.checkpoint import Checkpoint
+
+    total = 0
+    for entry in Checkpoint(checkpoint).entries.values():
+        n = 1
+        for d in entry.shape:
+            n *= d
+        total += n
+    return total
+
+
+def _bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def main() -> None:
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", nargs="*")
+    parser.add_argument("--work", default=os.environ.get("TMPDIR", "/tmp") + "/tfgraph-scale")
+    parser.add_argument("--out", default="docs/bench/scale.json")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    result = run(args.quick, Path(args.work), lambda s: print(s, file=sys.stderr), args.only)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
