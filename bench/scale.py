@@ -113,6 +113,37 @@ def _decode(peer: str, out: Path) -> dict:
     }
 
 
+GENERATED = 16
+
+
+def generation_check(checkpoint: Path, artifact: Path, new_tokens: int = GENERATED) -> dict:
+    """``generate`` on a quantized artifact against the streamed eager model with the
+    artifact's dequantized weights, greedy, ``new_tokens`` from an 8-token prompt."""
+    import json
+
+    from tfgraph.precision.weights import reference_from_artifact
+    from tfgraph.runtime import CachedDecoder, open_runner
+    from tfgraph.sources import load_source
+    from tfgraph.verify.generation_parity import compare_greedy
+
+    source = load_source(str(checkpoint))
+    report = json.loads((artifact / "report.json").read_text())
+    reference = reference_from_artifact(
+        source, artifact / "model.onnx", report["weights"]["parameters"]
+    )
+    decoder = CachedDecoder(open_runner(artifact / "model.onnx"))
+    prompt = source.inputs(1, 8, seed=5)["input_ids"][0].tolist()
+    start = time.perf_counter()
+    found = compare_greedy(reference, decoder, [prompt], new_tokens)
+    return {
+        "new_tokens": new_tokens,
+        "tokens_equal": found.tokens == found.want_tokens,
+        "tokens": found.tokens[0],
+        "eager_tokens": found.want_tokens[0],
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
 def write_checkpoint(name: str, root: Path) -> Path:
     from tfgraph.tools.random_checkpoint import shape_config, write_random_checkpoint
 
@@ -145,6 +176,13 @@ def run(quick: bool, workdir: Path, progress=lambda step: None, only=None) -> di
                 except Exception as exc:  # noqa: BLE001 - a probe failure is recorded
                     entry["decode_error"] = str(exc)[:200]
                 entry["artifact_gib"] = round(_bytes(out) / GiB, 2)
+                if peer.startswith("tfgraph"):
+                    entry["report"] = _report_figures(out)
+                if peer == "tfgraph int4":
+                    progress(f"scale: {name}: generate vs streamed eager, {GENERATED} tokens")
+                    check = measured([sys.executable, "-m", "tfgraph.bench.scale", "--generation",
+                                      str(checkpoint), str(out)])  # fmt: skip
+                    entry["generation"] = _last_json(check)
             row[peer] = entry
             shutil.rmtree(out, ignore_errors=True)
             logger.info("%s %s: %s", name, peer, {k: v for k, v in entry.items() if k != "tail"})
@@ -152,6 +190,31 @@ def run(quick: bool, workdir: Path, progress=lambda step: None, only=None) -> di
         shutil.rmtree(checkpoint, ignore_errors=True)
         shutil.rmtree(workdir / "genai-cache", ignore_errors=True)
     return results
+
+
+def _report_figures(out: Path) -> dict:
+    import json
+
+    report = json.loads((out / "report.json").read_text())
+    parity = report["parity"]
+    weights = report.get("weights") or {}
+    return {
+        "passed": parity["passed"],
+        "max_abs_err": parity["outputs"][0]["max_abs_err"],
+        "timings": report.get("timings"),
+        "checkpoint_dtype": report["source"].get("checkpoint_dtype"),
+        "error_vs_fp32": weights.get("error_vs_fp32"),
+    }
+
+
+def _last_json(result: dict) -> dict:
+    import json
+
+    for line in reversed(result.get("tail", [])):
+        if line.startswith("{"):
+            return {**json.loads(line), "wall_s": result["wall_s"],
+                    "peak_rss_gib": result["peak_rss_gib"]}  # fmt: skip
+    return {"error": (result.get("tail") or ["no output"])[-1][:300], "exit": result["exit"]}
 
 
 def _parameters(checkpoint: Path) -> int:
@@ -179,7 +242,11 @@ def main() -> None:
     parser.add_argument("--only", nargs="*")
     parser.add_argument("--work", default=os.environ.get("TMPDIR", "/tmp") + "/tfgraph-scale")
     parser.add_argument("--out", default="docs/bench/scale.json")
+    parser.add_argument("--generation", nargs=2, metavar=("CHECKPOINT", "ARTIFACT"))
     args = parser.parse_args()
+    if args.generation:
+        print(json.dumps(generation_check(Path(args.generation[0]), Path(args.generation[1]))))
+        return
     logging.basicConfig(level=logging.INFO)
     result = run(args.quick, Path(args.work), lambda s: print(s, file=sys.stderr), args.only)
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -9,7 +9,7 @@ GREEDY_TOKENS = 64
 # a checkpoint streamed from disk reads every weight once per eager token (twice: fp32 and
 # dequantized); past a GiB of weights the comparison runs over fewer tokens (the report says)
 BIG_CHECKPOINT_BYTES = 1 << 30
-BIG_GREEDY_TOKENS = 16
+BIG_GREEDY_TOKENS = 8
 
 
 def quantization_error(source, reference, model_file, shapes) -> dict:
