@@ -138,6 +138,8 @@ def generation_check(checkpoint: Path, artifact: Path, new_tokens: int = GENERAT
     return {
         "new_tokens": new_tokens,
         "tokens_equal": found.tokens == found.want_tokens,
+        "first_difference": found.divergence(),
+        "accuracy_level": next((n.get("accuracy_level") for n in [report["weights"]] if n), None),
         "tokens": found.tokens[0],
         "eager_tokens": found.want_tokens[0],
         "seconds": round(time.perf_counter() - start, 1),
