@@ -72,6 +72,7 @@ MAY_IMPORT = {
         "verify",
         "export",
         "serving",
+        "tools",  # the random checkpoint writer (the scale section)
     },  # fmt: skip
     "cli": set(STAGE_OF.values()),
 }

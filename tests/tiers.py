@@ -17,6 +17,18 @@ SWEEPS: dict[str, tuple[set[str], str]] = {
         {"llama-bf16-ort", "mistral-fp16-ort", "qwen2-bf16-ort"},
         "bf16/fp16 checkpoints streamed to every target: three architectures on ort stay",
     ),
+    "test_streamed_checkpoints.py::test_same_graph_as_loading_whole": (
+        set(),
+        "a streamed checkpoint's graph and bytes against the whole-loaded model's",
+    ),
+    "test_streamed_checkpoints.py::test_estimate_is_close_to_the_artifact": (
+        set(),
+        "the budget's size estimate against written artifacts (fp32, int4)",
+    ),
+    "test_nbits.py::test_same_nodes_and_bytes_as_matmul_nbits_quantizer": (
+        {"llama-tiny-4-False-4"},
+        "per-MatMul quantization against MatMulNBitsQuantizer on three presets",
+    ),
     "test_zoo_pipelines.py::test_preset_all_profiles": (
         {"llama-tiny", "t5-tiny", "bert-tiny"},
         "every preset x every pipeline and target: a decoder, an encoder-decoder and an encoder "

@@ -48,11 +48,9 @@ def stage(name: str) -> Iterator[None]:
     start = time.perf_counter()
     if listener is not None:
         listener.started(name)
-    try:
-        yield
-    finally:
-        if listener is not None:
-            listener.finished(name, time.perf_counter() - start)
+    yield  # a stage that raises is not said to have finished
+    if listener is not None:
+        listener.finished(name, time.perf_counter() - start)
 
 
 def tick(what: str, done: int, total: int) -> None:

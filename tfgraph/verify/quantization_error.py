@@ -52,6 +52,8 @@ def quantization_error(source, reference, model_file, shapes) -> dict:
 
         deq = generate(decoder, prompts, GenerationConfig(max_new_tokens=steps), extra=extra).tokens
         out["greedy_of"] = "the artifact (cached) against fp32 eager"
+    else:
+        deq, _ = eager_greedy(reference, decoder, prompts, extra, steps)
     same = [a == b for a, b in zip(fp32[0], deq[0], strict=True)]
     out["greedy_tokens"] = steps
     out["greedy_agreement"] = sum(same)
