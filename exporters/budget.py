@@ -27,6 +27,7 @@ GiB = 1024**3
 def _size(n: float) -> str:
     return f"{n / GiB:.1f} GiB" if n >= GiB / 10 else f"{n / 1024**2:.1f} MiB"
 
+
 OPEN_FACTOR = 1.25  # session memory per artifact byte (measured: fp32 1.1B 1.05, int4 1.2)
 _BITS = {"int4": 4, "int8": 8}
 
@@ -92,6 +93,16 @@ def check_budget(source, options, out_dir: Path) -> dict:
     if memory is None:
         return figures
     figures["memory_available_bytes"] = memory
+    if options.precision != "fp32":
+        # the precision stage finds its fp32 islands by running the fp32 graph in ONNX Runtime
+        fp32 = estimate_bytes(module, "fp32", None, options.block_size, options.symmetric)
+        if fp32 * 2 * OPEN_FACTOR > memory:
+            raise TfgraphError(
+                f"--precision {options.precision} measures its fp32 islands by running the fp32 "
+                f"graph (about {_size(fp32)}) in ONNX Runtime, which needs about "
+                f"{_size(fp32 * 2 * OPEN_FACTOR)} of the {_size(memory)} available here; "
+                "export fp32 with --weights int4 or int8 instead"
+            )
     needed = size * OPEN_FACTOR
     if needed > memory:
         what = f"--weights {options.weights}" if options.weights else options.precision
