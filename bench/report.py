@@ -554,6 +554,25 @@ def scale_section(d: dict) -> list[str]:
                 f"| {name} | {size} | {peer} | {r['wall_s']:.0f} s | {r['peak_rss_gib']:.2f} GiB "
                 f"| {r.get('artifact_gib', 0):.2f} GiB | {decode} | {session} |"
             )
+    lines.append("")
+    for name, m in d["models"].items():
+        r = m.get("tfgraph int4") or {}
+        g = r.get("generation")
+        report = r.get("report") or {}
+        if report:
+            timings = ", ".join(f"{k} {v:.0f} s" for k, v in (report.get("timings") or {}).items())
+            lines.append(
+                f"- {name} int4: parity {'pass' if report.get('passed') else 'FAIL'} (max abs "
+                f"err {report.get('max_abs_err', 0):.3g}); stages: {timings}."
+            )
+        if g and "tokens_equal" in g:
+            parted = g.get("first_difference")
+            said = "equal" if g["tokens_equal"] else f"part at token {parted}"
+            lines.append(
+                f"- {name} int4: `generate` vs the streamed eager with the artifact's dequantized "
+                f"weights, {g['new_tokens']} greedy tokens: {said} ({g['seconds']:.0f} s, peak "
+                f"{g['peak_rss_gib']:.2f} GiB)."
+            )
     return [*lines, "", "![scale](bench/scale.png)", ""]
 
 

@@ -57,8 +57,11 @@ PEERS = {
 
 def measured(cmd: list[str], cap_gib: float = CAP_GIB, timeout: float = TIMEOUT_S) -> dict:
     """Run ``cmd``; wall seconds, the process tree's peak RSS, how it ended."""
+    import tempfile
+
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tempfile.TemporaryFile("w+")  # a pipe would fill and block a chatty child (tqdm)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     root = psutil.Process(proc.pid)
     peak, killed = 0, None
     output: list[str] = []
@@ -78,8 +81,10 @@ def measured(cmd: list[str], cap_gib: float = CAP_GIB, timeout: float = TIMEOUT_
                     pass
             break
         time.sleep(0.2)
-    out, _ = proc.communicate()
-    output = [line for line in (out or "").splitlines() if line.strip()]
+    proc.wait()
+    log.seek(0)
+    output = [line for line in log.read().replace("\r", "\n").splitlines() if line.strip()]
+    log.close()
     result = {
         "wall_s": round(time.perf_counter() - start, 1),
         "peak_rss_gib": round(peak / GiB, 2),
@@ -156,14 +161,22 @@ def write_checkpoint(name: str, root: Path) -> Path:
     return path
 
 
-def run(quick: bool, workdir: Path, progress=lambda step: None, only=None) -> dict:
+def run(
+    quick: bool, workdir: Path, progress=lambda step: None, only=None, save=None, reuse=None
+) -> dict:
+    """``only``: model names; ``save(results)`` after each model; ``reuse``: a directory whose
+    ``<name>/`` checkpoints are used instead of writing them (kept)."""
     names = QUICK_MODELS if quick else tuple(MODELS)
     if only:
-        names = tuple(n for n in names if n in only)
+        names = tuple(n for n in only if n in MODELS)
     results: dict = {"past": PAST, "threads": THREADS, "cap_gib": CAP_GIB, "models": {}}
     for name in names:
-        progress(f"scale: writing the {name} checkpoint")
-        checkpoint = write_checkpoint(name, workdir / "checkpoints")
+        kept = reuse is not None and (Path(reuse) / name / "config.json").is_file()
+        if kept:
+            checkpoint = Path(reuse) / name
+        else:
+            progress(f"scale: writing the {name} checkpoint")
+            checkpoint = write_checkpoint(name, workdir / "checkpoints")
         weights = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
         row: dict = {"checkpoint_gib": round(weights / GiB, 2), "dtype": MODELS[name][1]}
         row["parameters"] = _parameters(checkpoint)
@@ -189,7 +202,10 @@ def run(quick: bool, workdir: Path, progress=lambda step: None, only=None) -> di
             shutil.rmtree(out, ignore_errors=True)
             logger.info("%s %s: %s", name, peer, {k: v for k, v in entry.items() if k != "tail"})
         results["models"][name] = row
-        shutil.rmtree(checkpoint, ignore_errors=True)
+        if save is not None:
+            save(results)
+        if not kept:
+            shutil.rmtree(checkpoint, ignore_errors=True)
         shutil.rmtree(workdir / "genai-cache", ignore_errors=True)
     return results
 
@@ -245,13 +261,21 @@ def main() -> None:
     parser.add_argument("--work", default=os.environ.get("TMPDIR", "/tmp") + "/tfgraph-scale")
     parser.add_argument("--out", default="docs/bench/scale.json")
     parser.add_argument("--generation", nargs=2, metavar=("CHECKPOINT", "ARTIFACT"))
+    parser.add_argument("--reuse", help="a directory of <model>/ checkpoints to use")
     args = parser.parse_args()
     if args.generation:
         print(json.dumps(generation_check(Path(args.generation[0]), Path(args.generation[1]))))
         return
     logging.basicConfig(level=logging.INFO)
-    result = run(args.quick, Path(args.work), lambda s: print(s, file=sys.stderr), args.only)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+
+    def save(result):
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+    result = run(
+        args.quick, Path(args.work), lambda s: print(s, file=sys.stderr, flush=True), args.only,
+        save=save, reuse=args.reuse,
+    )  # fmt: skip
+    save(result)
 
 
 if __name__ == "__main__":
