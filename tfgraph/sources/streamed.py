@@ -87,13 +87,10 @@ class WeightBinder:
     """Binds a traced graph's initializers (named by the wrapper's parameter names) to lazy
     tensors reading ``checkpoint``; ``streamed`` rebuilds the eager reference."""
 
-    def __init__(
-        self, checkpoint: Checkpoint, keys: dict[str, str], buffers: dict[str, torch.Tensor]
-    ) -> None:
+    def __init__(self, checkpoint: Checkpoint, keys: dict[str, str]) -> None:
         self.streamed: Streamed | None = None
         self.checkpoint = checkpoint
         self.keys = keys
-        self.buffers = buffers  # computed at build time (RoPE's inv_freq), not in the checkpoint
 
     def bind(self, model: ir.Model) -> int:
         """Replace every initializer of ``model`` that is a parameter by its lazy checkpoint
@@ -102,9 +99,6 @@ class WeightBinder:
         for name, value in model.graph.initializers.items():
             tensor = value.const_value
             if not _is_torch(tensor) or name not in self.keys:
-                continue
-            if name in self.buffers:
-                value.const_value = ir.Tensor(self.buffers[name].numpy(), name=name)
                 continue
             key = self.keys.get(name)
             if key is None:
@@ -137,7 +131,7 @@ def prepare_trace(wrapper: nn.Module, checkpoint: Checkpoint) -> WeightBinder:
         (wrapper.get_submodule(owner) if owner else wrapper)._buffers[attr] = value
     if hasattr(wrapper.model, "tie_weights"):
         wrapper.model.tie_weights()  # to_empty gave each alias of a tied weight its own storage
-    return WeightBinder(checkpoint, keys, {})
+    return WeightBinder(checkpoint, keys)
 
 
 def _is_torch(tensor) -> bool:
@@ -249,9 +243,3 @@ def _device_map(model: nn.Module) -> dict[str, str]:
         elif any(True for _ in module.parameters(recurse=False)):
             units[name] = "disk"
     return units
-
-
-def streamed_model(cls, config, extra: dict, checkpoint: Checkpoint) -> nn.Module:
-    """The eager model with its weights offloaded to the checkpoint's files (accelerate's disk
-    offload hooks): weights load per block, in fp32, as it runs."""
-    return Streamed(cls, config, extra, checkpoint).model()
