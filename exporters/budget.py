@@ -2,8 +2,9 @@
 
 The artifact's size is estimated from the model's parameters and the chosen format (fp32 4
 bytes a weight, fp16/bf16 2, int4 half a byte plus a scale, and half a byte of zero point when
-asymmetric, per block; embeddings stay in the activation precision). Opening it takes about its
-size in memory again (ONNX Runtime reads or maps the weights, and prepacks MatMulNBits ones),
+asymmetric, per block; embedding tables too at int4, else in the activation precision).
+Opening it takes about its size in memory again (ONNX Runtime reads or maps the weights, and
+prepacks MatMulNBits ones),
 while the streamed eager reference holds one layer. An export that could not finish is refused
 in one line, with the figure and a format that fits.
 """
@@ -33,9 +34,15 @@ _BITS = {"int4": 4, "int8": 8}
 
 
 def estimate_bytes(
-    module: nn.Module, precision: str, weights: str | None, block: int, symmetric: bool
+    module: nn.Module,
+    precision: str,
+    weights: str | None,
+    block: int,
+    symmetric: bool,
+    embeddings: bool = True,
 ) -> int:
-    """Bytes of the artifact's weights."""
+    """Bytes of the artifact's weights (embedding tables int4 too at ``weights='int4'`` unless
+    ``embeddings`` is false)."""
     float_bytes = 4 if precision == "fp32" else 2
     total = 0
     seen: set[int] = set()
@@ -45,7 +52,8 @@ def estimate_bytes(
                 continue
             seen.add(id(param))
             n = param.numel()
-            if weights and param.dim() == 2 and not isinstance(owner, nn.Embedding):
+            table = isinstance(owner, nn.Embedding)
+            if weights and param.dim() == 2 and (not table or (embeddings and weights == "int4")):
                 bits = _BITS[weights]
                 blocks = n / block
                 total += int(n * bits / 8 + blocks * float_bytes + (0 if symmetric else blocks / 2))
@@ -78,7 +86,12 @@ def check_budget(source, options, out_dir: Path) -> dict:
     opened in the memory available; the figures, for the report."""
     module = source.trace_module or source.module
     size = estimate_bytes(
-        module, options.precision, options.weights, options.block_size, options.symmetric
+        module,
+        options.precision,
+        options.weights,
+        options.block_size,
+        options.symmetric,
+        options.quantize_embeddings,
     )
     figures = {"estimated_artifact_bytes": size}
     parent = out_dir.resolve().parent
@@ -122,7 +135,14 @@ def _fits(module, options, memory: int) -> str | None:
         ("fp32", "int8", "--weights int8"),
         ("fp32", "int4", "--weights int4"),
     ):
-        size = estimate_bytes(module, precision, weights, options.block_size, options.symmetric)
+        size = estimate_bytes(
+            module,
+            precision,
+            weights,
+            options.block_size,
+            options.symmetric,
+            options.quantize_embeddings,
+        )
         if size * OPEN_FACTOR <= memory:
             return f"{text} (about {_size(size)})"
     return None

@@ -102,11 +102,25 @@ def test_greedy_tokens_equal_eager_with_dequantized_weights(tmp_path, preset, we
     assert w["weights"] == weights and w["lm_head"] and len(w["quantized"]) >= 9
     assert w["accuracy_level"] == (4 if level is None else level)
     assert w["weight_bytes_after"] < w["weight_bytes_before"] / (2.5 if weights == "int4" else 2)
-    assert any("embedding" in u["reason"] for u in w["unquantized"])
+    tables = [q for q in w["quantized"] if q.get("op") == "Gather"]
+    if weights == "int4":  # the token (and GPT-2's position) tables: GatherBlockQuantized
+        assert len(tables) == (2 if preset == "gpt2-tiny" else 1) and w["embeddings"]
+        assert not any("embedding" in u["reason"] for u in w["unquantized"])
+        assert sum(e.get("embedding", False) for e in w["parameters"]) == len(tables)
+    else:  # ONNX Runtime's Gather quantization is 4 bits only
+        assert not tables and not w["embeddings"]
+        assert any("4 bits only" in u["reason"] for u in w["unquantized"])
     error = w["error_vs_fp32"]
     assert error["greedy_tokens"] == 64 and 0 < error["max_logits_err"] < 10
     model = onnx.load(out / "model.onnx")
-    assert sum(n.op_type == "MatMulNBits" for n in model.graph.node) == len(w["quantized"])
+    assert sum(n.op_type == "MatMulNBits" for n in model.graph.node) == len(w["quantized"]) - len(
+        tables
+    )
+    assert sum(n.op_type == "GatherBlockQuantized" for n in model.graph.node) == len(tables)
+    assert sum(
+        n.op_type == "Gather" and n.input[0] in {i.name for i in model.graph.initializer}
+        for n in model.graph.node
+    ) == (0 if tables else (2 if preset == "gpt2-tiny" else 1))
     assert not any(n.op_type == "MatMul" for n in model.graph.node)  # the head too
     levels = {a.i for n in model.graph.node for a in n.attribute if a.name == "accuracy_level"} or {
         0
@@ -118,12 +132,17 @@ def test_greedy_tokens_equal_eager_with_dequantized_weights(tmp_path, preset, we
     decoder = CachedDecoder(open_runner(out / "model.onnx"))
     prompts = [[5, 17, 3, 9, 44], [7, 2]]
     comparison = compare_greedy(reference, decoder, prompts, 64)
-    assert comparison.tokens == comparison.want_tokens
     if level == 0:
+        assert comparison.tokens == comparison.want_tokens
         assert comparison.passed, [s for s in comparison.steps if not s["passed"]][:1]
-    else:  # each step's logits within the parity rule's allowance
+    else:  # each step's logits within the parity rule's allowance, up to where they part:
+        # fp32 noise flips an int8 rounding of the activations now and then, so a near tie of
+        # the top two tokens may part the two sides; from there they decode different prefixes
         allowed = 2 * row["activation_quant_err"] + 1e-4 + 1e-3 * 100
-        assert max(s["max_abs_err"] for s in comparison.steps) <= allowed
+        parted = comparison.divergence()
+        steps = comparison.steps if parted is None else comparison.steps[: parted + 1]
+        assert max(s["max_abs_err"] for s in steps) <= allowed
+        assert parted is None or parted >= 16, parted  # 16 equal tokens at least
 
 
 def test_lm_head_can_stay_fp32(tmp_path):

@@ -45,6 +45,7 @@ class ExportOptions:
     block_size: int = DEFAULT_BLOCK_SIZE
     symmetric: bool = False
     quantize_lm_head: bool = True
+    quantize_embeddings: bool = True
     accuracy_level: int | None = None
 
     @classmethod

@@ -88,7 +88,13 @@ def add_parser(sub):
     p.add_argument(
         "--no-quantize-lm-head",
         action="store_true",
-        help="--weights: keep the LM head in fp32 (embeddings always stay fp32)",
+        help="--weights: keep the LM head in fp32",
+    )
+    p.add_argument(
+        "--no-quantize-embeddings",
+        action="store_true",
+        help="--weights int4: keep the embedding tables in fp32 (default: int4 "
+        "GatherBlockQuantized; int8 always keeps them)",
     )
     p.add_argument(
         "--keep-io-types",
@@ -137,6 +143,7 @@ def options_from_args(args):
         block_size=args.block_size,
         symmetric=args.symmetric,
         quantize_lm_head=not args.no_quantize_lm_head,
+        quantize_embeddings=not args.no_quantize_embeddings,
         accuracy_level=args.accuracy_level,
     )
 

@@ -146,10 +146,12 @@ def print_weights(weights: dict | None, *, verbose: bool) -> None:
         return
     kind = "symmetric" if weights["symmetric"] else "asymmetric"
     before, after = (weights[k] / (1 << 20) for k in ("weight_bytes_before", "weight_bytes_after"))
+    tables = sum(1 for row in weights["quantized"] if row.get("op") == "Gather")
+    gathered = f"{tables} embedding tables in GatherBlockQuantized, " if tables else ""
     print(
         f"weights {weights['weights']} (block {weights['block_size']}, {kind}, accuracy level "
         f"{weights.get('accuracy_level', 0)}): "
-        f"{len(weights['quantized'])} MatMul weights in MatMulNBits, "
+        f"{len(weights['quantized']) - tables} MatMul weights in MatMulNBits, {gathered}"
         f"{before:.2f} -> {after:.2f} MiB"
     )
     shown = weights["unquantized"] if verbose else weights["unquantized"][:3]

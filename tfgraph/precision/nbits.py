@@ -26,28 +26,18 @@ MS_DOMAIN = "com.microsoft"
 
 
 class _Blocks:
-    """One weight's (packed, scales, zero_points), computed on the first read of any of them
-    and dropped once all three were read."""
+    """One weight's parts (packed, scales[, zero_points]), computed by ``compute()`` on the
+    first read of any of them and dropped once all were read."""
 
-    def __init__(self, quantizer, weight, parts: int) -> None:
-        self.quantizer = quantizer
-        self.weight = weight
+    def __init__(self, compute, parts: int) -> None:
+        self.compute = compute
         self.parts = parts
         self._value: tuple | None = None
         self._left: set[int] = set()
 
     def get(self, index: int) -> np.ndarray:
         if self._value is None:
-            array = np.ascontiguousarray(self.weight.numpy())  # the C++ routine reads it flat
-            bfloat16 = array.dtype.name == "bfloat16"
-            packed, scales, zp = self.quantizer.qbits_block_quant(
-                array.astype(np.float32) if bfloat16 else array
-            )
-            if bfloat16:
-                import ml_dtypes
-
-                scales = scales.astype(ml_dtypes.bfloat16)
-            self._value = (packed, scales, zp)
+            self._value = self.compute()
             self._left = set(range(self.parts))
         value = self._value[index]
         self._left.discard(index)
@@ -57,9 +47,26 @@ class _Blocks:
 
     def lazy(self, index: int, dtype: ir.DataType, shape, name: str) -> ir.LazyTensor:
         def read() -> ir.Tensor:
-            return ir.Tensor(self.get(index), name=name)
+            value = self.get(index)
+            if dtype in (ir.DataType.INT4, ir.DataType.UINT4):  # packed two a byte
+                return ir.PackedTensor(value, dtype, shape=ir.Shape(list(shape)), name=name)
+            return ir.Tensor(value, name=name)
 
         return ir.LazyTensor(read, dtype=dtype, shape=ir.Shape(list(shape)), name=name)
+
+
+def _block_quantized(quantizer, weight) -> tuple:
+    """ONNX Runtime's (packed, scales, zero_points) of one (K, N) weight tensor."""
+    array = np.ascontiguousarray(weight.numpy())  # the C++ routine reads it flat
+    bfloat16 = array.dtype.name == "bfloat16"
+    packed, scales, zp = quantizer.qbits_block_quant(
+        array.astype(np.float32) if bfloat16 else array
+    )
+    if bfloat16:
+        import ml_dtypes
+
+        scales = scales.astype(ml_dtypes.bfloat16)
+    return packed, scales, zp
 
 
 def quantize_matmuls(
@@ -100,7 +107,7 @@ def quantize_matmuls(
         kpack = 8 // bits
         blob = (block_size + kpack - 1) // kpack
         parts = 2 if symmetric else 3
-        held = _Blocks(quantizer, tensor, parts)
+        held = _Blocks(lambda t=tensor: _block_quantized(quantizer, t), parts)
         scale_dtype = ir.DataType.BFLOAT16 if tensor.dtype == ir.DataType.BFLOAT16 else tensor.dtype
         inputs = [
             node.inputs[0],

@@ -36,6 +36,7 @@ def quantize_weights(graph, source, options, records: list[PassRecord]) -> tuple
         block_size=options.block_size,
         symmetric=options.symmetric,
         lm_head=options.quantize_lm_head,
+        embeddings=options.quantize_embeddings,
         accuracy_level=options.accuracy_level,
     )
     seconds = round(time.perf_counter() - start, 3)

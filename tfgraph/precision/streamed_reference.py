@@ -8,8 +8,9 @@ its block is about to run and dropped after, so the reference holds no more than
 Which parameter a quantized weight came from is read off the graph, not found by content: a
 weight bound from the checkpoint names its parameter, a transposed (``Linear``) or packed
 (Q/K/V) weight names its sources (:mod:`tfgraph.passes.lazy_weights`). A head tied to the
-embedding is untied in the reference, as in the graph: the head computes with the dequantized
-table, the embedding with the checkpoint's.
+embedding is untied in the reference, as in the graph: the head computes with its dequantized
+weight, the embedding with its own (dequantized from ``GatherBlockQuantized`` at int4, the
+checkpoint's otherwise).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tfgraph.errors import TfgraphError
 from tfgraph.passes.lazy_weights import DERIVED
 from tfgraph.precision.activations import fake_quantize
 from tfgraph.precision.dequantize import dequantize_rows
+from tfgraph.precision.gather_nbits import dequantize_table
 from tfgraph.sources.streamed import PARAMETER, empty_model
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,7 @@ def placements(quantized: list) -> list[dict]:
                     "parameter": name,
                     "columns": [col, col + width],
                     "transposed": flipped,
+                    **({"embedding": True} if node.op_type == "GatherBlockQuantized" else {}),
                 }
             )
             col += width
@@ -86,6 +89,8 @@ class _Dequantized(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         entry = self._placed[name]
         node = self._nodes[entry["node"]]
+        if entry.get("embedding"):  # a GatherBlockQuantized table, (rows, width) as stored
+            return torch.from_numpy(dequantize_table(node, self._initializers))
         if self._last is None or self._last[0] != node.name:
             self._last = (node.name, dequantize_rows(node, self._initializers))  # (N, K)
         c0, c1 = entry["columns"]
@@ -134,11 +139,16 @@ def streamed_dequantized(source, placed: list[dict], nodes: dict, initializers):
         name = entry["parameter"].removeprefix(_WRAPPER)
         aliases = shared.get(name, [name])
         heads = [a for a in aliases if not issubclass(owners[a], nn.Embedding)]
-        if not heads:
-            raise TfgraphError(f"quantized weight of '{name}' is an embedding's table alone")
-        target = heads[0]
-        if len(aliases) > 1:
-            untie.append(target)  # the embedding keeps the checkpoint's table
+        tables = [a for a in aliases if issubclass(owners[a], nn.Embedding)]
+        if entry.get("embedding"):
+            if not tables:
+                raise TfgraphError(f"quantized table of '{name}' is not an embedding's")
+            target = tables[0]
+        else:
+            if not heads:
+                raise TfgraphError(f"quantized weight of '{name}' is an embedding's table alone")
+            target = heads[0]
+        untie += heads[:1] if len(aliases) > 1 else []  # head and table: each its own values
         by_param[target] = entry
     del probe
     overrides = _Dequantized(by_param, nodes, initializers)

@@ -8,10 +8,14 @@ creation; measured).
 
 - **LM head**: quantized unless ``lm_head=False``. A head tied to the embedding reads the
   embedding through a ``Transpose``; it gets its own transposed copy to quantize (the embedding
-  ``Gather`` keeps the fp32 table).
+  ``Gather`` keeps its table, quantized on its own as below).
 - **Gemm** (GPT-2's ``Conv1D`` traces to it) becomes ``MatMul`` first
   (:mod:`tfgraph.passes.gemm_as_matmul`): the quantizer takes MatMuls only.
-- **Embeddings** stay fp32 (a ``Gather`` reads one row per token; nothing to gain in decode).
+- **Embeddings** (int4 only; ``embeddings=False`` keeps them): the ``Gather`` of each
+  embedding table becomes ``GatherBlockQuantized`` (:mod:`tfgraph.precision.gather_nbits`),
+  blocks of ``block_size`` along the hidden axis. A decode step reads one row of it; the
+  session no longer holds the fp32 table (the largest fp32 weight left in an int4 Llama).
+  int8 keeps them fp32 (ONNX Runtime's Gather quantization is 4 bits only).
 - **Accuracy level** (the kernel's ``accuracy_level``; the target lists what it runs, default
   first): 4 quantizes each activation row to int8 per block of ``block_size`` along K
   (symmetric, scale ``max|x| / 127``, round half to even) and multiplies in integers; 0 keeps
@@ -40,6 +44,7 @@ from tfgraph.passes.lazy_weights import transposed
 from tfgraph.passes.provenance import layer_name
 from tfgraph.precision.activations import ActivationQuantizer
 from tfgraph.precision.dequantize import dequantize
+from tfgraph.precision.gather_nbits import dequantize_table, quantize_embeddings
 from tfgraph.precision.nbits import quantize_matmuls
 from tfgraph.precision.streamed_reference import is_streamed, streamed_dequantized
 
@@ -121,6 +126,7 @@ def quantize(
     symmetric: bool,
     lm_head: bool,
     accuracy_level: int = 0,
+    embeddings: bool = True,
 ) -> tuple[ir.Model, dict]:
     """``model`` with its MatMul weights in ``MatMulNBits``; and what the report says: the
     quantized and unquantized layers, weight bytes before and after, and under
@@ -157,6 +163,13 @@ def quantize(
         {"module": layer_name(node), "shape": [int(d) for d in weight.shape]}
         for node, weight in done
     ]
+    if embeddings and bits == 4:
+        tables = quantize_embeddings(model, block_size=block_size, symmetric=symmetric)
+        quantized += [
+            {"module": layer_name(node), "shape": [int(d) for d in table.shape], "op": "Gather"}
+            for node, table in tables
+        ]
+        done += tables
     for node in quantized_model.graph:
         if (
             node.op_type == "MatMul"
@@ -167,19 +180,29 @@ def quantize(
                 unquantized.append({"node": node.name, "reason": "not taken by the quantizer"})
     for node in quantized_model.graph:
         if node.op_type == "Gather" and node.inputs[0].const_value is not None:
-            unquantized.append({"module": layer_name(node), "reason": "embedding (stays fp32)"})
+            why = _kept_gather(bits, embeddings)
+            unquantized.append({"module": layer_name(node), "reason": why})
     return quantized_model, {
         "weights": weights,
         "block_size": block_size,
         "symmetric": symmetric,
         "accuracy_level": accuracy_level,
         "lm_head": bool(lm_head and head is not None),
+        "embeddings": bool(embeddings and bits == 4),
         "quantized": quantized,
         "unquantized": unquantized,
         "weight_bytes_before": before,
         "weight_bytes_after": _weight_bytes(quantized_model),
         "_quantized": done,
     }
+
+
+def _kept_gather(bits: int, embeddings: bool) -> str:
+    if bits != 4:
+        return "embedding (int8: ONNX Runtime quantizes a Gather to 4 bits only)"
+    if not embeddings:
+        return "embedding (--no-quantize-embeddings)"
+    return "not an fp32/fp16 embedding table (the ones GatherBlockQuantized takes)"
 
 
 def _weight_bytes(model: ir.Model) -> int:
@@ -255,7 +278,7 @@ def _place(
             c0, c1 = entry["columns"]
             block = matrices[entry["node"]][:, c0:c1]
             block = np.ascontiguousarray(block.T if entry["transposed"] else block)
-            held = _write(module, params[entry["parameter"]], block)
+            held = _write(module, params[entry["parameter"]], block, entry.get("embedding", False))
             if entry["node"] in activation_blocks:
                 for param in held:
                     blocks[param.untyped_storage().data_ptr()] = activation_blocks[entry["node"]]
@@ -265,10 +288,11 @@ def _place(
     return dataclasses.replace(source, module=module, info=dict(source.info))
 
 
-def _write(module, param, array: np.ndarray) -> list:
+def _write(module, param, array: np.ndarray, embedding: bool = False) -> list:
     """Give ``param``'s users ``array``; the parameters that now hold it. A parameter an
-    embedding shares with the LM head (tied weights) is untied: the head gets the new values,
-    the embedding keeps its table, as the graph does (:func:`_untie_head`)."""
+    embedding shares with the LM head (tied weights) is untied, as in the graph
+    (:func:`_untie_head`): the head's values go to the head, the embedding's (a quantized
+    table, ``embedding``) to the embedding; the other keeps the original."""
     import torch
     from torch import nn
 
@@ -278,7 +302,7 @@ def _write(module, param, array: np.ndarray) -> list:
         return [param]
     held = []
     for holder, key in holders:
-        if not isinstance(holder, nn.Embedding):
+        if isinstance(holder, nn.Embedding) == embedding:
             holder._parameters[key] = nn.Parameter(torch.from_numpy(array), requires_grad=False)
             held.append(holder._parameters[key])
     return held
@@ -299,14 +323,29 @@ def dequantized_source(source, quantized: list, model: ir.Model) -> tuple:
     a quantized artifact; where each block went, for the report)."""
     initializers = model.graph.initializers
     dequantized = {}
+    tables = set()
     for node, weight in quantized:
         original = weight.const_value.numpy()
-        dequantized[node.name] = (original, dequantize(node, initializers, original.shape))
+        dequantized[node.name] = (original, _dequantized(node, initializers))
+        if node.op_type == "GatherBlockQuantized":
+            tables.add(node.name)
     placements = locate(source.module, dequantized)
+    for entry in placements:
+        if entry["node"] in tables:
+            entry["embedding"] = True
     logger.info("eager reference: %d parameter blocks set to dequantized values", len(placements))
     matrices = {node: deq for node, (_, deq) in dequantized.items()}
     activations = _activation_blocks(n for n in model.graph if n.name in dequantized)
     return _place(source, placements, matrices, activations), placements
+
+
+def _dequantized(node: ir.Node, initializers) -> np.ndarray:
+    """What a quantized node computes with: a MatMulNBits' (K, N) weight, a
+    GatherBlockQuantized's (rows, width) table."""
+    if node.op_type == "GatherBlockQuantized":
+        return dequantize_table(node, initializers)
+    shape = (node.attributes.get_int("K"), node.attributes.get_int("N"))
+    return dequantize(node, initializers, shape)
 
 
 def reference_from_artifact(source, model_file, parameters: list[dict]):
@@ -320,7 +359,5 @@ def reference_from_artifact(source, model_file, parameters: list[dict]):
     matrices = {}
     names = {entry["node"] for entry in parameters}
     for name in names:
-        node = nodes[name]
-        shape = (node.attributes.get_int("K"), node.attributes.get_int("N"))
-        matrices[name] = dequantize(node, model.graph.initializers, shape)
+        matrices[name] = _dequantized(nodes[name], model.graph.initializers)
     return _place(source, parameters, matrices, _activation_blocks(nodes[n] for n in names))
