@@ -157,12 +157,18 @@ def test_lm_head_can_stay_fp32(tmp_path):
 def test_cli_weights_and_its_refusals(tmp_path, capsys):
     out = tmp_path / "a"
     argv = ["export", "gpt-tiny", "-o", str(out), "--weights", "int4", "--block-size", "16"]
-    assert main([*argv, "--symmetric"]) == 0
+    assert main([*argv, "--asymmetric"]) == 0
     printed = capsys.readouterr().out
-    assert "weights int4 (block 16, symmetric, accuracy level 4)" in printed
+    assert "weights int4 (block 16, asymmetric, accuracy level 4)" in printed
     assert "vs the fp32 model" in printed
     report = json.loads((out / "report.json").read_text())
-    assert report["weights"]["block_size"] == 16 and report["weights"]["symmetric"]
+    assert report["weights"]["block_size"] == 16 and not report["weights"]["symmetric"]
+    model = onnx.load(out / "model.onnx")
+    assert all(len(n.input) == 4 for n in model.graph.node if n.op_type == "MatMulNBits")
+    assert main(argv) == 0  # symmetric by default: no zero points
+    assert "weights int4 (block 16, symmetric, accuracy level 4)" in capsys.readouterr().out
+    model = onnx.load(out / "model.onnx")
+    assert all(len(n.input) == 3 for n in model.graph.node if n.op_type == "MatMulNBits")
     for extra, needle in [
         (["--block-size", "8"], "--block-size 8 is not supported"),
         (["--block-size", "48"], "--block-size 48 is not supported"),

@@ -43,7 +43,7 @@ class ExportOptions:
     keep_io_types: bool = False
     weights: str | None = None
     block_size: int = DEFAULT_BLOCK_SIZE
-    symmetric: bool = False
+    symmetric: bool = True  # int4/int8 weights without zero points (the builder's default)
     quantize_lm_head: bool = True
     quantize_embeddings: bool = True
     accuracy_level: int | None = None

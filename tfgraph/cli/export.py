@@ -82,8 +82,20 @@ def add_parser(sub):
         "quantized to int8 per block, the fast kernel, and the eager reference quantizes them "
         "alike; 0: fp32 activations",
     )
-    p.add_argument(
-        "--symmetric", action="store_true", help="--weights: no zero points (default asymmetric)"
+    zero_points = p.add_mutually_exclusive_group()
+    zero_points.add_argument(
+        "--symmetric",
+        dest="symmetric",
+        action="store_true",
+        default=True,
+        help="--weights: no zero points (the default, as onnxruntime-genai's builder; the "
+        "faster kernel)",
+    )
+    zero_points.add_argument(
+        "--asymmetric",
+        dest="symmetric",
+        action="store_false",
+        help="--weights: a zero point per block (a little closer to the weights, more bytes)",
     )
     p.add_argument(
         "--no-quantize-lm-head",
