@@ -22,7 +22,8 @@ MultiHeadAttention; ``tensorrt``: standard ops), instead of being left as export
 Rejections (``check`` reasons): an opset other than 23 or 24; ``past_key``/``past_value`` or
 ``nonpad_kv_seqlen`` given; ``present_*`` or ``qk_matmul_output`` used; ``softcap`` ≠ 0; a
 ``softmax_precision`` other than the inputs' type; ranks other than all 4-D or all 3-D; head
-counts or head sizes not static (or not dividing); V's head size not Q's; a mask whose key
+counts or head sizes not static (or not dividing); V's head size neither Q's nor static (a
+static narrower one is multi-head latent attention's, DeepSeek's, and fuses); a mask whose key
 axis is not provably S (the spec pads a shorter one with −inf) or whose type is neither bool
 nor the inputs' type.
 """
@@ -107,8 +108,8 @@ class OnnxAttentionRule(pattern.RewriteRuleClassBase):
         hv, dv = _heads(attrs, "kv_num_heads", v, rank)
         if hq is None or hk is None or hv is None or hk != hv or hq % hk:
             return result.fail("head counts not static, or KV heads do not divide Q heads", y)
-        if not _same(dq, dv):
-            return result.fail("V's head size is not provably Q's", v)
+        if not (_same(dq, dv) or isinstance(dv, int)):  # MLA: V narrower than Q (static)
+            return result.fail("V's head size is neither provably Q's nor static", v)
         scale = attrs.get_float("scale")
         if scale is None and not isinstance(dq, int):
             return result.fail("no scale attribute and no static head size", q)

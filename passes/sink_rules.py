@@ -64,16 +64,19 @@ class ConcatSinkRule(pattern.RewriteRuleClassBase):
         super().__init__(f"ConcatSink{'MaxShift' if max_shift else ''}")
         self._max_shift = max_shift
 
-    def pattern(self, op, s, sinks, shape, axes_max, starts, ends, axes):
-        column = pattern.OrValue([op.Expand(sinks, shape), sinks])  # unexpanded: per token
+    def pattern(self, op, s, column, axes_max, starts, ends, axes):
+        # The sink column is an input of the match, not part of it: layers whose sinks are
+        # equal share one Expand after CSE (deduplicated initializers), and a matched node
+        # used by another layer's Concat would block every layer's rewrite.
         c = op.Concat(s, column, _outputs=["combined"])
         if self._max_shift:
             c = op.Sub(c, op.ReduceMax(c, axes_max, _outputs=["row_max"]))
         probs = op.Softmax(c, _outputs=["probs"])
         return op.Slice(probs, starts, ends, axes, _allow_other_inputs=True, _outputs=["kept"])
 
-    def check(self, context, s, sinks, combined, probs, starts, ends, axes, kept, **kw):
+    def check(self, context, s, column, combined, probs, starts, ends, axes, kept, **kw):
         result = pattern.MatchResult()
+        sinks = _unexpanded(column)
         rank = 4
         if combined.producer().attributes.get_int("axis") not in (-1, rank - 1):
             return result.fail("the sink is not concatenated along the key axis", combined)
@@ -95,8 +98,15 @@ class ConcatSinkRule(pattern.RewriteRuleClassBase):
             return result.fail(reason, sinks)
         return result
 
-    def rewrite(self, op, s, sinks, **_):
-        return op.SinkSoftmax(s, _sink_vector(op, sinks), axis=-1, _domain=DOMAIN)
+    def rewrite(self, op, s, column, **_):
+        return op.SinkSoftmax(s, _sink_vector(op, _unexpanded(column)), axis=-1, _domain=DOMAIN)
+
+
+def _unexpanded(column: ir.Value) -> ir.Value:
+    """The sink a concatenated column is expanded from; the column itself when it is not
+    expanded (then a per-token sink, which :func:`_per_head` refuses)."""
+    node = column.producer()
+    return node.inputs[0] if node is not None and node.op_type == "Expand" else column
 
 
 class SigmoidSinkRule(pattern.RewriteRuleClassBase):

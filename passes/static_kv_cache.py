@@ -19,7 +19,8 @@ each past a preallocated buffer of a fixed capacity that past and present share:
 4. Buffers' length axis is ``max_sequence``; the layout is recorded as ``static`` (model
    metadata ``tfgraph.kv_buffer``; ``manifest.json`` ``kv_layout``): the runner binds present
    to the past's buffer (ONNX Runtime's ``TensorScatter`` then writes in place) and feeds the
-   past length.
+   past length. Values computed from a buffer lose the shapes that name the copying cache's
+   total length (that axis is the capacity now; ONNX Runtime sized buffers by the stale name).
 
 A step's cost is then flat in the past length (the attention scores all C positions). The
 graph is left unchanged unless every use of every past input is that ``Concat`` or a
@@ -144,6 +145,41 @@ def _reaches(source: ir.Value, value: ir.Value, depth: int = _WALK + 2) -> bool:
     return False
 
 
+def _sequence_dim(present: ir.Value) -> str | None:
+    """The name of ``present``'s symbolic sequence axis (the copying cache's total length)."""
+    if present.shape is None or len(present.shape) < 3:
+        return None
+    dim = present.shape[2]
+    return str(dim.value) if isinstance(dim, ir.SymbolicDim) and dim.value else None
+
+
+def _forget_total_lengths(buffers: list[ir.Value], totals: set[str]) -> None:
+    """Drop the shapes of the values computed from ``buffers`` that name a copying cache's
+    total length (``totals``): those axes are the buffers' capacity now. Shape inference run
+    before this pass (the checks after each pass run it) annotated, say, the keys' transpose
+    ``(batch, H, d, total_sequence)``; ONNX Runtime's allocator then took the scores over all
+    C buffer positions for the size of T5's position bias over the L valid keys (also
+    ``total_sequence``), and failed ("Shape mismatch attempting to re-use buffer
+    {2,4,3,3} != {2,4,3,5}"). ONNX Runtime infers them again from the buffers' shapes."""
+    if not totals:
+        return
+    seen: set[int] = set()
+    frontier = [
+        node for value in buffers for node in {id(u.node): u.node for u in value.uses()}.values()
+    ]
+    while frontier:
+        node = frontier.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        for out in node.outputs:
+            if out.is_graph_output() or out.shape is None:
+                pass
+            elif any(isinstance(d, ir.SymbolicDim) and str(d.value) in totals for d in out.shape):
+                out.shape = None
+            frontier.extend(use.node for use in out.uses())
+
+
 class StaticKVCachePass(ir.passes.InPlacePass):
     def requires(self, model: ir.Model) -> None:
         if any(is_canonical(n, AttentionOp.OP) for n in model.graph):
@@ -195,11 +231,13 @@ class StaticKVCachePass(ir.passes.InPlacePass):
             for node in stale:
                 graph.remove(node, safe=True)
         scattered = {}
+        totals = {_sequence_dim(c.outputs[0]) for c in concats} - {None}
         for concat in concats:
             scattered[id(concat)] = self._scatter(graph, concat, length)
         for (node, slot), concat in slots.values():
             present, new = scattered[id(concat)]
             self._pad_bias(graph, node, slot, present, new, length)
+        _forget_total_lengths([present for present, _new in scattered.values()], totals)
         for past in pasts:
             past.shape = ir.Shape([*past.shape[:2], contract.BUFFER_DIM, *past.shape[3:]])
         version = model.opset_imports.get("", 0)

@@ -38,6 +38,27 @@ def test_sinks_fuse_into_gqa_head_sink_and_cache(style, tmp_path):
     assert comparison.passed, (comparison.tokens, comparison.want_tokens)
 
 
+def test_layers_with_equal_sinks_fuse(tmp_path):
+    """Layers whose sinks hold the same values (a random checkpoint's ones) share one sink
+    initializer once deduplicated, and then one ``Expand`` of it after CSE: matched through
+    that Expand, every layer was refused ("Matched nodes have other uses preventing
+    replacement") and the KV cache with them. The column is the rule's input, not its match."""
+    import torch
+
+    module = idiom_models.sink_gpt("concat")
+    with torch.no_grad():
+        for block in module.blocks:
+            block.attn.sinks.fill_(0.5)
+    source = from_module(module, origin="idiom:sink_gpt:equal")
+    result = tfgraph.export(source, tmp_path / "art", kv_cache=True)
+    attention = result.report["fusions"]["attention"]
+    assert (attention["fused"], attention["total"]) == (2, 2), attention["missed"]
+    assert result.passed and result.report["parity"]["decode"]["passed"]
+    model = ir.load(tmp_path / "art" / "model.onnx")
+    gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == 2 and gqa[0].inputs[11] is gqa[1].inputs[11]  # one shared head_sink
+
+
 @pytest.mark.parametrize(
     ("target", "reason"), [("onnx", onnx_target.SINK_MISS), ("tensorrt", tensorrt.SINK_MISS)]
 )

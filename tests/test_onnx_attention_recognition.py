@@ -46,6 +46,7 @@ class Case:
     rank: int = 4  # 3: (B, L, H·d) with q_num_heads / kv_num_heads
     opset: int = 23
     ort_op: str = GQA
+    dv: int = D  # V's head size: narrower than Q/K's in multi-head latent attention (DeepSeek)
 
 
 CASES = {
@@ -62,11 +63,12 @@ CASES = {
     "3d_gqa_causal": Case(hq=8, hkv=2, causal=1, rank=3),
     "3d_bool_mask_scale": Case(mask="bool", scale=0.3, rank=3),
     "opset24_float_mask": Case(causal=1, mask="float", opset=24),
+    "mla_narrower_v_causal": Case(causal=1, dv=8, ort_op=MHA),
 }
 
 
-def _shape(case: Case, heads: int, length: int) -> tuple:
-    return (B, heads, length, D) if case.rank == 4 else (B, length, heads * D)
+def _shape(case: Case, heads: int, length: int, d: int = D) -> tuple:
+    return (B, heads, length, d) if case.rank == 4 else (B, length, heads * d)
 
 
 def build(case: Case, seed: int = 0) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
@@ -75,7 +77,7 @@ def build(case: Case, seed: int = 0) -> tuple[onnx.ModelProto, dict[str, np.ndar
     shapes = {
         "Q": _shape(case, case.hq, case.t),
         "K": _shape(case, case.hkv, case.s),
-        "V": _shape(case, case.hkv, case.s),
+        "V": _shape(case, case.hkv, case.s, case.dv),
     }
     feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
     inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in shapes.items()]
@@ -97,7 +99,9 @@ def build(case: Case, seed: int = 0) -> tuple[onnx.ModelProto, dict[str, np.ndar
     names = [i.name for i in inputs]
     node = helper.make_node("Attention", names, ["Y"], name="attn", **attrs)
     node.metadata_props.add(key="pkg.torch.onnx.name_scopes", value=str(SCOPES))
-    y = helper.make_tensor_value_info("Y", TensorProto.FLOAT, _shape(case, case.hq, case.t))
+    y = helper.make_tensor_value_info(
+        "Y", TensorProto.FLOAT, _shape(case, case.hq, case.t, case.dv)
+    )
     graph = helper.make_graph([node], "attention", inputs, [y])
     opsets = [helper.make_opsetid("", case.opset)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=10), feeds
@@ -236,7 +240,11 @@ REJECTIONS = {  # name: (base case, tweak, reason fragment)
         "KV heads do not divide Q heads",
     ),
     "3d_without_head_counts": (Case(rank=3), _set_attr(q_num_heads=0), "head counts not static"),
-    "v_head_size": (Case(), _set_dims("V", (B, 4, 6, 8)), "V's head size is not provably Q's"),
+    "v_head_size_symbolic": (
+        Case(),
+        _set_dims("V", (B, 4, 6, "dv")),
+        "V's head size is neither provably Q's nor static",
+    ),
     "no_scale_symbolic_head_size": (
         Case(),
         lambda proto: [_set_dims(n, (B, 4, 6, "d"))(proto) for n in ("Q", "K", "V")],

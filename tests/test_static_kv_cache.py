@@ -111,3 +111,71 @@ def test_a_past_read_elsewhere_keeps_the_copying_cache():
     model = _toy(extra_use=True)
     assert not StaticKVCachePass()(model).modified
     assert any(n.op_type == "Concat" for n in model.graph)
+
+
+def test_shapes_computed_from_a_buffer_forget_the_total_length():
+    """Shape inference before the pass annotated the keys' transpose and the scores with the
+    copying cache's ``total`` length; over a buffer that axis is its capacity, and ONNX
+    Runtime, trusting the stale name, took the scores (over C positions) for the size of a
+    bias over the L valid keys, also named ``total`` (HF T5 on tensorrt: "Shape mismatch
+    attempting to re-use buffer"). Those shapes are dropped; the graph runs."""
+    h = onnx.helper
+    f = onnx.TensorProto.FLOAT
+    nodes = [
+        h.make_node("Concat", ["past_k", "k"], ["present_k"], axis=2),
+        h.make_node("Concat", ["past_v", "v"], ["present_v"], axis=2),
+        h.make_node("Transpose", ["present_k"], ["kt"], perm=[0, 1, 3, 2]),
+        h.make_node("MatMul", ["q", "kt"], ["scores"]),
+        h.make_node("Add", ["scores", "bias"], ["biased"]),
+        h.make_node("Softmax", ["biased"], ["probs"], axis=-1),
+        h.make_node("MatMul", ["probs", "present_v"], ["y"]),
+    ]
+    kv = ["b", 2, "past", 4]
+    graph = h.make_graph(
+        nodes,
+        "decomposed",
+        [
+            h.make_tensor_value_info("q", f, ["b", 2, "t", 4]),
+            *(h.make_tensor_value_info(n, f, ["b", 2, "t", 4]) for n in ("k", "v")),
+            *(h.make_tensor_value_info(n, f, kv) for n in ("past_k", "past_v")),
+            h.make_tensor_value_info("bias", f, ["b", 2, "t", "total"]),
+        ],
+        [
+            h.make_tensor_value_info("y", f, ["b", 2, "t", 4]),
+            *(
+                h.make_tensor_value_info(n, f, ["b", 2, "total", 4])
+                for n in ("present_k", "present_v")
+            ),
+        ],
+        value_info=[
+            h.make_tensor_value_info("kt", f, ["b", 2, 4, "total"]),
+            h.make_tensor_value_info("scores", f, ["b", 2, "t", "total"]),
+            h.make_tensor_value_info("biased", f, ["b", 2, "t", "total"]),
+            h.make_tensor_value_info("probs", f, ["b", 2, "t", "total"]),
+        ],
+    )
+    model = ir.serde.deserialize_model(h.make_model(graph, opset_imports=[h.make_opsetid("", 23)]))
+    for name, role in (("past_k", contract.PAST_KEY), ("past_v", contract.PAST_VALUE)):
+        contract.set_role(model, name, role, 0)
+    contract.set_role(model, "present_k", contract.PRESENT_KEY, 0)
+    contract.set_role(model, "present_v", contract.PRESENT_VALUE, 0)
+    assert StaticKVCachePass()(model).modified
+    for node in model.graph:
+        for out in node.outputs:
+            names = [str(d) for d in out.shape] if out.shape is not None else []
+            assert "total" not in names, (out.name, out.shape)
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(
+        ir.serde.serialize_model(model).SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 3, 4)).astype(np.float32) for _ in range(3))
+    buffer = np.zeros((1, 2, 5, 4), np.float32)
+    bias = rng.standard_normal((1, 2, 3, 3)).astype(np.float32)
+    feeds = {"q": q, "k": k, "v": v, "past_k": buffer, "past_v": buffer, "bias": bias}
+    y = session.run(["y"], {**feeds, contract.PAST_LENGTH_NAME: np.array([0])})[0]
+    scores = q @ k.transpose(0, 1, 3, 2) + bias
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    np.testing.assert_allclose(y, weights @ v, atol=1e-5)

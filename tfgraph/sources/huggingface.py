@@ -229,12 +229,13 @@ def from_hf_dir(
     # one loops over the experts hit (data-dependent); batched_mm gathers each token's experts
     # and traces. All three compute the same function.
     experts = {"experts_implementation": "batched_mm"} if _has_experts(config) else {}
-    source = None
+    source, why = None, "no safetensors (pytorch_model.bin)"
     if Checkpoint.present(path):
-        source = _streamed_source(cls, config, path, attn_implementation, experts)
+        source, why = _streamed_source(cls, config, path, attn_implementation, experts)
     if source is None:
         model = _load_hf_weights(cls, path, trust_remote_code, attn_implementation, experts)
         source = hf_source(model, origin=f"hf:{path}")
+        source.info.update(_whole_info(path, why))
     source.info.update(
         {
             "hf_architecture": arch,
@@ -251,9 +252,12 @@ def from_hf_dir(
     return source
 
 
-def _streamed_source(cls, config, path: Path, attn_implementation, experts) -> ModelSource:
+def _streamed_source(
+    cls, config, path: Path, attn_implementation, experts
+) -> tuple[ModelSource | None, str | None]:
     """A safetensors directory, never loaded whole: traced without weights, the weights bound
-    lazily, the eager reference streamed module by module (:mod:`tfgraph.sources.streamed`)."""
+    lazily, the eager reference streamed block by block (:mod:`tfgraph.sources.streamed`);
+    (None, why) when it cannot stream."""
     checkpoint = Checkpoint(path)  # a missing or truncated shard is refused here
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     extra.update(experts)
@@ -267,14 +271,30 @@ def _streamed_source(cls, config, path: Path, attn_implementation, experts) -> M
     except (MissingTensor, _StreamFailed) as exc:
         # transformers renames or fuses some checkpoints' tensors as it loads them (MoE
         # experts, ViT), or computes weights the file does not hold (sinusoidal positions)
-        logger.warning("%s cannot stream from its shards (%s): loading it whole", path, exc)
-        return None
+        logger.warning(
+            "%s cannot stream from its shards (%s; transformers renames, fuses or computes "
+            "such tensors as it loads): loading it whole",
+            path,
+            str(exc).split(": the shards do not match")[0],
+        )
+        return None, first_line(exc)
     source.binder.streamed = streamed
     stored = checkpoint.dtypes()
     source.info["checkpoint_dtype"] = max(stored, key=stored.get) if stored else None
     source.info["checkpoint_bytes"] = checkpoint.nbytes
     source.info["eager_reference"] = "streamed (accelerate disk offload from the checkpoint), fp32"
-    return source
+    return source, None
+
+
+def _whole_info(path: Path, why: str | None) -> dict:
+    """What the report says of a directory loaded whole: the dtype it is stored in, the
+    reference (the model loaded in fp32, as the streamed one runs) and why it did not stream."""
+    stored = Checkpoint(path).dtypes() if Checkpoint.present(path) else {}
+    return {
+        "checkpoint_dtype": max(stored, key=stored.get) if stored else None,
+        "eager_reference": "loaded whole (from_pretrained), fp32",
+        "loaded_whole": why,
+    }
 
 
 class _StreamFailed(TfgraphError):
@@ -473,6 +493,10 @@ def _load_hf_weights(
             local_files_only=True,
             trust_remote_code=trust_remote_code,
             use_safetensors=safetensors,  # never the pickle when safetensors are there
+            # fp32 whatever the checkpoint is stored in, as the streamed model: transformers 5
+            # loads in the checkpoint's dtype ("auto"), and a bf16 trace is not the fp32 graph
+            # the passes and the precision options expect (ONNX Runtime has no bf16 Where)
+            dtype=torch.float32,
             **extra,
         )
     except Exception as exc:  # unreadable or unsafe weights are the user's input

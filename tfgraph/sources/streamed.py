@@ -7,16 +7,21 @@
   parameter names, and :class:`WeightBinder` binds each one to a lazy tensor that reads its
   checkpoint tensor (converted to the graph's dtype) only when it is written or looked at.
 - **The eager reference** is the same empty model dispatched by accelerate's big-model
-  inference: every module that owns parameters is offloaded to "disk", with an offload index
-  that points into the checkpoint's own safetensors files (nothing is copied), so a forward
-  pass loads each module's weights, converted to fp32, just before the module runs and drops
-  them after. The reference never holds more than one module's weights.
+  inference: each block the model says must not be split (a decoder layer), and every other
+  module that owns parameters, is offloaded to "disk", with an offload index that points into
+  the checkpoint's own safetensors files (nothing is copied), so a forward pass loads each
+  block's weights, converted to fp32, just before the block runs and drops them after. The
+  reference never holds more than one block's weights.
+- **Persistent buffers** the checkpoint holds (BART's ``final_logits_bias``) are read into
+  both models as ``from_pretrained`` would (:func:`load_buffers`); buffers stay real under
+  ``init_empty_weights(include_buffers=False)``, so they would otherwise keep their init value.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 
 import onnx_ir as ir
 import torch
@@ -60,6 +65,20 @@ def checkpoint_keys(model: nn.Module, checkpoint: Checkpoint) -> dict[str, str]:
         aliases.setdefault(id(param), []).append(name)
         params[id(param)] = param
     keys: dict[str, str] = {}
+    candidates = _key_candidates(model)
+    for pid, names in aliases.items():
+        key = next((c for n in names for c in candidates(n) if c in checkpoint.entries), None)
+        if key is None:
+            checkpoint.entry(names[0])  # raises, naming the tensor
+        checkpoint.check_shapes({key: tuple(params[pid].shape)})
+        for name in names:
+            keys[name] = key
+    return keys
+
+
+def _key_candidates(model: nn.Module):
+    """``candidates(name)``: the checkpoint keys that may hold ``model``'s tensor ``name``, the
+    likeliest first."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     tied = getattr(model, "_tied_weights_keys", None)
     tied = tied if isinstance(tied, dict) else {}
@@ -73,14 +92,30 @@ def checkpoint_keys(model: nn.Module, checkpoint: Checkpoint) -> dict[str, str]:
         if name in tied:
             yield from candidates(tied[name])
 
-    for pid, names in aliases.items():
-        key = next((c for n in names for c in candidates(n) if c in checkpoint.entries), None)
-        if key is None:
-            checkpoint.entry(names[0])  # raises, naming the tensor
-        checkpoint.check_shapes({key: tuple(params[pid].shape)})
-        for name in names:
-            keys[name] = key
-    return keys
+    return candidates
+
+
+def load_buffers(model: nn.Module, checkpoint: Checkpoint) -> list[str]:
+    """Give ``model``'s persistent floating buffers that the checkpoint holds (BART's
+    ``final_logits_bias``) the checkpoint's values, as ``from_pretrained`` does; returns their
+    names. A buffer is small and stays real (``init_empty_weights(include_buffers=False)``):
+    the trace records it as a constant and the streamed reference keeps it on the CPU, so
+    without this both would compute with the value ``__init__`` gave it."""
+    persistent = set(model.state_dict(keep_vars=True))
+    candidates = _key_candidates(model)
+    loaded = []
+    for name, buf in list(model.named_buffers()):
+        if name not in persistent or not buf.dtype.is_floating_point:
+            continue
+        key = next((c for c in candidates(name) if c in checkpoint.entries), None)
+        if key is None:  # from_pretrained keeps the initialized value too
+            continue
+        checkpoint.check_shapes({key: tuple(buf.shape)})
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        module._buffers[attr] = checkpoint.tensor(key, buf.dtype).clone()
+        loaded.append(name)
+    return loaded
 
 
 class WeightBinder:
@@ -124,6 +159,7 @@ def prepare_trace(wrapper: nn.Module, checkpoint: Checkpoint) -> WeightBinder:
     device instead gives a different graph (extra shape arithmetic around SDPA's reshapes,
     measured), so CPU storage it is."""
     keys = {f"model.{n}": k for n, k in checkpoint_keys(wrapper.model, checkpoint).items()}
+    load_buffers(wrapper.model, checkpoint)
     buffers = {n: b.detach().clone() for n, b in wrapper.named_buffers()}
     wrapper.to_empty(device="cpu")
     for name, value in buffers.items():  # to_empty drops buffers too: RoPE's inv_freq back
@@ -161,6 +197,7 @@ class Streamed:
 
         model = empty_model(self.cls, self.config, self.extra)
         keys = checkpoint_keys(model, self.checkpoint)
+        load_buffers(model, self.checkpoint)
         for name in untie:
             owner, _, attr = name.rpartition(".")
             module = model.get_submodule(owner)
@@ -178,11 +215,18 @@ class Streamed:
         }
         _large_allocations_unmapped()
         units = _device_map(model)
-        with _quiet("accelerate.big_modeling"):  # "some parameters are on the meta device"
+        with _quiet("accelerate.big_modeling"), warnings.catch_warnings():
+            # "some parameters are on the meta device"; a buffer's key is "no submodule"
+            warnings.filterwarnings("ignore", "The following device_map keys do not match")
             dispatch_model(
-                model, units, main_device="cpu", offload_index=index, state_dict=overrides
+                model,
+                units,
+                main_device="cpu",
+                offload_index=index,
+                state_dict=overrides,
+                preload_module_classes=_blocks(model),
             )
-        _tick_blocks(model, units)
+        _tick_blocks(model, [n for n, d in units.items() if d == "disk"])
         model.tfgraph_streamed = True
         return model.eval()
 
@@ -198,9 +242,9 @@ def _quiet(name: str):
         named.setLevel(level)
 
 
-def _tick_blocks(model: nn.Module, units: dict[str, str]) -> None:
-    """Each offload unit that runs ticks ``eager blocks`` (a 7B forward pass streams 13 GB)."""
-    names = list(units)
+def _tick_blocks(model: nn.Module, names: list[str]) -> None:
+    """Each offload unit (``names``: modules) that runs ticks ``eager blocks`` (a 7B forward
+    pass streams 13 GB)."""
     for i, name in enumerate(names):
         module = model.get_submodule(name) if name else model
 
@@ -227,11 +271,21 @@ def _large_allocations_unmapped() -> None:
         pass
 
 
+def _blocks(model: nn.Module) -> list[str]:
+    """The classes of the blocks the model says must not be split (its decoder layers): each
+    loads all its weights when it runs, not module by module as accelerate does by default,
+    since a block may read a child's weights outside the child's forward (JetMoE's attention
+    experts add ``experts.bias`` in a method of their own, which no hook sees)."""
+    return sorted(set(getattr(model, "_no_split_modules", None) or ()))
+
+
 def _device_map(model: nn.Module) -> dict[str, str]:
     """Offload units: each block the model says must not be split (its decoder layers), and
     every other module that owns parameters. A unit's weights load together when it runs (a
-    layer reading its children's weights directly still finds them)."""
-    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    layer reading its children's weights directly still finds them). A persistent buffer that
+    no unit holds is named on its own, on the CPU (accelerate wants every state-dict key
+    placed)."""
+    blocks = set(_blocks(model))
     units: dict[str, str] = {}
     covered: list[str] = []
     for name, module in model.named_modules():
@@ -242,4 +296,7 @@ def _device_map(model: nn.Module) -> dict[str, str]:
             covered.append(name)
         elif any(True for _ in module.parameters(recurse=False)):
             units[name] = "disk"
+    for key in model.state_dict(keep_vars=True):  # a buffer outside every unit stays on the CPU
+        if not any(key == u or key.startswith(u + ".") or not u for u in units):
+            units[key] = "cpu"  # (BART's final_logits_bias: the head class's own buffer)
     return units

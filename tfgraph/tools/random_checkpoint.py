@@ -66,7 +66,10 @@ def shape_config(name: str, **overrides):
 
 def tensor_layout(config, model_class=None) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, how it is drawn) of every tensor ``save_pretrained`` writes, from the
-    model built on the meta device (tied weights once, persistent buffers included)."""
+    model built on the meta device (tied weights once, persistent buffers included), under the
+    names and in the layout ``save_pretrained`` writes them: transformers fuses some tensors
+    as it loads them (Mixtral's per-expert ``w1``/``w2``/``w3`` into ``experts.gate_up_proj``
+    and ``experts.down_proj``) and splits them back as it saves."""
     import transformers
 
     cls = model_class or getattr(transformers, (config.architectures or ["AutoModel"])[0])
@@ -74,15 +77,33 @@ def tensor_layout(config, model_class=None) -> list[tuple[str, tuple[int, ...], 
         model = (
             cls.from_config(config) if cls is transformers.AutoModel else cls._from_config(config)
         )
-    out = []
+    tensors: dict[str, torch.Tensor] = {}
+    kinds: dict[str, str] = {}
     for name, param in model.named_parameters():
-        kind = "normal" if param.dim() >= 2 else ("zeros" if name.endswith("bias") else "ones")
-        out.append((name, tuple(param.shape), kind))
+        tensors[name] = param
     persistent = {n for n, _ in model.state_dict(keep_vars=True).items()}
     for name, buf in model.named_buffers():
         if name in persistent and buf.dtype.is_floating_point:
-            out.append((name, tuple(buf.shape), "zeros"))
+            tensors[name] = buf
+            kinds[name] = "zeros"
+    saved = _as_saved(model, tensors)
+    out = []
+    for name, value in saved.items():
+        kind = kinds.get(name) or (
+            "normal" if value.dim() >= 2 else ("zeros" if name.endswith("bias") else "ones")
+        )
+        out.append((name, tuple(value.shape), kind))
     return out
+
+
+def _as_saved(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (meta) renamed and reshaped as ``save_pretrained`` writes them (its
+    ``revert_weight_conversion``); as they are where transformers has no such step."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers before 5: the checkpoint is the state dict
+        return tensors
+    return dict(revert_weight_conversion(model, dict(tensors)))
 
 
 def _draw(name: str, shape, kind: str, std: float, seed: int) -> torch.Tensor:
