@@ -226,3 +226,14 @@ def _read_header(file: Path) -> list[Entry]:
             )
         entries.append(Entry(name, file, dtype, tuple(meta["shape"]), base + start, end - start))
     return entries
+
+
+def whole_load_info(path: Path, why: str | None) -> dict:
+    """What the report says of a directory loaded whole: the dtype it is stored in, the
+    reference (the model loaded in fp32, as the streamed one runs) and why it did not stream."""
+    stored = Checkpoint(path).dtypes() if Checkpoint.present(path) else {}
+    return {
+        "checkpoint_dtype": max(stored, key=stored.get) if stored else None,
+        "eager_reference": "loaded whole (from_pretrained), fp32",
+        "loaded_whole": why,
+    }

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from tfgraph.errors import TfgraphError, first_line
-from tfgraph.sources.checkpoint import Checkpoint, MissingTensor
+from tfgraph.sources.checkpoint import Checkpoint, MissingTensor, whole_load_info
 from tfgraph.sources.hf_layouts import candidates
 from tfgraph.sources.model import ModelSource, max_positions
 from tfgraph.sources.streamed import Streamed, empty_model, prepare_trace
@@ -235,7 +235,7 @@ def from_hf_dir(
     if source is None:
         model = _load_hf_weights(cls, path, trust_remote_code, attn_implementation, experts)
         source = hf_source(model, origin=f"hf:{path}")
-        source.info.update(_whole_info(path, why))
+        source.info.update(whole_load_info(path, why))
     source.info.update(
         {
             "hf_architecture": arch,
@@ -284,17 +284,6 @@ def _streamed_source(
     source.info["checkpoint_bytes"] = checkpoint.nbytes
     source.info["eager_reference"] = "streamed (accelerate disk offload from the checkpoint), fp32"
     return source, None
-
-
-def _whole_info(path: Path, why: str | None) -> dict:
-    """What the report says of a directory loaded whole: the dtype it is stored in, the
-    reference (the model loaded in fp32, as the streamed one runs) and why it did not stream."""
-    stored = Checkpoint(path).dtypes() if Checkpoint.present(path) else {}
-    return {
-        "checkpoint_dtype": max(stored, key=stored.get) if stored else None,
-        "eager_reference": "loaded whole (from_pretrained), fp32",
-        "loaded_whole": why,
-    }
 
 
 class _StreamFailed(TfgraphError):
