@@ -21,7 +21,7 @@ import numpy as np
 import onnx_ir as ir
 
 from tfgraph.passes.lazy_weights import register
-from tfgraph.precision.nbits import MS_DOMAIN, _Blocks
+from tfgraph.precision.nbits import MS_DOMAIN, _Blocks, replace_node
 
 logger = logging.getLogger(__name__)
 
@@ -92,16 +92,7 @@ def quantize_embeddings(
             domain=MS_DOMAIN,
             name=f"{node.name}_Q4" if node.name else "",
         )
-        new.metadata_props.update(dict(node.metadata_props))
-        out = node.outputs[0]
-        name, out.name = out.name, None
-        new.outputs[0].name = name
-        new.outputs[0].shape, new.outputs[0].type = out.shape, out.type
-        graph.insert_before(node, new)
-        out.replace_all_uses_with(new.outputs[0], replace_graph_outputs=True)
-        graph.remove(node, safe=True)
-        if not table.uses() and not table.is_graph_output():
-            graph.initializers.pop(table.name)
+        replace_node(graph, node, new, table)
         done.append((new, table))
     if done:
         model.opset_imports.setdefault(MS_DOMAIN, 1)

@@ -69,6 +69,21 @@ def _block_quantized(quantizer, weight) -> tuple:
     return packed, scales, zp
 
 
+def replace_node(graph: ir.Graph, node: ir.Node, new: ir.Node, weight: ir.Value) -> None:
+    """Put ``new`` (one output) in ``node``'s place: its metadata, output name, shape and uses;
+    ``weight`` (the constant it replaced) is dropped once nothing uses it."""
+    new.metadata_props.update(dict(node.metadata_props))
+    out = node.outputs[0]
+    name, out.name = out.name, None
+    new.outputs[0].name = name
+    new.outputs[0].shape, new.outputs[0].type = out.shape, out.type
+    graph.insert_before(node, new)
+    out.replace_all_uses_with(new.outputs[0], replace_graph_outputs=True)
+    graph.remove(node, safe=True)
+    if not weight.uses() and not weight.is_graph_output():
+        graph.initializers.pop(weight.name)
+
+
 def quantize_matmuls(
     model: ir.Model,
     bits: int,
@@ -141,16 +156,7 @@ def quantize_matmuls(
             domain=MS_DOMAIN,
             name=f"{node.name}_Q{bits}" if node.name else "",
         )
-        new.metadata_props.update(dict(node.metadata_props))
-        out = node.outputs[0]
-        name, out.name = out.name, None
-        new.outputs[0].name = name
-        new.outputs[0].shape, new.outputs[0].type = out.shape, out.type
-        graph.insert_before(node, new)
-        out.replace_all_uses_with(new.outputs[0], replace_graph_outputs=True)
-        graph.remove(node, safe=True)
-        if not weight.uses() and not weight.is_graph_output():
-            graph.initializers.pop(weight.name)
+        replace_node(graph, node, new, weight)
         done.append((new, weight))
     if done:
         model.opset_imports.setdefault(MS_DOMAIN, 1)
