@@ -24,6 +24,7 @@ from tfgraph.errors import TfgraphError, first_line
 from tfgraph.passes.exact_no_op import exact
 from tfgraph.passes.lazy_weights import fold_weight_transposes
 from tfgraph.passes.provenance import module_name  # noqa: F401  (re-exported)
+from tfgraph.sources import replicate_layers
 from tfgraph.sources.model import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -39,11 +40,30 @@ def trace(source: ModelSource, *, opset: int = DEFAULT_OPSET) -> ir.Model:
     dynamic = tuple(source.dynamic_axes.get(n, {}) for n in source.input_names)
     logger.info("tracing %s (opset %d)", source.origin, opset)
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    module = source.trace_module or source.module
+    model = _shortened_trace(source, module, args, dynamic, opset)
+    if model is None:
+        model = _export(source, module, args, dynamic, opset).model
+    if source.binder is not None:  # weights traced on the meta device: bound lazily here
+        source.binder.bind(model)  # parameters were uninitialized storage: the checkpoint's
+        fold_weight_transposes(model)  # Linear's W.T, folded without reading W
+    # The exporter's own optimize() is onnxscript's optimizer (constant folding, CSE, dead
+    # code) plus, at opset 23, onnxscript's ONNX fusions (RMSNormalization, RotaryEmbedding,
+    # GQA). Run only the former: recognition and lowering are our passes' job, with reports
+    # per layer, and the fused RotaryEmbedding it makes does not run in ONNX Runtime 1.32.
+    _optimize(model)
+    _bounded_dims(model, source.info.get("max_positions"))
+    model.producer_name = "tfgraph"
+    contract.write_roles(model, source.roles())  # what each input and output is, from here on
+    return model
+
+
+def _export(source: ModelSource, module, args, dynamic, opset: int):
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
-            program = torch.onnx.export(
-                source.trace_module or source.module,
+            return torch.onnx.export(
+                module,
                 args,
                 dynamo=True,
                 dynamic_shapes=dynamic,
@@ -58,18 +78,23 @@ def trace(source: ModelSource, *, opset: int = DEFAULT_OPSET) -> ir.Model:
         raise TfgraphError(
             f"tracing {source.origin} failed: {first_line(exc, named=True, root=True)}"
         ) from exc
-    model = program.model
-    if source.binder is not None:  # weights traced on the meta device: bound lazily here
-        source.binder.bind(model)  # parameters were uninitialized storage: the checkpoint's
-        fold_weight_transposes(model)  # Linear's W.T, folded without reading W
-    # The exporter's own optimize() is onnxscript's optimizer (constant folding, CSE, dead
-    # code) plus, at opset 23, onnxscript's ONNX fusions (RMSNormalization, RotaryEmbedding,
-    # GQA). Run only the former: recognition and lowering are our passes' job, with reports
-    # per layer, and the fused RotaryEmbedding it makes does not run in ONNX Runtime 1.32.
-    _optimize(model)
-    _bounded_dims(model, source.info.get("max_positions"))
-    model.producer_name = "tfgraph"
-    contract.write_roles(model, source.roles())  # what each input and output is, from here on
+
+
+def _shortened_trace(source: ModelSource, module, args, dynamic, opset: int) -> ir.Model | None:
+    """The graph of ``module`` traced with its first layers only and the rest copied
+    (:mod:`tfgraph.sources.replicate_layers`); ``None`` when that does not apply or does not
+    prove itself (the full trace follows)."""
+    found = replicate_layers.plan(module)
+    if found is None:
+        return None
+    try:
+        with replicate_layers.shortened(module, found):
+            model = _export(source, module, args, dynamic, opset).model
+        replicate_layers.replicate(model, found)
+    except (TfgraphError, replicate_layers.NotReplicable) as exc:
+        logger.info("tracing every layer of %s: %s", found.path, first_line(exc))
+        return None
+    source.info["traced_layers"] = f"{replicate_layers.TRACED} of {found.count} in {found.path}"
     return model
 
 
