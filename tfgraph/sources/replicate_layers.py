@@ -242,7 +242,7 @@ def _same_outside(va: ir.Value, vb: ir.Value, names: str, ia: int, what: str) ->
     if va.is_initializer() and vb.is_initializer():
         na, nb = va.name or "", vb.name or ""
         if na.startswith(own_a) or nb.startswith(own_b):
-            if nb != own_b + na[len(own_a):] or va.shape != vb.shape or va.dtype != vb.dtype:
+            if nb != own_b + na[len(own_a) :] or va.shape != vb.shape or va.dtype != vb.dtype:
                 raise NotReplicable(f"{what}: parameters {na} and {nb} do not match")
             return
         if _equal_tensors(va.const_value, vb.const_value):
@@ -281,7 +281,7 @@ def _clone(graph, template, carry, previous, found, j) -> list[ir.Node]:
                 m, o = carry[v]
                 inputs.append(previous[m].outputs[o])
             elif v.is_initializer() and (v.name or "").startswith(own_t):
-                inputs.append(_parameter(graph, v, own_j + v.name[len(own_t):], found, j))
+                inputs.append(_parameter(graph, v, own_j + v.name[len(own_t) :], found, j))
             else:
                 inputs.append(v)
         outputs = [
