@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,28 +133,53 @@ class Checkpoint:
                     "its config do not match"
                 )
 
-    def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """One tensor, read from its file, converted to ``dtype`` (its own when None)."""
+    def tensor(
+        self, name: str, dtype: torch.dtype | None = None, *, mapped: bool = False
+    ) -> torch.Tensor:
+        """One tensor, read from its file, converted to ``dtype`` (its own when None).
+        ``mapped``: the file's pages mapped instead of copied (writing an artifact reads each
+        weight once: the copy was a third of the time it took to write a transposed fp32
+        checkpoint, measured on TinyLlama 1.1B)."""
         entry = self.entry(name)
-        with open(entry.file, "rb") as f:
-            f.seek(entry.offset)
-            data = bytearray(entry.length)
-            if f.readinto(data) != entry.length:
-                raise TfgraphError(
-                    f"'{entry.file.name}' is truncated: tensor '{name}' ends past the end of "
-                    "the file; copy the shard again"
-                )
+        if entry.offset + entry.length > entry.file.stat().st_size:
+            raise TfgraphError(
+                f"'{entry.file.name}' is truncated: tensor '{name}' ends past the end of "
+                "the file; copy the shard again"
+            )
         self.reads += 1
         self.bytes_read += entry.length
-        raw = torch.frombuffer(data, dtype=torch.uint8) if entry.length else torch.empty(0)
-        value = (
-            raw.view(entry.dtype).reshape(entry.shape)
-            if entry.length
-            else torch.empty(entry.shape, dtype=entry.dtype)
-        )
+        if not entry.length:
+            return torch.empty(entry.shape, dtype=dtype or entry.dtype)
+        raw = self._mapped(entry) if mapped else None
+        if raw is None:
+            with open(entry.file, "rb") as f:
+                f.seek(entry.offset)
+                data = bytearray(entry.length)
+                f.readinto(data)
+            raw = torch.frombuffer(data, dtype=torch.uint8)
+        value = raw.view(entry.dtype).reshape(entry.shape)
         if dtype is not None and dtype != entry.dtype:
             value = value.to(dtype)
         return value
+
+    @staticmethod
+    def _mapped(entry) -> torch.Tensor | None:
+        """The tensor's bytes as a copy-on-write memory map: pages are read from the page
+        cache as they are touched, a write (none is expected) stays private. ``None`` if the
+        offset is not aligned to the element size (safetensors writers do align it)."""
+        if entry.offset % entry.dtype.itemsize:
+            return None
+        start = entry.offset - entry.offset % mmap.ALLOCATIONGRANULARITY
+        with open(entry.file, "rb") as f:
+            pages = mmap.mmap(
+                f.fileno(), entry.offset + entry.length - start, access=mmap.ACCESS_COPY,
+                offset=start,
+            )  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.frombuffer(
+                pages, dtype=torch.uint8, count=entry.length, offset=entry.offset - start
+            )
 
     def lazy(self, name: str, dtype: torch.dtype, value_name: str | None = None) -> ir.LazyTensor:
         """``name`` as an ``onnx_ir`` tensor of ``dtype`` that reads (and converts) its bytes
@@ -160,7 +187,8 @@ class Checkpoint:
         entry = self.entry(name)
 
         def read() -> ir.Tensor:
-            return ir.Tensor(_to_numpy(self.tensor(name, dtype)), name=value_name or name)
+            value = self.tensor(name, dtype, mapped=True)
+            return ir.Tensor(_to_numpy(value), name=value_name or name)
 
         lazy = ir.LazyTensor(
             read, dtype=_ir_dtype(dtype), shape=ir.Shape(entry.shape), name=value_name or name
