@@ -568,11 +568,25 @@ def scale_section(d: dict) -> list[str]:
         if g and "tokens_equal" in g:
             parted = g.get("first_difference")
             said = "equal" if g["tokens_equal"] else f"part at token {parted}"
+            forced = g.get("forced")
+            if forced:
+                said += (
+                    f"; judged on the engine's own prefix (one eager pass): {forced['equal']} "
+                    f"equal, {forced['near_ties']} near ties (eager's margin ≤ "
+                    f"{forced['max_tie_margin']:.3g}; the two sides' logits at most "
+                    f"{forced['max_logits_diff']:.3g} apart, bound {forced['bound']:.3g}), "
+                    f"{forced['unexplained']} unexplained"
+                )
             lines.append(
                 f"- {name} int4: `generate` vs the streamed eager with the artifact's dequantized "
                 f"weights, {g['new_tokens']} greedy tokens: {said} ({g['seconds']:.0f} s, peak "
                 f"{g['peak_rss_gib']:.2f} GiB)."
             )
+    measured = {m["measured"] for m in d["models"].values() if m.get("measured")}
+    if len(measured) > 1:  # rows merged from runs at different commits: each one's named
+        lines.append("")
+        for name, m in d["models"].items():
+            lines.append(f"- {name} measured {m.get('measured', 'in an earlier run')}.")
     return [*lines, "", "![scale](bench/scale.png)", ""]
 
 

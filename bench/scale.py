@@ -126,10 +126,14 @@ def generation_check(checkpoint: Path, artifact: Path, new_tokens: int = GENERAT
     artifact's dequantized weights, greedy, ``new_tokens`` from an 8-token prompt."""
     import json
 
+    import numpy as np
+
     from tfgraph.precision.weights import reference_from_artifact
     from tfgraph.runtime import CachedDecoder, open_runner
     from tfgraph.sources import load_source
-    from tfgraph.verify.generation_parity import compare_greedy
+    from tfgraph.verify.activation_rule import ACTIVATION_FACTOR
+    from tfgraph.verify.generation_parity import compare_greedy, forced_agreement
+    from tfgraph.verify.tolerance import FP32
 
     source = load_source(str(checkpoint))
     report = json.loads((artifact / "report.json").read_text())
@@ -140,6 +144,15 @@ def generation_check(checkpoint: Path, artifact: Path, new_tokens: int = GENERAT
     prompt = source.inputs(1, 8, seed=5)["input_ids"][0].tolist()
     start = time.perf_counter()
     found = compare_greedy(reference, decoder, [prompt], new_tokens)
+    # the bound: the export's parity rule, with the activation quantization's effect measured
+    # on the parity inputs (level 4) and the scale of these logits
+    parity = report["parity"]["outputs"][0]
+    scale = max(float(np.abs(step).max()) for step in found.engine_logits)
+    effect = ACTIVATION_FACTOR * parity.get("activation_quant_err", 0.0)
+    bound = effect + FP32.atol + FP32.rtol * scale
+    forced = forced_agreement(
+        reference, decoder, [prompt], found.tokens, found.engine_logits, bound
+    )
     return {
         "new_tokens": new_tokens,
         "tokens_equal": found.tokens == found.want_tokens,
@@ -147,6 +160,7 @@ def generation_check(checkpoint: Path, artifact: Path, new_tokens: int = GENERAT
         "accuracy_level": next((n.get("accuracy_level") for n in [report["weights"]] if n), None),
         "tokens": found.tokens[0],
         "eager_tokens": found.want_tokens[0],
+        "forced": forced,  # each step judged on the engine's own prefix
         "seconds": round(time.perf_counter() - start, 1),
     }
 
@@ -179,6 +193,7 @@ def run(
             checkpoint = write_checkpoint(name, workdir / "checkpoints")
         weights = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
         row: dict = {"checkpoint_gib": round(weights / GiB, 2), "dtype": MODELS[name][1]}
+        row["measured"] = f"{time.strftime('%Y-%m-%d %H:%M')} at {_commit()}"
         row["parameters"] = _parameters(checkpoint)
         for peer in PEERS:
             progress(f"scale: {name}: {peer}")
@@ -208,6 +223,15 @@ def run(
             shutil.rmtree(checkpoint, ignore_errors=True)
         shutil.rmtree(workdir / "genai-cache", ignore_errors=True)
     return results
+
+
+def _commit() -> str:
+    try:
+        found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                               text=True, check=True, cwd=Path(__file__).parent)  # fmt: skip
+        return found.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "an unknown commit"
 
 
 def _report_figures(out: Path) -> dict:

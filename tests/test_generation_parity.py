@@ -138,3 +138,23 @@ def test_static_cache_generation_on_the_tensorrt_target(preset, tmp_path):
     """The tensorrt target's decomposed attention over the static cache (run here by ONNX
     Runtime; TensorRT itself is not on these machines)."""
     _check(load_source(preset), tmp_path, target="tensorrt")
+
+
+def test_forced_agreement_judges_each_step_on_the_engines_prefix(tmp_path):
+    """One eager pass over the engine's own tokens: an honest engine agrees at every step;
+    tokens that are not what the engine's logits chose (a stand-in for a wrong engine) are
+    unexplained, since the eager logits on that prefix are far from the engine's."""
+    from tfgraph.verify.generation_parity import forced_agreement
+
+    tfgraph.export("llama-tiny", tmp_path / "a", kv_cache=True)
+    source = load_source("llama-tiny")
+    decoder = CachedDecoder(Session(tmp_path / "a"))
+    prompts = [[5, 9, 2, 7, 11, 3], [4, 8, 1, 6, 10, 12]]
+    found = compare_greedy(source, decoder, prompts, 12)
+    forced = forced_agreement(source, decoder, prompts, found.tokens, found.engine_logits, 1e-3)
+    assert (forced["steps"], forced["rows"]) == (12, 2)
+    assert forced["equal"] == 24 and forced["unexplained"] == 0
+    assert forced["max_logits_diff"] < 1e-4
+    shifted = [[(t + 1) % 256 for t in row] for row in found.tokens]
+    wrong = forced_agreement(source, decoder, prompts, shifted, found.engine_logits, 1e-3)
+    assert wrong["equal"] == 0 and wrong["unexplained"] == 24

@@ -95,6 +95,7 @@ def test_greedy_tokens_equal_eager_with_dequantized_weights(tmp_path, preset, we
     row = report["parity"]["outputs"][0]
     if level == 0:
         assert row["max_abs_err"] < 1e-4  # exact up to fp32 noise
+        assert row["tolerance"]["relative_to"] == "max |eager|"  # noise at the output's scale
     else:  # int8 activations: within twice their own effect
         assert row["max_abs_err"] <= 2 * row["activation_quant_err"] + 1e-4 + 1e-3 * 100
         assert row["activation_quant_err"] > 1e-3
@@ -194,3 +195,19 @@ def test_hf_gpt2_conv1d_weights_at_level_4(tmp_path, hf_gpt2_dir):
     assert row["max_abs_err"] < 1e-4 and row["activation_quant_err"] > 1e-3
     assert result.report["weights"]["accuracy_level"] == 4
     assert len(result.report["weights"]["quantized"]) >= 9
+
+
+def test_scaled_tolerance_follows_the_output_scale():
+    """The rule of a weight-quantized artifact: rtol of the largest |eager|, so fp32 noise at a
+    small element of a large output passes where the elementwise rule fails, and an error
+    beyond the output's scale still fails."""
+    from tfgraph.verify.parity import compare
+    from tfgraph.verify.tolerance import FP32, Tolerance
+
+    want = np.array([[10.0, 0.01, -3.0]])
+    noisy = want + np.array([[0.0, 1.5e-4, 0.0]])  # 1.5e-5 of the largest value
+    assert not compare("y", noisy, want, FP32)["passed"]
+    scaled = Tolerance(scaled=True)
+    row = compare("y", noisy, want, scaled)
+    assert row["passed"] and row["tolerance"]["relative_to"] == "max |eager|"
+    assert not compare("y", want + np.array([[0.0, 0.02, 0.0]]), want, scaled)["passed"]

@@ -101,7 +101,8 @@ def print_parity(parity: dict, *, cached: bool) -> None:
 def _tolerance_text(row: dict) -> str:
     tol = row["tolerance"]
     if "atol" in tol:
-        return f"atol {tol['atol']:g} rtol {tol['rtol']:g}"
+        scaled = " x max|eager|" if tol.get("relative_to") else ""
+        return f"atol {tol['atol']:g} rtol {tol['rtol']:g}{scaled}"
     if "activation_quant_err" in row:
         return f"{tol['factor']:g} x act. quant err {row['activation_quant_err']:.3g} + fp32 tol"
     eager = row.get("eager_low_err", float("nan"))

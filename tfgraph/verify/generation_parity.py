@@ -30,6 +30,7 @@ class GreedyComparison:
     tokens: list[list[int]]
     want_tokens: list[list[int]]
     steps: list[dict]
+    engine_logits: list | None = None  # the engine's (batch, vocab) logits of each step
 
     @property
     def passed(self) -> bool:
@@ -113,4 +114,61 @@ def compare_greedy(
         compare("logits", g, w, tolerance)
         for g, w in zip(got.step_logits, want_logits, strict=True)
     ]
-    return GreedyComparison(got.tokens, want_tokens, steps)
+    return GreedyComparison(got.tokens, want_tokens, steps, got.step_logits)
+
+
+def forced_agreement(
+    source: ModelSource,
+    decoder: CachedDecoder,
+    prompts: list[list[int]],
+    tokens: list[list[int]],
+    step_logits: list[np.ndarray],
+    bound: float,
+    pad: int = 0,
+) -> dict:
+    """The cached engine's greedy run judged on its own prefix (teacher forcing): one eager
+    pass over each prompt followed by the engine's tokens gives eager's logits for exactly the
+    prefixes the engine decoded, step by step. A step agrees when eager's argmax is the
+    engine's token; it is a near tie when it is not, the two sides' logits at that step are
+    within ``bound`` (the parity rule's allowed error) and eager's own margin for the engine's
+    token (its top logit minus that token's) is at most twice their largest difference — the
+    two sides differ by that much, so either choice is theirs. ``unexplained`` counts the rest:
+    a real disagreement. Decoders only.
+
+    Unlike :func:`compare_greedy` it keeps judging after a near tie parts the two sides'
+    tokens, and it needs one eager pass instead of one per token."""
+    if decoder.seq2seq:
+        raise ValueError("forced_agreement judges decoders")
+    steps = len(step_logits)
+    rows = [list(p) + list(t[: steps - 1]) for p, t in zip(prompts, tokens, strict=True)]
+    ids, mask = left_pad(rows, pad)
+    inputs = {decoder.token_input: torch.from_numpy(ids)}
+    if decoder.mask_input is not None:
+        inputs[decoder.mask_input] = torch.from_numpy(mask)
+    logits = source.eager(inputs)[source.output_names[0]].float().numpy()
+    first = ids.shape[1] - steps  # the position whose logits chose the first new token
+    equal = ties = 0
+    worst_gap, worst_diff = 0.0, 0.0
+    for t in range(steps):
+        want = logits[:, first + t]
+        got = np.asarray(step_logits[t], np.float64)
+        diff = float(np.abs(got - want).max())
+        worst_diff = max(worst_diff, diff)
+        for row, chosen in enumerate(t_[t] for t_ in tokens):
+            gap = float(want[row].max() - want[row, chosen])
+            if gap == 0.0:
+                equal += 1
+            elif diff <= bound and gap <= 2 * diff:
+                ties += 1
+                worst_gap = max(worst_gap, gap)
+    total = steps * len(tokens)
+    return {
+        "steps": steps,
+        "rows": len(tokens),
+        "bound": bound,
+        "equal": equal,
+        "near_ties": ties,
+        "unexplained": total - equal - ties,
+        "max_logits_diff": worst_diff,
+        "max_tie_margin": worst_gap,
+    }

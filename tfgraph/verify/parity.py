@@ -62,7 +62,7 @@ def compare(
     max_abs = float(diff.max()) if diff.size else 0.0
     scale = float(np.abs(want).max()) if want.size else 0.0
     finite = bool(np.isfinite(got).all() == np.isfinite(want).all())
-    passed = finite and bool(np.all(diff <= tol.atol + tol.rtol * np.abs(want)))
+    passed = finite and bool(np.all(diff <= tol.bound(want)))
     return {
         "name": name,
         "max_abs_err": max_abs,
