@@ -58,13 +58,16 @@ MODELS = {**CONFIGS, "gpt_neo": ("GPTNeoForCausalLM", "GPTNeoConfig", GPT_NEO)}
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "bloom", "gpt_neo"])
-def test_padded_batch_equals_hf_generate(name, tmp_path):
+def test_padded_batch_equals_hf_generate(name, tmp_path, capfd):
     cls, cfg, kwargs = MODELS[name]
     config = getattr(transformers, cfg)(**{**SMALL, **kwargs, "initializer_range": 0.2})
     torch.manual_seed(0)
     getattr(transformers, cls)(config).eval().save_pretrained(tmp_path / "hf")
     result = tfgraph.export(str(tmp_path / "hf"), tmp_path / "artifact", kv_cache=True)
     report = result.report
+    # the passes' probe sessions fail on purpose past a model's positions (GPT-Neo's mask
+    # buffer): handled, and ONNX Runtime must not print them on the user's terminal
+    assert "onnxruntime" not in capfd.readouterr().err
     assert report["fusions"]["attention"]["fused"] == report["fusions"]["attention"]["total"] == 2
     assert report["parity"]["prefill"]["passed"] and report["parity"]["decode"]["passed"]
     # the parity inputs were left-padded: the pads' positions were excluded, the rest compared
