@@ -131,9 +131,8 @@ def generation_check(checkpoint: Path, artifact: Path, new_tokens: int = GENERAT
     from tfgraph.precision.weights import reference_from_artifact
     from tfgraph.runtime import CachedDecoder, open_runner
     from tfgraph.sources import load_source
-    from tfgraph.verify.activation_rule import ACTIVATION_FACTOR
+    from tfgraph.verify.activation_rule import allowed_error
     from tfgraph.verify.generation_parity import compare_greedy, forced_agreement
-    from tfgraph.verify.tolerance import FP32
 
     source = load_source(str(checkpoint))
     report = json.loads((artifact / "report.json").read_text())
@@ -148,8 +147,7 @@ def generation_check(checkpoint: Path, artifact: Path, new_tokens: int = GENERAT
     # on the parity inputs (level 4) and the scale of these logits
     parity = report["parity"]["outputs"][0]
     scale = max(float(np.abs(step).max()) for step in found.engine_logits)
-    effect = ACTIVATION_FACTOR * parity.get("activation_quant_err", 0.0)
-    bound = effect + FP32.atol + FP32.rtol * scale
+    bound = allowed_error(parity.get("activation_quant_err", 0.0), scale)
     forced = forced_agreement(
         reference, decoder, [prompt], found.tokens, found.engine_logits, bound
     )

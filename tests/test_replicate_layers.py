@@ -155,3 +155,27 @@ def test_export_through_the_shortcut_passes_parity(llama_checkpoint, tmp_path):
     cases = result.report["parity"]["cases"]
     assert {c["phase"] for c in cases} == {"prefill", "decode"}
     assert all(c["passed"] for c in cases)
+
+
+class _TorchEncoderLM(nn.Module):
+    """PyTorch's own ``nn.TransformerEncoder`` (its layers deep copies of one), causal."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)
+        self.enc = nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 100)
+
+    def forward(self, tokens):
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+        return self.head(self.enc(self.emb(tokens), mask=mask, is_causal=True))
+
+
+def test_torch_transformer_encoder_graph_equals_the_full_trace(monkeypatch):
+    torch.manual_seed(0)
+    module = _TorchEncoderLM().eval()
+    example = (torch.randint(0, 100, (2, 9)),)
+    full, _, short, source = traced_both_ways(lambda: from_module(module, example), monkeypatch)
+    assert source.info["traced_layers"] == f"4 of {LAYERS} in enc.layers"
+    assert canonical(short) == canonical(full)

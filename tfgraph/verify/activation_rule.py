@@ -20,6 +20,12 @@ def activation_rule() -> dict:
     }
 
 
+def allowed_error(effect: float, scale: float) -> float:
+    """The rule's bound: ``effect`` (the activation quantization's own, 0 without it) at an
+    output whose largest magnitude is ``scale``."""
+    return ACTIVATION_FACTOR * effect + FP32.atol + FP32.rtol * scale
+
+
 def judge_activations(got, want, plain, keep=None) -> dict:
     """One output of an artifact whose MatMulNBits quantize activations (accuracy level 4)
     against the reference that quantizes them alike (``want``) and the same reference without
@@ -41,7 +47,7 @@ def judge_activations(got, want, plain, keep=None) -> dict:
     scale = float(np.abs(want).max()) if want.size else 0.0
     err = float(np.abs(got - want).max()) if got.size else 0.0
     effect = float(np.abs(plain - want).max()) if plain.size else 0.0
-    allowed = ACTIVATION_FACTOR * effect + FP32.atol + FP32.rtol * scale
+    allowed = allowed_error(effect, scale)
     finite = bool(np.isfinite(got).all())
     return {
         "max_abs_err": err,

@@ -154,7 +154,7 @@ def forced_agreement(
         got = np.asarray(step_logits[t], np.float64)
         diff = float(np.abs(got - want).max())
         worst_diff = max(worst_diff, diff)
-        for row, chosen in enumerate(t_[t] for t_ in tokens):
+        for row, chosen in enumerate(new[t] for new in tokens):
             gap = float(want[row].max() - want[row, chosen])
             if gap == 0.0:
                 equal += 1

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 PARITY_SHAPES = ((1, 7), (2, 33))  # (batch, sequence)
 
 
@@ -26,8 +28,6 @@ class Tolerance:
 
     def bound(self, want):
         """What each element's error may be, for eager outputs ``want`` (an array)."""
-        import numpy as np
-
         if self.scaled:
             return self.atol + self.rtol * (float(np.abs(want).max()) if want.size else 0.0)
         return self.atol + self.rtol * np.abs(want)
