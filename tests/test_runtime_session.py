@@ -64,3 +64,43 @@ def test_missing_and_corrupt_model(tmp_path):
     (tmp_path / "model.onnx").write_bytes(b"not a protobuf")
     with pytest.raises(TfgraphError, match="cannot load"):
         Session(tmp_path)
+
+
+MATMUL = """
+<ir_version: 10, opset_import: ["" : 20]>
+g (float[N, 64] x) => (float[N, 64] y) {
+    y = MatMul(x, w)
+}
+"""
+
+
+def _matmul_dir(tmp_path, quantized: bool):
+    rng = np.random.default_rng(0)
+    model = ir.from_onnx_text(MATMUL.replace("MatMul(x, w)", "MatMul(x, wt)"))
+    w = ir.Value(name="wt", const_value=ir.tensor(rng.standard_normal((64, 64), np.float32)))
+    model.graph.register_initializer(w)
+    node = next(iter(model.graph))
+    node.replace_input_with(1, w)
+    if quantized:  # the op type is what the session looks at (not run)
+        node.op_type, node.domain = "MatMulNBits", "com.microsoft"
+    ir.save(model, tmp_path / "model.onnx")
+    return tmp_path, rng.standard_normal((3, 64), np.float32), w.const_value.numpy()
+
+
+def test_a_checking_session_reads_float_weights_in_place(tmp_path):
+    path, x, w = _matmul_dir(tmp_path, quantized=False)
+    deployed, checking = Session(path), Session(path, checking=True)
+    assert deployed.prepacked and not checking.prepacked
+    entry = checking._session.get_session_options().get_session_config_entry
+    assert entry("session.disable_prepacking") == "1"
+    # the same kernels, packed per call: the results agree with numpy's to fp32 rounding
+    for session in (deployed, checking):
+        np.testing.assert_allclose(session.run({"x": x})["y"], x @ w, rtol=1e-5, atol=1e-5)
+    assert checking.sibling("model.onnx").prepacked is False
+
+
+def test_a_checking_session_keeps_prepacking_for_quantized_weights(tmp_path):
+    path, _, _ = _matmul_dir(tmp_path, quantized=True)
+    from tfgraph.runtime.session import _quantized
+
+    assert _quantized(path / "model.onnx")

@@ -77,7 +77,7 @@ def check_cache_parity(
     seed: int = 0,
     precision: str = "fp32",
 ) -> dict:
-    decoder = CachedDecoder(open_runner(model_file))
+    decoder = CachedDecoder(open_runner(model_file, checking=True))
     source = source.on_device(eager_device(decoder.session))
     name = source.output_names[0]
     token_input = decoder.token_input

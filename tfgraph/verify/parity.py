@@ -127,7 +127,7 @@ def check_parity(
     """Run both sides at each shape; ``outputs[]`` holds the worst case per output; ``runner``
     says what ran the artifact (the runner its target names). In fp16/bf16 the rule is
     :func:`compare_in`'s and ``tolerance`` is not used."""
-    session = open_runner(model_file)
+    session = open_runner(model_file, checking=True)
     source = source.on_device(eager_device(session))
     cases = []
     for i, (batch, seq) in enumerate(shapes):
