@@ -51,6 +51,7 @@ from tfgraph import contract
 from .canonical import AttentionOp
 from .fuse_attention import is_gating_softmax
 from .provenance import layer_name
+from .row_lengths import PER_ROW, ROW_LENGTHS_KEY, RowGather
 from .rewrite_utils import DOMAIN, LOWERED_FROM_KEY, dims_of, int_list
 from .slice_machinery import Slicer
 from .split_encoder import CROSS_KV_KEY
@@ -81,6 +82,16 @@ BIAS_SLOT = 3  # tfgraph.Attention(Q, K, V, bias)
 
 class KVCacheError(ValueError):
     """The graph cannot take a KV cache; the message names the layer and the reason."""
+
+
+def _token_input(model: ir.Model, seq: str) -> ir.Value | None:
+    """The token input (role ``token_ids``) when it is (batch, sequence)."""
+    names = set(contract.names_with_role(model, contract.TOKEN_IDS))
+    for value in model.graph.inputs:
+        dims = dims_of(value) if value.shape is not None else []
+        if value.name in names and len(dims) == 2 and dims[1] == seq:
+            return value
+    return None
 
 
 def _is_attention(node: ir.Node) -> bool:
@@ -468,6 +479,12 @@ class InsertKVCachePass(ir.passes.InPlacePass):
     nothing).
     """
 
+    def __init__(self, row_lengths: bool = False) -> None:
+        super().__init__()
+        # junctions gathered per row (rows of a batch at different past lengths, in-flight
+        # batching) instead of sliced to the last T rows: :mod:`.row_lengths`
+        self.row_lengths = row_lengths
+
     def requires(self, model: ir.Model) -> None:
         lowered = [n for n in model.graph if n.metadata_props.get(LOWERED_FROM_KEY) == "Attention"]
         if lowered:
@@ -502,6 +519,14 @@ class InsertKVCachePass(ir.passes.InPlacePass):
         shape_node = ir.node("Shape", [pasts[0]], {"start": 2, "end": 3})
         graph.insert_before(next(iter(graph)), shape_node)
         rewriter = _Rewriter(analysis, shape_node.outputs[0])
+        rows = None
+        if self.row_lengths:
+            tokens = _token_input(model, seq)
+            if tokens is None:
+                model.metadata_props[ROW_LENGTHS_KEY] = "no token input with a batch axis"
+            else:
+                rows = RowGather(rewriter, tokens, shape_node.outputs[0])
+                graph.insert_after(shape_node, rows.nodes)
         for value, axes in analysis.key_values.items():  # a token bias now spans L keys
             value.shape = ir.Shape(
                 [TOTAL_DIM if i in axes else d for i, d in enumerate(dims_of(value))]
@@ -539,7 +564,11 @@ class InsertKVCachePass(ir.passes.InPlacePass):
                     # op read before the cache (cache parity checks it)
                     continue
                 rewriter.pending.clear()
-                new = rewriter.last_rows(value, axes)
+                new = None
+                if rows is not None and rows.refused is None and axes:
+                    new = rows.rows(node, rewriter.full(value), value, axes, seq)
+                if new is None:
+                    new = rewriter.last_rows(value, axes)
                 graph.insert_before(node, rewriter.pending)
                 for added in rewriter.pending:
                     for key, prop in node.metadata_props.items():
@@ -567,6 +596,10 @@ class InsertKVCachePass(ir.passes.InPlacePass):
                 node.replace_input_with(slot, out)
                 graph.outputs.append(out)
         _name_cross_kv(model, analysis)
+        if rows is not None:
+            model.metadata_props[ROW_LENGTHS_KEY] = rows.refused or PER_ROW
+            if rows.refused:
+                logger.info("KV cache without per-row lengths: %s", rows.refused)
         for mask in analysis.masks:
             mask.shape = ir.Shape([TOTAL_DIM if d == seq else d for d in dims_of(mask)])
         logger.info(

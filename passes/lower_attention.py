@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from tfgraph import contract
+
 from .canonical import AttentionOp, is_canonical
 from .rewrite_utils import (
     FUSED_AS_KEY,
@@ -152,6 +154,14 @@ class LowerAttentionPass(ir.passes.InPlacePass):
         replace_value(node.outputs[0], y)
         graph.remove(node, safe=True)
         return result.op
+
+
+def _row_lengths(graph: ir.Graph) -> ir.Value | None:
+    """The (batch,) per-row past lengths the KV-cache pass made (:mod:`.row_lengths`)."""
+    for node in graph:
+        if node.outputs and node.outputs[0].name == contract.PAST_LENGTHS_NAME:
+            return node.outputs[0]
+    return None
 
 
 def _cached_kv(q: ir.Value, k: ir.Value, v: ir.Value) -> tuple | None:
@@ -376,9 +386,15 @@ class AttentionBuilder:
         past_k, new_k, past_v, new_v, present_k, present_v = cached
         total = tape.op("Add", [self.dim(past_k, 2), self.dim(new_k, 2)])  # (1,) P + T
         total0 = tape.op("Squeeze", [total])
-        seqlens = tape.op(
-            "Expand", [tape.op("Sub", [total0, self.ints("one", 1)]), self.dim(new_k, 0)]
-        )
+        rows = _row_lengths(self.graph)
+        if rows is not None:  # each row its own past length (in-flight batching)
+            seqlens = tape.op(
+                "Add", [rows, tape.op("Sub", [self.dim(new_k, 2), self.ints("one", 1)])]
+            )
+        else:
+            seqlens = tape.op(
+                "Expand", [tape.op("Sub", [total0, self.ints("one", 1)]), self.dim(new_k, 0)]
+            )
         attrs = {
             "num_heads": spec.num_heads,
             "kv_num_heads": spec.kv_num_heads,

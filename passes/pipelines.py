@@ -67,7 +67,7 @@ def _default(target, options: PipelineOptions = PipelineOptions()) -> list[ir.pa
         FuseGeluPass(),
         FuseAttentionPass(),
         ClassifyAttentionBiasPass(),
-        *([InsertKVCachePass()] if options.kv_cache else []),
+        *([InsertKVCachePass(row_lengths=target.row_lengths)] if options.kv_cache else []),
         common.RemoveUnusedNodesPass(),  # masks the kernels compute themselves are dead now
         GatherAfterContractionPass(),  # relative-key tables: contract, then gather
         common.RemoveUnusedNodesPass(),

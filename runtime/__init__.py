@@ -3,6 +3,7 @@
 generation with KV-cached artifacts."""
 
 from .generate import CachedDecoder, Generation, GenerationConfig, Step, generate, stream
+from .inflight import SlotBatcher, generate_inflight, inflight_support
 from .reference import ReferenceRunner  # registers the onnx-reference runner
 from .runner import RUNNERS, KVCache, Runner, open_runner
 from .session import PROVIDERS, Session, model_path
@@ -18,9 +19,12 @@ __all__ = [
     "ReferenceRunner",
     "Runner",
     "Session",
+    "SlotBatcher",
     "Step",
     "TensorRTRunner",
     "generate",
+    "generate_inflight",
+    "inflight_support",
     "model_path",
     "open_runner",
     "stream",

@@ -33,6 +33,20 @@ class KVCache:
     values: dict[RoleKey, Any]
     length: int = 0
     capacity: int | None = None
+    # each row's past length when rows differ (in-flight batching; ``length`` is then the
+    # longest); None: every row holds ``length``
+    lengths: Any = None
+    # the runner's host arrays behind ``values`` (ONNX Runtime: numpy arrays its OrtValues
+    # share), so that rows of the buffer can be bound as a batch of their own (:meth:`rows`)
+    host: dict[RoleKey, Any] | None = None
+
+    def row_lengths(self, batch: int):
+        """(batch,) int64: each row's past length."""
+        import numpy as np
+
+        if self.lengths is None:
+            return np.full(batch, self.length, np.int64)
+        return np.asarray(self.lengths, np.int64)
 
 
 @runtime_checkable
@@ -58,6 +72,11 @@ class Runner(Protocol):
 
     def to_numpy(self, value: Any):
         """A runner value (or numpy array) as a numpy array on the host."""
+
+    def rows(self, cache: KVCache, start: int, stop: int, lengths) -> KVCache:
+        """Rows ``start:stop`` of a preallocated ``cache`` as a cache of their own (the same
+        memory: a step on it writes those rows), each row at its own past length (``lengths``;
+        in-flight batching, :mod:`tfgraph.runtime.inflight`)."""
 
     def sibling(self, file: str) -> Runner:
         """Another graph of the same artifact (``encoder.onnx``), opened the same way."""

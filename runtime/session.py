@@ -138,6 +138,11 @@ _PRESENT_PAST = {
 }
 
 
+def _batch_of(feeds: Mapping[RoleKey, object]) -> int:
+    """The batch of a step: the rows of its new tokens."""
+    return int(np.shape(feeds[(contract.TOKEN_IDS, None)])[0])
+
+
 def _shape_text(shape: Sequence) -> str:
     dims = ["?" if d is None else str(d) for d in shape]
     return f"({', '.join(dims)}{',' if len(dims) == 1 else ''})"
@@ -290,13 +295,34 @@ class Session:
 
         shared = self.signature.shared_buffer
         room = capacity if shared else 0
-        values = {}
+        values, host = {}, {}
         for port in self.signature.inputs_with(*_PAST_ROLES):
             shape = self._input_shapes[port.name]
             dtype = _ORT_DTYPES.get(self._input_types[port.name], np.float32)
-            empty = np.zeros((batch, shape[1], room, shape[3]), dtype)
-            values[port.key] = ort.OrtValue.ortvalue_from_numpy(empty)
-        return KVCache(values, 0, capacity if shared else None)
+            host[port.key] = np.zeros((batch, shape[1], room, shape[3]), dtype)
+            # on the CPU the OrtValue shares the array's memory (no copy)
+            values[port.key] = ort.OrtValue.ortvalue_from_numpy(host[port.key])
+        return KVCache(values, 0, capacity if shared else None, host=host if shared else None)
+
+    def rows(self, cache: KVCache, start: int, stop: int, lengths) -> KVCache:
+        """Rows ``start:stop`` of a shared-buffer ``cache`` as a batch of their own, over the
+        same memory (a slice of the leading axis is contiguous: ONNX Runtime writes the rows
+        in place), each at its own past length."""
+        import onnxruntime as ort
+
+        if cache.host is None or self._device != "cpu":
+            raise TfgraphError(
+                "rows of a KV cache need a preallocated CPU buffer (kv_layout shared, CPU "
+                "provider)"
+            )
+        lengths = np.asarray(lengths, np.int64)
+        if lengths.shape != (stop - start,):
+            raise TfgraphError(f"one past length per row: {stop - start}, got {lengths.shape}")
+        values = {
+            key: ort.OrtValue.ortvalue_from_numpy(array[start:stop])
+            for key, array in cache.host.items()
+        }
+        return KVCache(values, int(lengths.max(initial=0)), cache.capacity, lengths)
 
     def step(
         self, feeds: Mapping[RoleKey, object], cache: KVCache, new_tokens: int
@@ -312,6 +338,9 @@ class Session:
                 continue
             if port.role == contract.PAST_LENGTH:
                 binding.bind_cpu_input(port.name, np.array([cache.length], np.int64))
+                continue
+            if port.role == contract.PAST_LENGTHS:  # each row's own (in-flight batching)
+                binding.bind_cpu_input(port.name, cache.row_lengths(_batch_of(feeds)))
                 continue
             value = feeds.get(port.key)
             if value is None:
@@ -330,7 +359,10 @@ class Session:
         values = binding.get_outputs()
         outputs = {p.key: v for p, v in zip(self.signature.outputs, values, strict=True)}
         if shared:
-            return outputs, KVCache(cache.values, cache.length + new_tokens, cache.capacity)
+            lengths = None if cache.lengths is None else np.asarray(cache.lengths) + new_tokens
+            return outputs, KVCache(
+                cache.values, cache.length + new_tokens, cache.capacity, lengths
+            )
         next_values = {
             (_PRESENT_PAST[p.role], p.layer): outputs[p.key]
             for p in self.signature.outputs

@@ -57,6 +57,9 @@ ENCODER_ATTENTION_MASK = "encoder_attention_mask"
 INPUT = "input"
 PAST_KEY, PAST_VALUE = "past_key", "past_value"
 PAST_LENGTH = "past_length"
+# per-row past lengths (batch,): rows of one batch at different lengths in one buffer
+# (in-flight batching); ``past_length`` is then the longest row's
+PAST_LENGTHS = "past_lengths"
 CROSS_KEY, CROSS_VALUE = "cross_key", "cross_value"
 LOGITS = "logits"
 HIDDEN_STATES = "hidden_states"
@@ -76,6 +79,7 @@ _NAMES = {
     CROSS_VALUE: "cross_key_values.{}.value",
 }
 PAST_LENGTH_NAME = "past_sequence_length"
+PAST_LENGTHS_NAME = "past_sequence_lengths"
 
 # Symbolic dims of the cache tensors.
 PAST_DIM, TOTAL_DIM, BUFFER_DIM = "past_sequence", "total_sequence", "max_sequence"
@@ -157,6 +161,12 @@ class Signature:
     @property
     def shared_buffer(self) -> bool:
         return bool(self.kv_layout) and self.kv_layout.get("kind") in BUFFER_LAYOUTS
+
+    @property
+    def row_lengths(self) -> bool:
+        """Rows of a batch may hold different past lengths (``past_lengths`` input): the
+        graph serves in-flight batching."""
+        return self.shared_buffer and self.input(PAST_LENGTHS) is not None
 
     def as_dict(self) -> dict:
         return {
@@ -278,6 +288,10 @@ def kv_layout(metadata: Mapping[str, str], input_names: Iterable[str]) -> dict |
         "layers": len({roles[n][1] for n in pasts}),
         "present_aliases_past": aliases if shared else {},
         "present_extends_past": {} if shared else aliases,
+        # the input that gives each row its own past length (in-flight batching), if any
+        "row_lengths": next(
+            (n for n, (r, _) in roles.items() if r == PAST_LENGTHS and n in names), None
+        ),
     }
 
 

@@ -115,6 +115,8 @@ def run(args) -> int:
             feeds[port.name] = np.ones_like(ids)
         elif port.role == contract.PAST_LENGTH:  # a shared-buffer cached artifact
             feeds[port.name] = np.zeros(1, np.int64)
+        elif port.role == contract.PAST_LENGTHS:  # each row's past length
+            feeds[port.name] = np.zeros(batch, np.int64)
         elif port.role in (contract.PAST_KEY, contract.PAST_VALUE):  # start from no past
             feeds[port.name] = np.zeros((batch, port.shape[1], 0, port.shape[3]), np.float32)
         else:

@@ -137,7 +137,7 @@ _MASKS = (contract.ATTENTION_MASK, contract.ENCODER_ATTENTION_MASK)
 def _probe_feed(value: ir.Value, role: str, rng: np.random.Generator) -> np.ndarray:
     shape = [_dim_size(d) for d in value.shape] if value.shape is not None else []
     dtype = value.dtype.numpy() if value.dtype is not None else np.float32
-    if role == contract.PAST_LENGTH:
+    if role in (contract.PAST_LENGTH, contract.PAST_LENGTHS):
         return np.zeros(shape, dtype)
     if np.issubdtype(dtype, np.floating):
         return rng.standard_normal(shape).astype(dtype)

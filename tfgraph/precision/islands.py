@@ -361,6 +361,7 @@ def island_feeds(model: ir.Model, source, shapes) -> list[dict]:
     shared = bool(contract.names_with_role(model, contract.PAST_LENGTH))
     pasts = set(contract.names_with_role(model, contract.PAST_KEY, contract.PAST_VALUE))
     lengths = set(contract.names_with_role(model, contract.PAST_LENGTH))
+    row_lengths = set(contract.names_with_role(model, contract.PAST_LENGTHS))
     feeds = []
     for i, (batch, seq) in enumerate(shapes):
         inputs = {n: v.numpy() for n, v in source.inputs(batch, seq, seed=i).items()}
@@ -377,6 +378,8 @@ def island_feeds(model: ir.Model, source, shapes) -> list[dict]:
                 )
             elif value.name in lengths:
                 feed[value.name] = np.zeros([1], np.int64)
+            elif value.name in row_lengths:
+                feed[value.name] = np.zeros([batch], np.int64)
         feeds.append(feed)
     return feeds
 

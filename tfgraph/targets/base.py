@@ -82,6 +82,9 @@ class Target:
     precision_runners: Mapping[str, str] = field(default_factory=dict)
     version: tuple[int, ...] | None = None
     compatibility: Callable[[ir.Model], list] = lambda model: []
+    # cached graphs take per-row past lengths (rows of a batch at different lengths in one
+    # buffer: in-flight batching); passes/row_lengths.py
+    row_lengths: bool = False
     facts: tuple[str, ...] = ()
 
     def fused(self, kind: str) -> frozenset:

@@ -1,0 +1,152 @@
+"""Per-row past lengths in a cached graph: the rows of one batch at different lengths.
+
+In-flight batching (:mod:`tfgraph.runtime.inflight`) keeps requests in the rows ("slots") of
+one preallocated KV buffer; each row has its own past length P_b, and its new tokens sit at
+positions P_b … P_b + T − 1. :class:`~.insert_kv_cache.InsertKVCachePass` with
+``row_lengths=True`` builds the graph for that:
+
+- a value ``past_sequence_lengths`` (batch,) int64, every row's past length: here the common
+  past length broadcast to the batch (so the graph is unchanged in meaning for equal rows);
+  :class:`~.share_kv_buffer.ShareKVBufferPass` turns it into a graph input (role
+  ``past_lengths``), and the attention kernel reads its per-row sequence lengths from it
+  (GroupQueryAttention's ``seqlens_k``);
+- at each junction, where token ops read machinery (positions, position rows, biases), the
+  machinery computed at the total length L is **gathered per row** at P_b + t instead of
+  sliced to its last T rows (:meth:`RowGather.rows`): a (L, d) table of position rows becomes
+  (B, T, d), a (1, H, L, L) relative bias (B, H, T, L), a (B, L) mask-derived position
+  (B, T). Keys beyond a row's length are never read (the kernel stops at ``seqlens_k``).
+
+The gather reads the machinery at L; the pushed slice of :mod:`.slice_machinery` (which only
+computes the new rows) cannot follow a start that differs per row. So a row-length graph
+computes each junction's machinery for all L rows per step: O(L·d) for position rows, O(H·L²)
+for an (L, L) position bias (ALiBi, T5); measured in docs/serving.md.
+
+A junction this cannot gather (an op other than a broadcasting elementwise one or the
+attention bias, two query axes, a leading axis that is neither 1 nor the batch) keeps the
+slice, and the graph does not take per-row lengths: the reason is recorded
+(``tfgraph.row_lengths`` metadata) and the input is not exposed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from tfgraph import contract
+
+from .rewrite_utils import dims_of
+
+ROW_LENGTHS_KEY = "tfgraph.row_lengths"  # model metadata: "per_row" or why not
+PER_ROW = "per_row"
+
+# token ops whose machinery operand broadcasts against the other (numpy rules)
+BROADCASTING = {"Add", "Sub", "Mul", "Div", "Where", "Pow", "Max", "Min"}
+
+
+class RowGather:
+    """Builds the per-row gathers of one cached graph on top of a KV-cache rewriter (its
+    ``add``/``const``/``pending``)."""
+
+    def __init__(self, rewriter, tokens: ir.Value, past_len: ir.Value) -> None:
+        self.rw = rewriter
+        self.tokens = tokens
+        self.batch = dims_of(tokens)[0]
+        self.refused: str | None = None
+        self.memo: dict[tuple, ir.Value] = {}
+        # (batch,) the common past length broadcast to every row (until the buffer pass makes
+        # it an input)
+        batch_dim = ir.node("Shape", [tokens], {"start": 0, "end": 1})
+        expand = ir.node("Expand", [past_len, batch_dim.outputs[0]])
+        expand.outputs[0].name = contract.PAST_LENGTHS_NAME
+        expand.outputs[0].type = ir.TensorType(ir.DataType.INT64)
+        expand.outputs[0].shape = ir.Shape([self.batch])
+        self.nodes = [batch_dim, expand]
+        self.lengths = expand.outputs[0]
+        self._index: ir.Value | None = None
+
+    def refuse(self, reason: str) -> None:
+        if self.refused is None:
+            self.refused = reason
+
+    def index(self) -> ir.Value:
+        """(B, T): row b's positions P_b … P_b + T − 1 (built once, before its first use)."""
+        if self._index is None:
+            rw = self.rw
+            t = rw.add("Shape", [self.tokens], {"start": 1, "end": 2})
+            steps = rw.add(
+                "Range",
+                [rw.const(np.array(0, np.int64)), rw.add("Squeeze", [t]),
+                 rw.const(np.array(1, np.int64))],
+            )  # fmt: skip
+            self._index = rw.add(
+                "Add",
+                [
+                    rw.add("Unsqueeze", [self.lengths, rw.const(np.array([1], np.int64))]),
+                    rw.add("Unsqueeze", [steps, rw.const(np.array([0], np.int64))]),
+                ],
+            )
+        return self._index
+
+    def rows(
+        self, node: ir.Node, full: ir.Value, value: ir.Value, axes: list[int], seq
+    ) -> ir.Value | None:
+        """``full`` (``value`` at L) gathered per row along its query axis, shaped to
+        broadcast into ``node`` as ``value`` did; None (and the reason kept) when it cannot."""
+        if node.op_type not in BROADCASTING and not _is_attention(node):
+            self.refuse(f"{node.op_type} reads positions ({value.name}) along the tokens")
+            return None
+        if len(axes) != 1:
+            self.refuse(f"'{value.name}' has {len(axes)} query axes")
+            return None
+        out = node.outputs[0]
+        rank = 4 if _is_attention(node) else (len(out.shape) if out.shape is not None else None)
+        dims = list(dims_of(value))
+        if rank is None or len(dims) > rank:
+            self.refuse(f"the rank of '{value.name}' against its consumer is unknown")
+            return None
+        key = (full, axes[0], rank)
+        if key in self.memo:
+            return self.memo[key]
+        rw = self.rw
+        axis = axes[0] + rank - len(dims)
+        if len(dims) < rank:  # leading broadcast axes, as numpy aligns them
+            lead = list(range(rank - len(dims)))
+            full = rw.add("Unsqueeze", [full, rw.const(np.array(lead, np.int64))])
+            dims = [1] * len(lead) + dims
+        if axis == 0:
+            self.refuse(f"'{value.name}' has its query axis first")
+            return None
+        index = self.index()
+        if dims[0] == 1:  # shared by every row: gather the rows, the batch axis to the front
+            squeezed = rw.add("Squeeze", [full, rw.const(np.array([0], np.int64))])
+            gathered = rw.add("Gather", [squeezed, index], {"axis": axis - 1})
+            perm = [axis - 1, *range(axis - 1), *range(axis, rank)]
+            result = rw.add("Transpose", [gathered], {"perm": perm})
+        elif dims[0] == self.batch:  # a row of its own per batch row (from the mask)
+            ones = [i for i in range(1, rank) if i != axis]  # (B, 1, …, T, …, 1)
+            idx = rw.add("Unsqueeze", [index, rw.const(np.array(ones, np.int64))]) if ones else index
+            target = rw.add(
+                "Concat",
+                [
+                    rw.add("Shape", [full], {"start": 0, "end": axis}),
+                    rw.add("Shape", [self.tokens], {"start": 1, "end": 2}),
+                    *([rw.add("Shape", [full], {"start": axis + 1})] if axis + 1 < rank else []),
+                ],
+                {"axis": 0},
+            )
+            idx = rw.add("Expand", [idx, target])
+            result = rw.add("GatherElements", [full, idx], {"axis": axis})
+        else:
+            self.refuse(f"'{value.name}' has a leading axis {dims[0]} (neither 1 nor the batch)")
+            return None
+        result.type = value.type
+        result.shape = ir.Shape(
+            [self.batch if i == 0 else seq if i == axis else
+             (contract.TOTAL_DIM if d == seq else d) for i, d in enumerate(dims)]
+        )  # fmt: skip
+        self.memo[key] = result
+        return result
+
+
+def _is_attention(node: ir.Node) -> bool:
+    return node.domain == "tfgraph" and node.op_type == "Attention"

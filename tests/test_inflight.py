@@ -1,0 +1,171 @@
+"""In-flight batching (tfgraph.runtime.inflight): requests join a running batch in free cache
+slots and leave it when they end; every request's tokens equal ``generate`` on its prompt
+alone, and each step's logits are within the fp32 parity tolerance of that run.
+
+The models cover the ways positions reach a row: learned position rows without a mask
+(gpt-tiny), RoPE inside GroupQueryAttention (llama-tiny), ALiBi (bloom-tiny), a sliding
+window (mistral-tiny), Hugging Face Llama and GPT-2 with positions from ``attention_mask``,
+and a model written with PyTorch's own ``F.scaled_dot_product_attention(is_causal=True)``.
+A control feeds every row the longest row's length instead of its own: the logits part, so
+the comparison can fail."""
+
+import numpy as np
+import pytest
+from idiom_models import gpt as sdpa_gpt
+from test_generation_parity import MaskedLM, transformers_model
+from test_hf_pipelines import CONFIGS, SMALL
+
+import tfgraph
+from tfgraph.errors import TfgraphError
+from tfgraph.runtime import CachedDecoder, GenerationConfig, Session, SlotBatcher, generate
+from tfgraph.runtime import session as session_module
+from tfgraph.runtime.inflight import generate_inflight, inflight_support
+from tfgraph.sources import load_source
+
+ATOL = 1e-4  # the fp32 parity tolerance (a batched step against a batch of one)
+ARRIVALS = [0, 0, 2, 3, 5, 9, 9]  # more requests than slots: some wait, slots are reused
+SLOTS = 3
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [rng.integers(1, vocab, n).tolist() for n in (3, 9, 5, 12, 2, 7, 1)]
+
+
+def _configs():
+    limits = [12, 5, 9, 3, 12, 1, 6]  # a one-token request ends at its prefill
+    return [GenerationConfig(max_new_tokens=n) for n in limits]
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    root = tmp_path_factory.mktemp("hf_inflight")
+    paths = {}
+    for name in ("llama", "gpt2"):
+        cls, cfg, kwargs = CONFIGS[name]
+        config = getattr(transformers, cfg)(**{**SMALL, **kwargs})
+        torch.manual_seed(0)
+        getattr(transformers, cls)(config).eval().save_pretrained(root / name)
+        paths[name] = root / name
+    return paths
+
+
+def _source(case, hf_dirs):
+    if case == "sdpa_gpt":
+        return tfgraph.from_module(sdpa_gpt(), origin="sdpa_gpt")
+    if case == "hf:llama":
+        return load_source(str(hf_dirs["llama"]))
+    if case == "masked:gpt2":
+        return tfgraph.from_module(MaskedLM(transformers_model(hf_dirs["gpt2"])), origin=case)
+    return load_source(case)
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory, hf_dirs):
+    root = tmp_path_factory.mktemp("inflight")
+    made = {}
+
+    def get(case):
+        if case not in made:
+            path = root / case.replace(":", "_")
+            result = tfgraph.export(_source(case, hf_dirs), path, kv_cache=True, target="ort")
+            assert result.manifest["kv_layout"]["row_lengths"] == "past_sequence_lengths"
+            made[case] = path
+        return made[case]
+
+    return get
+
+
+def _vocab(decoder) -> int:
+    return min(50, decoder.session.signature.output("logits").shape[-1])
+
+
+CASES = ["gpt-tiny", "llama-tiny", "bloom-tiny", "mistral-tiny", "hf:llama", "masked:gpt2",
+         "sdpa_gpt"]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_requests_equal_generate_alone(case, artifacts):
+    decoder = CachedDecoder(Session(artifacts(case)))
+    prompts, configs = _prompts(_vocab(decoder)), _configs()
+    got = generate_inflight(
+        decoder, prompts, configs, arrivals=ARRIVALS, slots=SLOTS, keep_logits=True
+    )
+    for prompt, config, request in zip(prompts, configs, got, strict=True):
+        alone = generate(decoder, [prompt], config, keep_logits=True)
+        assert request.tokens == alone.tokens[0]
+        assert len(request.logits) == config.max_new_tokens
+        for mine, theirs in zip(request.logits, alone.step_logits, strict=True):
+            np.testing.assert_allclose(mine, theirs[0], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["gpt-tiny", "llama-tiny"])
+def test_seeded_sampling_equals_generate_alone(case, artifacts):
+    decoder = CachedDecoder(Session(artifacts(case)))
+    prompts = _prompts(_vocab(decoder))
+    config = GenerationConfig(max_new_tokens=10, do_sample=True, temperature=3.0, top_k=30)
+    seeds = list(range(len(prompts)))
+    got = generate_inflight(decoder, prompts, config, arrivals=ARRIVALS, seeds=seeds, slots=4)
+    for prompt, seed, request in zip(prompts, seeds, got, strict=True):
+        alone = generate(decoder, [prompt], GenerationConfig(**{**vars(config), "seed": seed}))
+        assert request.tokens == alone.tokens[0]
+    assert len({tuple(r.tokens) for r in got}) > 1  # sampling at temperature 3 varies
+
+
+def test_rows_at_the_longest_length_would_be_wrong(artifacts, monkeypatch):
+    """The control: every row fed the longest row's past length attends to keys it does
+    not have, and its logits part from generate alone."""
+    decoder = CachedDecoder(Session(artifacts("llama-tiny")))
+    prompts, configs = _prompts(_vocab(decoder)), _configs()
+    rows = session_module.Session.rows
+
+    def uniform(self, cache, start, stop, lengths):
+        out = rows(self, cache, start, stop, lengths)
+        out.lengths = np.full(len(out.lengths), out.length, np.int64)
+        return out
+
+    monkeypatch.setattr(session_module.Session, "rows", uniform)
+    got = generate_inflight(
+        decoder, prompts, configs, arrivals=ARRIVALS, slots=SLOTS, keep_logits=True
+    )
+    worst = 0.0
+    for prompt, config, request in zip(prompts, configs, got, strict=True):
+        alone = generate(decoder, [prompt], config, keep_logits=True)
+        for mine, theirs in zip(request.logits, alone.step_logits, strict=False):
+            worst = max(worst, float(np.abs(mine - theirs[0]).max()))
+    assert worst > 100 * ATOL
+
+
+def test_slots_free_at_once_and_refuse_what_does_not_fit(artifacts):
+    decoder = CachedDecoder(Session(artifacts("llama-tiny")))
+    batcher = SlotBatcher(decoder, slots=2, capacity=16)
+    a = batcher.admit([1, 2, 3], GenerationConfig(max_new_tokens=8))
+    b = batcher.admit([4, 5], GenerationConfig(max_new_tokens=8))
+    assert (a.slot, b.slot, batcher.free) == (0, 1, 0)
+    with pytest.raises(TfgraphError, match="all 2 slots are busy"):
+        batcher.admit([6], GenerationConfig(max_new_tokens=2))
+    batcher.step()
+    batcher.release(a.slot)  # a cancelled request: its slot is free before the next step
+    assert batcher.free == 1 and set(batcher.active) == {1}
+    c = batcher.admit([7, 8, 9], GenerationConfig(max_new_tokens=8))
+    assert c.slot == 0
+    steps = batcher.step()
+    assert set(steps) == {0, 1}
+    with pytest.raises(TfgraphError, match="needs 20 positions but a slot holds 16"):
+        batcher.check([1] * 13, GenerationConfig(max_new_tokens=8))
+    assert batcher.kv_bytes_per_slot() == 2 * 2 * 2 * 16 * 8 * 4  # layers, K/V, kv heads, …
+
+
+def test_artifacts_without_row_lengths_are_refused_with_the_reason(tmp_path):
+    static = tfgraph.export(load_source("gpt-tiny"), tmp_path / "onnx", kv_cache=True,
+                            target="onnx")  # fmt: skip
+    assert static.manifest["kv_layout"]["row_lengths"] is None
+    decoder = CachedDecoder(Session(tmp_path / "onnx"))
+    assert "per-row past lengths" in inflight_support(decoder)
+    with pytest.raises(TfgraphError, match="in-flight batching is not available"):
+        SlotBatcher(decoder, slots=2, capacity=8)
+    tfgraph.export(load_source("t5-tiny"), tmp_path / "t5", kv_cache=True, target="ort")
+    assert "encoder-decoder" in inflight_support(CachedDecoder(Session(tmp_path / "t5")))
