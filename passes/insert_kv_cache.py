@@ -51,8 +51,8 @@ from tfgraph import contract
 from .canonical import AttentionOp
 from .fuse_attention import is_gating_softmax
 from .provenance import layer_name
-from .row_lengths import PER_ROW, ROW_LENGTHS_KEY, RowGather
 from .rewrite_utils import DOMAIN, LOWERED_FROM_KEY, dims_of, int_list
+from .row_lengths import PER_ROW, ROW_LENGTHS_KEY, RowGather
 from .slice_machinery import Slicer
 from .split_encoder import CROSS_KV_KEY
 

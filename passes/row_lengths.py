@@ -124,7 +124,9 @@ class RowGather:
             result = rw.add("Transpose", [gathered], {"perm": perm})
         elif dims[0] == self.batch:  # a row of its own per batch row (from the mask)
             ones = [i for i in range(1, rank) if i != axis]  # (B, 1, …, T, …, 1)
-            idx = rw.add("Unsqueeze", [index, rw.const(np.array(ones, np.int64))]) if ones else index
+            idx = index
+            if ones:
+                idx = rw.add("Unsqueeze", [index, rw.const(np.array(ones, np.int64))])
             target = rw.add(
                 "Concat",
                 [

@@ -30,9 +30,7 @@ from .runner import KVCache, Runner
 logger = logging.getLogger(__name__)
 
 ENCODER_FILE = contract.ENCODER_FILE  # encoder-decoder artifacts: cross-attention K/V, run once
-_CACHE_ROLES = (
-    contract.PAST_KEY, contract.PAST_VALUE, contract.PAST_LENGTH, contract.PAST_LENGTHS
-)
+_CACHE_ROLES = (contract.PAST_KEY, contract.PAST_VALUE, contract.PAST_LENGTH, contract.PAST_LENGTHS)
 
 
 @dataclass

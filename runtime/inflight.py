@@ -211,5 +211,3 @@ def generate_inflight(
         batcher.step()
         step += 1
     return results
-
-

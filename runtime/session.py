@@ -312,8 +312,7 @@ class Session:
 
         if cache.host is None or self._device != "cpu":
             raise TfgraphError(
-                "rows of a KV cache need a preallocated CPU buffer (kv_layout shared, CPU "
-                "provider)"
+                "rows of a KV cache need a preallocated CPU buffer (kv_layout shared, CPU provider)"
             )
         lengths = np.asarray(lengths, np.int64)
         if lengths.shape != (stop - start,):
