@@ -89,6 +89,8 @@ def manifest_greedy(artifact, prompts, new_tokens: int) -> list[list[int]]:
             feed[inputs[("attention_mask", None)]["name"]] = mask
         if ("past_length", None) in inputs:
             feed[inputs[("past_length", None)]["name"]] = np.array([past], np.int64)
+        if ("past_lengths", None) in inputs:  # each row's own past length: here all equal
+            feed[inputs[("past_lengths", None)]["name"]] = np.full(batch, past, np.int64)
         for key, value in cache.items():
             feed[inputs[key]["name"]] = value
         names = [o.name for o in session.get_outputs()]

@@ -43,7 +43,11 @@ def test_cached_decoder_keeps_its_cache_as_implicit_state(tmp_path, artifacts):
     }
     assert all(s.output_name.startswith("present.") for s in states)
     assert all(s.initial_state[0].zero_data for s in states)
-    assert {i.name for i in engine.input} == {"input_ids", "past_sequence_length"}
+    assert {i.name for i in engine.input} == {
+        "input_ids",
+        "past_sequence_length",
+        "past_sequence_lengths",
+    }
     assert [o.name for o in engine.output] == ["logits"]
     generate = parse_config(repo / "llama_generate" / "config.pbtxt")
     assert generate.backend == "python" and generate.model_transaction_policy.decoupled

@@ -35,6 +35,7 @@ except TfgraphError as exc:
 from tfgraph.serving.repository import write_repository  # noqa: E402
 
 DECODER, SEQ2SEQ, TEXT = "llama", "t5", "words"
+SLOTS = "slots"  # llama-tiny in 2 cache slots (in-flight batching)
 WORDS = ["[UNK]", "[PAD]", "the", "cat", "sat", "on", "a", "mat", "dog", "ran", "café"]
 
 
@@ -70,6 +71,9 @@ def served(tmp_path_factory):
         models.append(f"{name}_generate")
         repo.mkdir(exist_ok=True)
         (part / f"{name}_generate").rename(repo / f"{name}_generate")
+    write_repository(root / DECODER, root / "repo-slots", name=SLOTS, slots=2, slot_capacity=600)
+    (root / "repo-slots" / f"{SLOTS}_generate").rename(repo / f"{SLOTS}_generate")
+    models.append(f"{SLOTS}_generate")
     with TritonServer(repo, load=models, startup_timeout=120) as server:
         yield server, root
     assert server.process.poll() is not None  # stopped at the end, always
@@ -241,3 +245,47 @@ def test_unload_with_a_stream_in_flight_then_reload(served):
     assert server.is_model_ready(model)
     again, _, error = _grpc_stream(server, model, [5, 6, 7], max_new_tokens=5)
     assert error is None and again == want[:5]
+
+
+def test_inflight_a_short_request_joins_and_ends_before_a_long_one(served):
+    """In-flight batching: a request arriving while a long stream runs takes the free slot
+    at the next step and ends long before it (static batching would make it wait for the
+    long one); both streams equal generate alone."""
+    server, root = served
+    model = f"{SLOTS}_generate"
+    started, finished, results = threading.Event(), {}, {}
+
+    def stream(key, prompt, n, event=None):
+        results[key] = _grpc_stream(server, model, prompt, started=event, max_new_tokens=n)
+        finished[key] = len(finished)
+
+    long = threading.Thread(target=stream, args=("long", [5, 6, 7], 500, started))
+    long.start()
+    assert started.wait(timeout=60)
+    stream("short", [9, 3], 4)  # arrives mid-stream, in this thread
+    long.join(timeout=180)
+    assert finished == {"short": 0, "long": 1}
+    for key, prompt, n in (("long", [5, 6, 7], 500), ("short", [9, 3], 4)):
+        tokens, _, error = results[key]
+        assert error is None and tokens == _local(root, DECODER, prompt, max_new_tokens=n)
+
+
+def test_inflight_more_clients_than_slots_and_a_request_too_long_for_a_slot(served):
+    server, root = served
+    model = f"{SLOTS}_generate"
+    prompts = [[(5 * i + j) % 60 + 1 for j in range(1 + i % 4)] for i in range(6)]
+    got = [None] * 6
+
+    def client(i):
+        got[i] = _grpc_stream(server, model, prompts[i], max_new_tokens=8 + i)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    for i in range(6):  # 6 requests through 2 slots: they waited, joined and freed them
+        tokens, _, error = got[i]
+        assert error is None and tokens == _local(root, DECODER, prompts[i], max_new_tokens=8 + i)
+    tokens, _, error = _grpc_stream(server, model, [1, 2, 3], max_new_tokens=600)
+    assert tokens == [] and "a slot holds 600" in str(error), str(error)

@@ -29,7 +29,19 @@ def add_parser(sub):
         "--concurrency",
         type=int,
         default=16,
-        help="the most generation requests decoded in one batch",
+        help="the most generation requests decoded in one batch (and the default --slots)",
+    )
+    p.add_argument(
+        "--slots",
+        type=int,
+        help="cache slots of the generation model's in-flight batching: requests decoded at "
+        "once, each joining at the next step in a free slot (default: --concurrency)",
+    )
+    p.add_argument(
+        "--slot-capacity",
+        type=int,
+        help="positions per slot: prompt + new tokens of one request (default: the model's "
+        "max positions, at most 1024)",
     )
     p.set_defaults(func=run)
 
@@ -44,6 +56,8 @@ def run(args) -> int:
         max_batch_size=args.max_batch_size,
         max_sequence=args.max_sequence,
         concurrency=args.concurrency,
+        slots=args.slots,
+        slot_capacity=args.slot_capacity,
     )
     print(f"wrote Triton model repository {args.output}/")
     rows = [[m.name, m.backend, m.kind, "; ".join(m.notes)] for m in models]

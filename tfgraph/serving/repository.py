@@ -42,6 +42,7 @@ PLAN_SUFFIX = "_trt"
 ENGINE_SUFFIXES = (".plan", ".engine")
 DEFAULT_MAX_BATCH_SIZE = 8
 DEFAULT_CONCURRENCY = 16  # generation requests one batch of the generation model holds
+DEFAULT_SLOT_CAPACITY = 1024  # positions per cache slot (in-flight batching), at most the model's
 BATCH_WAIT_MS = 2  # how long the first request of a batch waits for others
 
 TRITON_TYPES = {
@@ -106,18 +107,31 @@ def write_repository(
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
     max_sequence: int | None = None,
     concurrency: int = DEFAULT_CONCURRENCY,
+    slots: int | None = None,
+    slot_capacity: int | None = None,
 ) -> list[RepositoryModel]:
     """Write the repository for ``artifact`` into ``out`` (atomically); the models written.
 
     ``name``: the engine model's name (default: the artifact directory's). ``max_sequence``:
     the capacity of a shared KV buffer held as Triton state (default: the artifact's
     ``max_positions``, else 2048). ``concurrency``: the most requests the generation model
-    decodes in one batch."""
+    decodes in one batch. ``slots`` / ``slot_capacity``: the generation model's cache slots
+    for in-flight batching (default: ``concurrency`` slots of the model's positions, at most
+    1024), where the artifact takes per-row past lengths; else it batches the requests that
+    arrive together (the reason is in the model's notes)."""
     artifact = Path(artifact)
     manifest = read_artifact(artifact)
     name = name or _model_name(artifact)
     if max_batch_size < 0 or concurrency < 1:
         raise TfgraphError("--max-batch-size must be >= 0 and --concurrency >= 1")
+    if (slots is not None and slots < 1) or (slot_capacity is not None and slot_capacity < 2):
+        raise TfgraphError("--slots must be >= 1 and --slot-capacity >= 2")
+    limit = manifest.get("max_positions")
+    if slot_capacity is not None and limit is not None and slot_capacity > limit:
+        raise TfgraphError(
+            f"--slot-capacity {slot_capacity} is more than the {limit} positions the model "
+            "supports (max_positions in manifest.json); lower it"
+        )
     graphs = manifest["graphs"]
     cached = bool(manifest.get("kv_cache"))
     providers = manifest.get("target", {}).get("providers", [])
@@ -145,7 +159,8 @@ def write_repository(
             ).replace('backend: "onnxruntime"', 'platform: "tensorrt_plan"')
             models.append(_write_plan(stage, artifact, name + PLAN_SUFFIX, engine_file, plan))
         if cached:
-            models.append(_write_generate(stage, artifact, name + GENERATE_SUFFIX, concurrency))
+            batching = _batching(manifest, concurrency, slots, slot_capacity)
+            models.append(_write_generate(stage, artifact, name + GENERATE_SUFFIX, batching))
         for model in models:
             graph = artifact / "model.onnx" if model.backend == "tensorrt_plan" else None
             check_config(stage / model.name / "config.pbtxt", stage / model.name, graph)
@@ -293,15 +308,70 @@ def _write_plan(stage, artifact, name, engine_file, config) -> RepositoryModel:
 # --- the generation model (python backend) -------------------------------------------------
 
 
-def generate_config(name: str, tokenizer: bool, concurrency: int, paths: list[str]) -> str:
+@dataclass(frozen=True)
+class Batching:
+    """How the generation model batches: ``inflight`` over ``slots`` cache slots of
+    ``capacity`` positions, or ``static`` (the requests that arrive together, up to
+    ``concurrency``; ``reason`` says why not in flight)."""
+
+    mode: str
+    concurrency: int
+    slots: int = 0
+    capacity: int = 0
+    kv_bytes_per_position: int = 0
+    reason: str = ""
+
+    def parameters(self) -> dict[str, str]:
+        out = {"concurrency": str(self.concurrency), "batching": self.mode}
+        if self.mode == "inflight":
+            out.update(slots=str(self.slots), slot_capacity=str(self.capacity))
+        return out
+
+    def notes(self) -> list[str]:
+        if self.mode != "inflight":
+            return [f"batches up to {self.concurrency} requests that arrive together "
+                    f"({self.reason})"]  # fmt: skip
+        kv = self.slots * self.capacity * self.kv_bytes_per_position / 2**20
+        return [
+            f"in-flight batching: {self.slots} slots x {self.capacity} positions "
+            f"({kv:.0f} MiB of KV cache)"
+        ]
+
+
+def _batching(manifest: dict, concurrency: int, slots, capacity) -> Batching:
+    graph = manifest["graphs"]["model.onnx"]
+    layout = graph.get("kv_layout") or manifest.get("kv_layout") or {}
+    if contract.ENCODER_FILE in manifest["graphs"]:
+        reason = "an encoder-decoder: no per-slot cross K/V yet"
+    elif not layout.get("row_lengths"):
+        reason = "its cache takes no per-row past lengths: re-export it for the ort target"
+    else:
+        reason = ""
+    if reason:
+        return Batching("static", concurrency, reason=reason)
+    limit = manifest.get("max_positions")
+    capacity = capacity or min(limit or DEFAULT_SLOT_CAPACITY, DEFAULT_SLOT_CAPACITY)
+    per_position = 0
+    for port in graph["inputs"]:
+        if port.get("role") in _PAST:
+            dims = port.get("shape") or []
+            width = dims[1] * dims[3] if len(dims) == 4 and all(
+                isinstance(d, int) for d in (dims[1], dims[3])) else 0  # fmt: skip
+            per_position += width * (2 if port.get("dtype") == "float16" else 4)
+    return Batching("inflight", concurrency, slots or concurrency, capacity, per_position)
+
+
+def generate_config(name: str, tokenizer: bool, batching: Batching | int, paths: list[str]) -> str:
     inputs = ['  { name: "input_ids" data_type: TYPE_INT64 dims: [ -1 ] optional: true }']
     outputs = ['  { name: "token_id" data_type: TYPE_INT64 dims: [ 1 ] }']
     if tokenizer:
         inputs.append('  { name: "text" data_type: TYPE_STRING dims: [ 1 ] optional: true }')
         outputs.append('  { name: "token_text" data_type: TYPE_STRING dims: [ 1 ] }')
+    if isinstance(batching, int):  # static batching of up to this many requests
+        batching = Batching("static", batching, reason="asked for")
     parameters = {
         "python_paths": os.pathsep.join(paths),
-        "concurrency": str(concurrency),
+        **batching.parameters(),
         "batch_wait_ms": str(BATCH_WAIT_MS),
     }
     params = ",\n".join(
@@ -325,7 +395,7 @@ def generate_config(name: str, tokenizer: bool, concurrency: int, paths: list[st
     )
 
 
-def _write_generate(stage: Path, artifact: Path, name: str, concurrency: int) -> RepositoryModel:
+def _write_generate(stage: Path, artifact: Path, name: str, batching: Batching) -> RepositoryModel:
     from . import triton_generate
 
     version = stage / name / "1"
@@ -340,9 +410,9 @@ def _write_generate(stage: Path, artifact: Path, name: str, concurrency: int) ->
         elif path.is_file():
             _link(path, target)
     tokenizer = (artifact / "tokenizer").is_dir()
-    config = generate_config(name, tokenizer, concurrency, python_site_paths())
+    config = generate_config(name, tokenizer, batching, python_site_paths())
     (stage / name / "config.pbtxt").write_text(config)
-    notes = ["streams tokens (decoupled)", f"batches up to {concurrency} requests"]
+    notes = ["streams tokens (decoupled)", *batching.notes()]
     files = ["model.py", "artifact/"]
     return RepositoryModel(name, "python", files, "generate", notes)
 

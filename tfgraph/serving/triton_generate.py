@@ -12,7 +12,20 @@ an encoder-decoder's prompt feeds its encoder. Request parameters: ``max_new_tok
 sampling unless ``do_sample`` is false. Anything else is refused with one error response
 naming what was wrong; the server keeps serving.
 
-**Batching.** ``execute`` checks each request and queues it; one scheduler thread decodes the
+**In-flight batching** (``batching: inflight``, written by ``tfgraph triton`` when the artifact
+takes per-row past lengths): ``execute`` checks each request (a request that cannot fit a
+slot is refused at once, naming the slot's capacity) and queues it; one scheduler thread owns
+a :class:`tfgraph.runtime.SlotBatcher` of ``slots`` cache slots of ``slot_capacity``
+positions. Before every decoding step it admits waiting requests into free slots (each is
+prefilled alone into its slot and streams its first token at once), then runs one step for
+every active slot together, each at its own length, position and sampling state. A request
+leaves its slot the moment it ends (its ``max_new_tokens``, its EOS), or when its client
+cancels or disconnects (checked every step; a response that cannot be sent frees the slot
+too), and the next waiting request takes it. Its tokens are those of ``tfgraph generate`` on
+that prompt alone, up to the fp32 noise of a batched step (tests/test_inflight.py).
+
+**Static batching** (``batching: static``: an encoder-decoder, or a cache without per-row
+lengths): ``execute`` checks each request and queues it; one scheduler thread decodes the
 queue in batches: it takes the oldest request, waits ``batch_wait_ms`` (default 2) for others
 to arrive, and adds every waiting request with the same decoding settings (sampling on or off,
 temperature, top-k, top-p, EOS and pad ids) up to ``concurrency`` rows (default 16) whose
@@ -62,6 +75,7 @@ class Job:
     def __init__(self, prompt, config, limit, seed, start, sender):
         self.prompt, self.config, self.limit, self.seed = prompt, config, limit, seed
         self.start, self.sender, self.sent = start, sender, 0
+        self.request = None  # its SlotBatcher request, in-flight batching
         c = config  # requests with equal keys can share a batch
         self.key = (c.do_sample, c.temperature, c.top_k, c.top_p, c.eos_token_id,
                     c.pad_token_id, start)  # fmt: skip
@@ -106,7 +120,16 @@ class TritonPythonModel:
         self.pending = []  # Jobs in arrival order
         self.ready = threading.Condition()
         self.stopping = threading.Event()
-        self.worker = threading.Thread(target=self._schedule, daemon=True)
+        self.batcher = None
+        schedule = self._schedule
+        if params.get("batching") == "inflight":
+            from tfgraph.runtime.inflight import SlotBatcher
+
+            slots = int(params.get("slots", str(self.max_rows)))
+            capacity = int(params.get("slot_capacity", "1024"))
+            self.batcher = SlotBatcher(self.decoder, slots, capacity)
+            schedule = self._schedule_inflight
+        self.worker = threading.Thread(target=schedule, daemon=True)
         self.worker.start()
 
     def execute(self, requests):
@@ -167,6 +190,8 @@ class TritonPythonModel:
         config = GenerationConfig(max_new_tokens=limit, **options)
         try:
             config.check()
+            if self.batcher is not None:  # it must fit a slot
+                self.batcher.check(prompt, config)
             length = 1 if self.decoder.seq2seq else len(prompt)
             self.decoder.check_positions(
                 length + limit - 1, f"a {length}-token prompt with {limit} new tokens"
@@ -270,6 +295,71 @@ class TritonPythonModel:
             for row, job in enumerate(batch):
                 if row not in finished:
                     self._fail(job.sender, f"generation failed: {type(exc).__name__}: {exc}")
+
+    # --- in-flight batching ------------------------------------------------------------
+
+    def _schedule_inflight(self):
+        batcher, jobs = self.batcher, {}  # jobs: slot -> Job
+        while not self.stopping.is_set():
+            with self.ready:
+                while not self.pending and not jobs and not self.stopping.is_set():
+                    self.ready.wait()
+                if self.stopping.is_set():
+                    break
+                admit = self.pending[: batcher.free]
+                del self.pending[: len(admit)]
+            for job in admit:  # each joins the running batch in a free slot
+                if self._cancelled(job):
+                    continue
+                try:
+                    request = batcher.admit(job.prompt, job.config, job.seed)
+                except Exception as exc:  # noqa: BLE001 - this client hears of it
+                    self._fail(job.sender, f"generation failed: {type(exc).__name__}: {exc}")
+                    continue
+                jobs[request.slot] = job
+                job.request = request
+                self._deliver(jobs, request.slot, request.tokens[-1])
+            if batcher.active:
+                try:
+                    tokens = batcher.step()
+                except Exception as exc:  # noqa: BLE001 - the clients hear of it
+                    for slot, job in list(jobs.items()):
+                        batcher.release(slot)
+                        self._fail(job.sender, f"generation failed: {type(exc).__name__}: {exc}")
+                    jobs.clear()
+                    continue
+                for slot, token in tokens.items():
+                    self._deliver(jobs, slot, token)
+            for slot, job in list(jobs.items()):  # a client gone: its slot is free now
+                if self._cancelled(job):
+                    batcher.release(slot)
+                    jobs.pop(slot)
+        for job in jobs.values():
+            self._fail(job.sender, "model unloaded while generating")
+
+    def _deliver(self, jobs, slot, token):
+        """Send ``token`` to the request in ``slot``; close its stream when it has ended; free
+        the slot when its client cannot be reached."""
+        job = jobs[slot]
+        try:
+            job.sender.send(self._response(token))
+            job.sent += 1
+            if job.request.finished:
+                job.sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:  # noqa: BLE001 - the client went away mid-stream
+            self.batcher.release(slot)
+            jobs.pop(slot)
+            return
+        if job.request.finished:
+            jobs.pop(slot)
+
+    @staticmethod
+    def _cancelled(job) -> bool:
+        is_cancelled = getattr(job.sender, "is_cancelled", None)
+        try:
+            return bool(is_cancelled()) if is_cancelled is not None else False
+        except Exception:  # noqa: BLE001 - a sender that cannot tell is not cancelled
+            return False
 
     def _response(self, token: int):
         import numpy as np
