@@ -9,6 +9,8 @@ round's wall time), **time to first token** (median over requests) and the **p50
 per-token latency** (the gaps between a stream's consecutive tokens). **Local** is
 ``tfgraph.runtime.stream`` on the same artifact in a fresh process without torch, one request
 at a time: the same figures at C = 1; ``overhead`` = local tokens/s ÷ served tokens/s at C = 1.
+The generation model runs in both batching modes in the same server and run (``batching``:
+``static``, the requests that arrive together; ``inflight``, cache slots joined at every step).
 
     python -m tfgraph.bench.serving [--quick] [--out serving.json]
     (or as the ``serving`` section of ``python -m tfgraph bench``)
@@ -31,6 +33,7 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 PROMPT = 16
+BATCHING = ("static", "inflight")  # the generation model's two modes, same server and run
 CONCURRENCY = (1, 4, 16)
 LOCAL_PROBE = r"""
 import json, sys, time
@@ -129,21 +132,34 @@ def measure(name: str, preset: str, workdir: Path, new: int, rounds: dict, quick
     if not result.passed:
         raise RuntimeError(f"{preset}: parity failed")
     repo = workdir / f"{name}-repo"
-    write_repository(artifact, repo, name=name)
-    model = f"{name}_generate"
+    models = {}  # batching mode -> the generation model serving with it
+    for mode in BATCHING:
+        part = workdir / f"{name}-{mode}"
+        written = write_repository(artifact, part, name=f"{name}_{mode}", batching=mode)
+        model = f"{name}_{mode}_generate"
+        notes = next(m.notes for m in written if m.name == model)
+        repo.mkdir(exist_ok=True)
+        (part / model).rename(repo / model)
+        models[mode] = (model, notes)
     row: dict = {"preset": preset, "new_tokens": new, "prompt": PROMPT}
     row["local"] = local(artifact / "model.onnx", new, rounds[1] * 2)
-    row["served"] = []
-    with TritonServer(repo, load=[model], startup_timeout=120) as server:
-        served(server, model, 1, new, 1)  # warm-up
-        for c in CONCURRENCY if not quick else CONCURRENCY[:2]:
-            row["served"].append(served(server, model, c, new, rounds[c]))
+    row["served"] = []  # static batching, as before
+    row["batching"] = {}
+    with TritonServer(repo, load=[m for m, _ in models.values()], startup_timeout=120) as server:
+        for mode, (model, notes) in models.items():
+            served(server, model, 1, new, 1)  # warm-up
+            runs = [
+                served(server, model, c, new, rounds[c])
+                for c in (CONCURRENCY if not quick else CONCURRENCY[:2])
+            ]
+            row["batching"][mode] = {"notes": notes, "served": runs}
+    row["served"] = row["batching"]["static"]["served"]
     one = row["served"][0]
     row["overhead_at_1"] = row["local"]["tokens_per_s"] / one["tokens_per_s"]
     return row
 
 
-def run(quick: bool, workdir: Path, progress=lambda step: None) -> dict:
+def run(quick: bool, workdir: Path, progress=lambda step: None, only=None) -> dict:
     from tfgraph.errors import TfgraphError
     from tfgraph.serving.launcher import find_tritonserver
 
@@ -158,6 +174,8 @@ def run(quick: bool, workdir: Path, progress=lambda step: None) -> dict:
         plan.append(("gpt2-small", "gpt2-small", 64, {1: 3, 4: 1, 16: 1}))
     models = {}
     for name, preset, new, rounds in plan:
+        if only and name not in only:
+            continue
         progress(f"serving: {name}")
         models[name] = measure(name, preset, workdir, new, rounds, quick)
     return {
@@ -172,10 +190,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="serving.json")
+    parser.add_argument("--only", nargs="+", help="models to run (gpt2-tiny, gpt2-small)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="tfgraph-serving-") as tmp:
-        data = run(args.quick, Path(tmp), lambda s: print(s, file=sys.stderr))
+        data = run(args.quick, Path(tmp), lambda s: print(s, file=sys.stderr), args.only)
     Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
     print(json.dumps(data, indent=1))
 

@@ -38,8 +38,6 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from tfgraph import contract
-
 from .canonical import AttentionOp, is_canonical
 from .rewrite_utils import (
     FUSED_AS_KEY,
@@ -49,6 +47,7 @@ from .rewrite_utils import (
     mark_missed,
     replace_value,
 )
+from .row_lengths import row_lengths_value
 from .sink_rules import sink_softmax_ops
 from .target_arg import require_target
 
@@ -154,14 +153,6 @@ class LowerAttentionPass(ir.passes.InPlacePass):
         replace_value(node.outputs[0], y)
         graph.remove(node, safe=True)
         return result.op
-
-
-def _row_lengths(graph: ir.Graph) -> ir.Value | None:
-    """The (batch,) per-row past lengths the KV-cache pass made (:mod:`.row_lengths`)."""
-    for node in graph:
-        if node.outputs and node.outputs[0].name == contract.PAST_LENGTHS_NAME:
-            return node.outputs[0]
-    return None
 
 
 def _cached_kv(q: ir.Value, k: ir.Value, v: ir.Value) -> tuple | None:
@@ -288,7 +279,10 @@ class AttentionBuilder:
     def causal_window_mask(
         self, spec: AttentionOp, *, causal: bool, window: int
     ) -> ir.Value | None:
-        """The additive (T, S) mask: 0 where visible, the dtype's lowest value where masked."""
+        """The additive (T, S) mask: 0 where visible, the dtype's lowest value where masked.
+        A cached layer whose rows have their own past lengths (:mod:`.row_lengths`) gets a
+        (B, 1, T, S) mask: row b's query i sits at P_b + i, and keys after it are masked
+        (whatever the buffer holds there)."""
         if not causal and not window:
             return None
         tape = self.tape
@@ -296,8 +290,13 @@ class AttentionBuilder:
         t, s = self.dim0d(self.q, 2), self.dim0d(self.k, 2)
         i = tape.op("Unsqueeze", [tape.op("Range", [zero, t, one]), self.ints("axis1", [1])])
         j = tape.op("Range", [zero, s, one])
-        # (i + S − T) − j: how far key j lies behind query i, aligned bottom-right.  (T, S)
-        behind = tape.op("Sub", [tape.op("Add", [i, tape.op("Sub", [s, t])]), j])
+        rows = row_lengths_value(self.graph) if spec.cached else None
+        if rows is not None:  # (P_b + i) − j, (B, 1, T, S)
+            at = tape.op("Unsqueeze", [rows, self.ints("axes123", [1, 2, 3])])
+            behind = tape.op("Sub", [tape.op("Add", [at, i]), j])
+        else:
+            # (i + S − T) − j: how far key j lies behind query i, aligned bottom-right.  (T, S)
+            behind = tape.op("Sub", [tape.op("Add", [i, tape.op("Sub", [s, t])]), j])
         masked = None
         if causal:
             masked = (
@@ -316,7 +315,8 @@ class AttentionBuilder:
         reject a mask that broadcasts over the query axis; None when there is nothing."""
         mask = self.causal_window_mask(spec, causal=causal, window=window)
         if mask is not None:
-            mask = self.tape.op("Unsqueeze", [mask, self.ints("axes01", [0, 1])])  # (1,1,T,S)
+            if not (spec.cached and row_lengths_value(self.graph) is not None):  # else (B,1,T,S)
+                mask = self.tape.op("Unsqueeze", [mask, self.ints("axes01", [0, 1])])  # (1,1,T,S)
             return mask if bias is None else self.tape.op("Add", [bias, mask])
         if bias is None or _has_full_query_axis(bias, self.q, self.k):
             return bias
@@ -386,7 +386,7 @@ class AttentionBuilder:
         past_k, new_k, past_v, new_v, present_k, present_v = cached
         total = tape.op("Add", [self.dim(past_k, 2), self.dim(new_k, 2)])  # (1,) P + T
         total0 = tape.op("Squeeze", [total])
-        rows = _row_lengths(self.graph)
+        rows = row_lengths_value(self.graph)
         if rows is not None:  # each row its own past length (in-flight batching)
             seqlens = tape.op(
                 "Add", [rows, tape.op("Sub", [self.dim(new_k, 2), self.ints("one", 1)])]

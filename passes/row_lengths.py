@@ -29,12 +29,16 @@ slice, and the graph does not take per-row lengths: the reason is recorded
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import onnx_ir as ir
 
 from tfgraph import contract
 
 from .rewrite_utils import dims_of
+
+logger = logging.getLogger(__name__)
 
 ROW_LENGTHS_KEY = "tfgraph.row_lengths"  # model metadata: "per_row" or why not
 PER_ROW = "per_row"
@@ -150,5 +154,39 @@ class RowGather:
         return result
 
 
+def row_lengths_value(graph: ir.Graph) -> ir.Value | None:
+    """The (batch,) per-row past lengths the KV-cache pass made, if any."""
+    for node in graph:
+        if node.outputs and node.outputs[0].name == contract.PAST_LENGTHS_NAME:
+            return node.outputs[0]
+    return None
+
+
 def _is_attention(node: ir.Node) -> bool:
     return node.domain == "tfgraph" and node.op_type == "Attention"
+
+
+def expose_row_lengths(model: ir.Model) -> None:
+    """The per-row past lengths (:mod:`.row_lengths`) become the input
+    ``past_sequence_lengths`` (role ``past_lengths``, (batch,) int64) when every junction took
+    them; else they stay the common past length broadcast to the rows. Called by the buffer
+    passes (:mod:`.share_kv_buffer`, :mod:`.static_kv_cache`) once the rows share a buffer."""
+    graph = model.graph
+    node = next(
+        (n for n in graph if n.outputs and n.outputs[0].name == contract.PAST_LENGTHS_NAME),
+        None,
+    )
+    if node is None or model.metadata_props.get(ROW_LENGTHS_KEY) != PER_ROW:
+        return
+    value = node.outputs[0]
+    value.name = None
+    lengths = ir.Value(
+        name=contract.PAST_LENGTHS_NAME,
+        type=ir.TensorType(ir.DataType.INT64),
+        shape=ir.Shape([value.shape[0] if value.shape is not None else "batch"]),
+    )
+    graph.inputs.append(lengths)
+    contract.set_role(model, contract.PAST_LENGTHS_NAME, contract.PAST_LENGTHS)
+    value.replace_all_uses_with(lengths)
+    graph.remove(node, safe=True)
+    logger.info("KV cache: rows take their own past lengths (%s)", contract.PAST_LENGTHS_NAME)

@@ -27,7 +27,7 @@ import onnx_ir.passes.common as common
 from tfgraph import contract
 
 from .canonical import AttentionOp, is_canonical
-from .row_lengths import PER_ROW, ROW_LENGTHS_KEY
+from .row_lengths import expose_row_lengths
 
 logger = logging.getLogger(__name__)
 
@@ -98,31 +98,7 @@ class ShareKVBufferPass(ir.passes.InPlacePass):
                         [*present.shape[:2], contract.BUFFER_DIM, present.shape[3]]
                     )
         model.metadata_props[contract.KV_LAYOUT_KEY] = "shared"  # the layout, for the manifest
-        _expose_row_lengths(model)
+        expose_row_lengths(model)
         logger.info("KV cache: %d buffers shared by past and present", len(pasts))
         return ir.passes.PassResult(model, modified=True)
 
-
-def _expose_row_lengths(model: ir.Model) -> None:
-    """The per-row past lengths (:mod:`.row_lengths`) become the input
-    ``past_sequence_lengths`` (role ``past_lengths``, (batch,) int64) when every junction took
-    them; else they stay the common past length broadcast to the rows."""
-    graph = model.graph
-    node = next(
-        (n for n in graph if n.outputs and n.outputs[0].name == contract.PAST_LENGTHS_NAME),
-        None,
-    )
-    if node is None or model.metadata_props.get(ROW_LENGTHS_KEY) != PER_ROW:
-        return
-    value = node.outputs[0]
-    value.name = None
-    lengths = ir.Value(
-        name=contract.PAST_LENGTHS_NAME,
-        type=ir.TensorType(ir.DataType.INT64),
-        shape=ir.Shape([value.shape[0] if value.shape is not None else "batch"]),
-    )
-    graph.inputs.append(lengths)
-    contract.set_role(model, contract.PAST_LENGTHS_NAME, contract.PAST_LENGTHS)
-    value.replace_all_uses_with(lengths)
-    graph.remove(node, safe=True)
-    logger.info("KV cache: rows take their own past lengths (%s)", contract.PAST_LENGTHS_NAME)

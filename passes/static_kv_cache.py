@@ -40,6 +40,7 @@ from tfgraph import contract
 
 from .canonical import AttentionOp, is_canonical
 from .rewrite_utils import insert_tape, replace_value
+from .row_lengths import expose_row_lengths, row_lengths_value
 
 logger = logging.getLogger(__name__)
 
@@ -243,6 +244,7 @@ class StaticKVCachePass(ir.passes.InPlacePass):
         version = model.opset_imports.get("", 0)
         model.opset_imports[""] = max(version, SCATTER_OPSET)
         model.metadata_props[contract.KV_LAYOUT_KEY] = "static"
+        expose_row_lengths(model)
         logger.info("KV cache: %d static buffers written in place (TensorScatter)", len(pasts))
         return ir.passes.PassResult(model, modified=True)
 
@@ -254,7 +256,9 @@ class StaticKVCachePass(ir.passes.InPlacePass):
         base = _base(concat)
         tape = ir.tape.Tape()
         batch = tape.op("Shape", [past], {"start": 0, "end": 1}, name=f"{base}_batch")
-        rows = tape.op("Expand", [length, batch], name=f"{base}_write_at")
+        rows = row_lengths_value(graph)  # each row written at its own past length
+        if rows is None:
+            rows = tape.op("Expand", [length, batch], name=f"{base}_write_at")
         written = tape.op("TensorScatter", [past, new, rows], {"axis": -2}, name=f"{base}_scatter")
         written.type = present.type
         written.shape = ir.Shape([*past.shape[:2], contract.BUFFER_DIM, *past.shape[3:]])

@@ -126,6 +126,10 @@ class ReferenceRunner:
             if port.role == contract.PAST_LENGTH:  # a buffer layout: where the past ends
                 named[port.name] = np.array([cache.length], self._dtype(port.name))
                 continue
+            if port.role == contract.PAST_LENGTHS:  # each row's own
+                batch = np.shape(feeds[(contract.TOKEN_IDS, None)])[0]
+                named[port.name] = cache.row_lengths(batch).astype(self._dtype(port.name))
+                continue
             value = feeds.get(port.key)
             if value is None:
                 raise TfgraphError(f"the model also needs input '{port.name}' ({port.role})")

@@ -143,6 +143,9 @@ class TensorRTRunner:
                 tensors[port.name] = cache.values[port.key]
             elif port.role == contract.PAST_LENGTH:
                 tensors[port.name] = np.array([cache.length], np.int64)
+            elif port.role == contract.PAST_LENGTHS:
+                batch = np.shape(feeds[(contract.TOKEN_IDS, None)])[0]
+                tensors[port.name] = cache.row_lengths(batch)
             else:
                 value = feeds.get(port.key)
                 if value is None:

@@ -43,6 +43,12 @@ def add_parser(sub):
         help="positions per slot: prompt + new tokens of one request (default: the model's "
         "max positions, at most 1024)",
     )
+    p.add_argument(
+        "--batching",
+        choices=("inflight", "static"),
+        help="the generation model's batching (default: in flight where the artifact allows, "
+        "else the requests that arrive together)",
+    )
     p.set_defaults(func=run)
 
 
@@ -58,6 +64,7 @@ def run(args) -> int:
         concurrency=args.concurrency,
         slots=args.slots,
         slot_capacity=args.slot_capacity,
+        batching=args.batching,
     )
     print(f"wrote Triton model repository {args.output}/")
     rows = [[m.name, m.backend, m.kind, "; ".join(m.notes)] for m in models]

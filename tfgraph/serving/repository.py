@@ -109,6 +109,7 @@ def write_repository(
     concurrency: int = DEFAULT_CONCURRENCY,
     slots: int | None = None,
     slot_capacity: int | None = None,
+    batching: str | None = None,
 ) -> list[RepositoryModel]:
     """Write the repository for ``artifact`` into ``out`` (atomically); the models written.
 
@@ -118,7 +119,9 @@ def write_repository(
     decodes in one batch. ``slots`` / ``slot_capacity``: the generation model's cache slots
     for in-flight batching (default: ``concurrency`` slots of the model's positions, at most
     1024), where the artifact takes per-row past lengths; else it batches the requests that
-    arrive together (the reason is in the model's notes)."""
+    arrive together (the reason is in the model's notes). ``batching``: ``static`` asks for
+    the latter anyway, ``inflight`` refuses an artifact that cannot (default: the best it can).
+    """
     artifact = Path(artifact)
     manifest = read_artifact(artifact)
     name = name or _model_name(artifact)
@@ -126,6 +129,8 @@ def write_repository(
         raise TfgraphError("--max-batch-size must be >= 0 and --concurrency >= 1")
     if (slots is not None and slots < 1) or (slot_capacity is not None and slot_capacity < 2):
         raise TfgraphError("--slots must be >= 1 and --slot-capacity >= 2")
+    if batching not in (None, "inflight", "static"):
+        raise TfgraphError(f"--batching is inflight or static, got {batching!r}")
     limit = manifest.get("max_positions")
     if slot_capacity is not None and limit is not None and slot_capacity > limit:
         raise TfgraphError(
@@ -159,8 +164,12 @@ def write_repository(
             ).replace('backend: "onnxruntime"', 'platform: "tensorrt_plan"')
             models.append(_write_plan(stage, artifact, name + PLAN_SUFFIX, engine_file, plan))
         if cached:
-            batching = _batching(manifest, concurrency, slots, slot_capacity)
-            models.append(_write_generate(stage, artifact, name + GENERATE_SUFFIX, batching))
+            mode = _batching(manifest, concurrency, slots, slot_capacity)
+            if batching == "inflight" and mode.mode != "inflight":
+                raise TfgraphError(f"in-flight batching is not available: {mode.reason}")
+            if batching == "static":
+                mode = Batching("static", concurrency, reason="asked for")
+            models.append(_write_generate(stage, artifact, name + GENERATE_SUFFIX, mode))
         for model in models:
             graph = artifact / "model.onnx" if model.backend == "tensorrt_plan" else None
             check_config(stage / model.name / "config.pbtxt", stage / model.name, graph)
