@@ -11,6 +11,7 @@ the comparison can fail."""
 
 import numpy as np
 import pytest
+from idiom_models import GPT
 from idiom_models import gpt as sdpa_gpt
 from test_generation_parity import MaskedLM, transformers_model
 from test_hf_pipelines import CONFIGS, SMALL
@@ -25,6 +26,13 @@ from tfgraph.sources import load_source
 ATOL = 1e-4  # the fp32 parity tolerance (a batched step against a batch of one)
 ARRIVALS = [0, 0, 2, 3, 5, 9, 9]  # more requests than slots: some wait, slots are reused
 SLOTS = 3
+
+
+def sdpa_gpt_heads(head_size: int):
+    import torch
+
+    torch.manual_seed(0)
+    return GPT(d=2 * head_size, h=2).eval()
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -68,13 +76,16 @@ def artifacts(tmp_path_factory, hf_dirs):
     root = tmp_path_factory.mktemp("inflight")
     made = {}
 
-    def get(case):
-        if case not in made:
-            path = root / case.replace(":", "_")
-            result = tfgraph.export(_source(case, hf_dirs), path, kv_cache=True, target="ort")
+    def get(case, target="ort"):
+        if (case, target) not in made:
+            path = root / f"{case.replace(':', '_')}-{target}"
+            result = tfgraph.export(_source(case, hf_dirs), path, kv_cache=True, target=target)
             assert result.manifest["kv_layout"]["row_lengths"] == "past_sequence_lengths"
-            made[case] = path
-        return made[case]
+            assert result.manifest["kv_layout"]["kind"] == (
+                "shared" if target == "ort" else "static"
+            )
+            made[(case, target)] = path
+        return made[(case, target)]
 
     return get
 
@@ -83,13 +94,18 @@ def _vocab(decoder) -> int:
     return min(50, decoder.session.signature.output("logits").shape[-1])
 
 
-CASES = ["gpt-tiny", "llama-tiny", "bloom-tiny", "mistral-tiny", "hf:llama", "masked:gpt2",
-         "sdpa_gpt"]  # fmt: skip
+CASES = [
+    *[(c, "ort") for c in ("gpt-tiny", "llama-tiny", "bloom-tiny", "mistral-tiny", "hf:llama",
+                           "masked:gpt2", "sdpa_gpt")],
+    # the static standard-ONNX cache: TensorScatter writes each row at its own length, the
+    # causal mask is per row
+    *[(c, "onnx") for c in ("gpt-tiny", "llama-tiny", "bloom-tiny", "masked:gpt2")],
+]  # fmt: skip
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_greedy_requests_equal_generate_alone(case, artifacts):
-    decoder = CachedDecoder(Session(artifacts(case)))
+@pytest.mark.parametrize("case, target", CASES)
+def test_greedy_requests_equal_generate_alone(case, target, artifacts):
+    decoder = CachedDecoder(Session(artifacts(case, target)))
     prompts, configs = _prompts(_vocab(decoder)), _configs()
     got = generate_inflight(
         decoder, prompts, configs, arrivals=ARRIVALS, slots=SLOTS, keep_logits=True
@@ -102,9 +118,9 @@ def test_greedy_requests_equal_generate_alone(case, artifacts):
             np.testing.assert_allclose(mine, theirs[0], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["gpt-tiny", "llama-tiny"])
-def test_seeded_sampling_equals_generate_alone(case, artifacts):
-    decoder = CachedDecoder(Session(artifacts(case)))
+@pytest.mark.parametrize("case, target", [("gpt-tiny", "ort"), ("llama-tiny", "onnx")])
+def test_seeded_sampling_equals_generate_alone(case, target, artifacts):
+    decoder = CachedDecoder(Session(artifacts(case, target)))
     prompts = _prompts(_vocab(decoder))
     config = GenerationConfig(max_new_tokens=10, do_sample=True, temperature=3.0, top_k=30)
     seeds = list(range(len(prompts)))
@@ -160,10 +176,12 @@ def test_slots_free_at_once_and_refuse_what_does_not_fit(artifacts):
 
 
 def test_artifacts_without_row_lengths_are_refused_with_the_reason(tmp_path):
-    static = tfgraph.export(load_source("gpt-tiny"), tmp_path / "onnx", kv_cache=True,
-                            target="onnx")  # fmt: skip
-    assert static.manifest["kv_layout"]["row_lengths"] is None
-    decoder = CachedDecoder(Session(tmp_path / "onnx"))
+    # an ort layer lowered to MultiHeadAttention (head size 12: not a multiple of 8) keeps the
+    # copying cache: no buffer rows to batch
+    odd = tfgraph.from_module(sdpa_gpt_heads(12), origin="odd_heads")
+    copying = tfgraph.export(odd, tmp_path / "mha", kv_cache=True, target="ort")
+    assert copying.manifest["kv_layout"]["row_lengths"] is None
+    decoder = CachedDecoder(Session(tmp_path / "mha"))
     assert "per-row past lengths" in inflight_support(decoder)
     with pytest.raises(TfgraphError, match="in-flight batching is not available"):
         SlotBatcher(decoder, slots=2, capacity=8)
