@@ -19,9 +19,15 @@ other way; tests/test_inflight.py measures it). A step's batch spans the slots u
 active one; a free slot below it runs one dummy token at length 0 (it is overwritten by the
 next prefill), so no row of the cache ever moves.
 
-The runner must give rows of a cache (:meth:`tfgraph.runtime.runner.Runner.rows`); the
-decoder-only graphs of the ``ort`` target do. Encoder-decoders are refused (their cross K/V
-per slot is not built yet).
+The runner must give rows of a cache (:meth:`tfgraph.runtime.runner.Runner.rows`): ONNX
+Runtime's over the ``ort`` target's shared buffer or the ``onnx`` target's static one.
+
+**Encoder-decoders** (a split ``encoder.onnx`` whose step graph masks the encoder's padding):
+each slot also holds its request's cross-attention keys and values, ``encoder_capacity``
+positions of them, and its row of the encoder mask. :meth:`~SlotBatcher.admit` runs the
+encoder on the prompt alone and copies its cross K/V into the slot (zeros and mask 0 after
+the prompt); every step binds the slots' cross K/V rows as they lie, so a step's cross
+attention reads ``encoder_capacity`` keys per row, the padding masked.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tfgraph import contract
 from tfgraph.errors import TfgraphError
 
 from .generate import CachedDecoder, GenerationConfig, choose
@@ -39,16 +46,39 @@ from .generate import CachedDecoder, GenerationConfig, choose
 logger = logging.getLogger(__name__)
 
 
-def inflight_support(decoder: CachedDecoder) -> str | None:
-    """None when ``decoder`` can batch in flight, else why not (one line)."""
-    signature = decoder.session.signature
-    if decoder.seq2seq:
-        return "encoder-decoder artifacts are batched per request group (no per-slot cross K/V)"
+_CROSS = (contract.CROSS_KEY, contract.CROSS_VALUE)
+
+
+_STEP = (contract.TOKEN_IDS, contract.ATTENTION_MASK, contract.PAST_KEY, contract.PAST_VALUE,
+         contract.PAST_LENGTH, contract.PAST_LENGTHS)  # fmt: skip
+
+
+def signature_support(signature: contract.Signature, encoder_file: bool) -> str | None:
+    """None when a step graph of this signature can batch in flight (``encoder_file``: the
+    artifact has a split ``encoder.onnx``), else why not (one line). Read off the manifest
+    alone: ``tfgraph triton`` decides the batching with it."""
+    roles = {p.role for p in signature.inputs} - set(_STEP)
+    if contract.ENCODER_TOKEN_IDS in roles:
+        return "the encoder runs inside the step graph (no encoder.onnx to run per request)"
+    if roles & set(_CROSS) or encoder_file:
+        if contract.ENCODER_ATTENTION_MASK not in roles:
+            return "the step graph takes no encoder mask, so slots cannot pad their cross K/V"
+        roles -= {*_CROSS, contract.ENCODER_ATTENTION_MASK}
+    if roles:
+        return f"the step graph also takes {', '.join(sorted(roles))} per request"
     if not signature.row_lengths:
         return (
             "the artifact's cache takes no per-row past lengths (re-export it with --kv-cache "
-            "for the ort target)"
+            "for the ort or onnx target)"
         )
+    return None
+
+
+def inflight_support(decoder: CachedDecoder) -> str | None:
+    """None when ``decoder`` can batch in flight, else why not (one line)."""
+    why = signature_support(decoder.session.signature, decoder.encoder is not None)
+    if why is not None:
+        return why
     if not hasattr(decoder.session, "rows"):
         return f"the {type(decoder.session).__name__} runner cannot bind rows of a cache"
     return None
@@ -77,7 +107,13 @@ class SlotBatcher:
     """``slots`` cache rows of ``capacity`` positions each over one cached artifact."""
 
     def __init__(
-        self, decoder: CachedDecoder, slots: int, capacity: int, *, keep_logits: bool = False
+        self,
+        decoder: CachedDecoder,
+        slots: int,
+        capacity: int,
+        *,
+        encoder_capacity: int | None = None,
+        keep_logits: bool = False,
     ) -> None:
         why = inflight_support(decoder)
         if why is not None:
@@ -93,6 +129,23 @@ class SlotBatcher:
         self.cache = decoder.session.new_cache(slots, capacity)
         self.active: dict[int, Request] = {}
         self.keep_logits = keep_logits
+        self.encoder_capacity = 0
+        self.cross: dict[str, np.ndarray] = {}  # encoder-decoders: per-slot cross K/V, mask
+        if decoder.seq2seq:
+            self._allocate_cross(encoder_capacity or capacity)
+
+    def _allocate_cross(self, positions: int) -> None:
+        signature = self.decoder.session.signature
+        self.encoder_capacity = positions
+        for port in signature.inputs:
+            if port.role in _CROSS:
+                heads, size = port.shape[1], port.shape[3]
+                dtype = self.decoder.session.input_dtype(port.name) or np.float32
+                self.cross[port.name] = np.zeros((self.slots, heads, positions, size), dtype)
+            elif port.role == contract.ENCODER_ATTENTION_MASK:
+                mask = np.zeros((self.slots, positions), np.int64)
+                mask[:, 0] = 1  # a free slot's row attends to something (no NaN in its row)
+                self.cross[port.name] = mask
 
     # -- slots ---------------------------------------------------------------------------
     @property
@@ -100,15 +153,22 @@ class SlotBatcher:
         return self.slots - len(self.active)
 
     def kv_bytes_per_slot(self) -> int:
-        return sum(a[0].nbytes for a in self.cache.host.values())
+        cross = sum(a[0].nbytes for a in self.cross.values() if a.ndim == 4)
+        return sum(a[0].nbytes for a in self.cache.host.values()) + cross
 
     def check(self, prompt: Sequence[int], config: GenerationConfig) -> None:
         """Refuse, before a slot is taken, a request that cannot fit one."""
         config.check()
         if not prompt:
             raise TfgraphError("the prompt is empty: give at least one token")
-        # the last new token is returned, never fed back
-        needed = len(prompt) + config.max_new_tokens - 1
+        if self.cross and len(prompt) > self.encoder_capacity:
+            raise TfgraphError(
+                f"a {len(prompt)}-token prompt is more than the {self.encoder_capacity} encoder "
+                "positions a slot holds; shorten it or serve with a larger encoder capacity"
+            )
+        # the last new token is returned, never fed back (an encoder-decoder's decoder starts
+        # from its start token)
+        needed = (1 if self.cross else len(prompt)) + config.max_new_tokens - 1
         if needed > self.capacity:
             raise TfgraphError(
                 f"a {len(prompt)}-token prompt with {config.max_new_tokens} new tokens needs "
@@ -116,9 +176,12 @@ class SlotBatcher:
                 "for fewer tokens, or serve with a larger slot capacity"
             )
 
-    def admit(self, prompt: Sequence[int], config: GenerationConfig, seed=None) -> Request:
+    def admit(
+        self, prompt: Sequence[int], config: GenerationConfig, seed=None, start_token: int = 0
+    ) -> Request:
         """Prefill ``prompt`` into a free slot; the request with its first token chosen (it
-        may be finished already: one token asked for, or EOS)."""
+        may be finished already: one token asked for, or EOS). An encoder-decoder's prompt
+        feeds its encoder; its decoder starts from ``start_token``."""
         self.check(prompt, config)
         if not self.free:
             raise TfgraphError(f"all {self.slots} slots are busy; wait for one to free")
@@ -127,10 +190,15 @@ class SlotBatcher:
         request.rng = np.random.default_rng(seed if seed is not None else config.seed)
         request.logits = [] if self.keep_logits else None
         tokens = np.asarray([request.prompt], np.int64)
+        extra = None
+        if self.cross:
+            self._encode(slot, tokens)
+            extra = self._cross_rows(slot, slot + 1)
+            tokens = np.asarray([[start_token]], np.int64)
         cache = self.decoder.session.rows(self.cache, slot, slot + 1, [0])
         mask = np.ones_like(tokens) if self.decoder.mask_input is not None else None
-        logits, _ = self.decoder.step(tokens, cache, mask)
-        request.length = len(prompt)
+        logits, _ = self.decoder.step(tokens, cache, mask, extra)
+        request.length = tokens.shape[1]
         self.active[slot] = request
         self._choose(request, logits[0, -1])
         return request
@@ -149,12 +217,32 @@ class SlotBatcher:
         mask = None
         if self.decoder.mask_input is not None:  # right-padded: a row's own positions
             mask = (np.arange(cache.length + 1)[None, :] <= lengths[:, None]).astype(np.int64)
-        logits, _ = self.decoder.step(tokens, cache, mask)
+        extra = self._cross_rows(0, width) if self.cross else None
+        logits, _ = self.decoder.step(tokens, cache, mask, extra)
         out = {}
         for slot, request in list(self.active.items()):
             request.length += 1
             out[slot] = self._choose(request, logits[slot, -1])
         return out
+
+    def _encode(self, slot: int, ids: np.ndarray) -> None:
+        """The encoder on one prompt; its cross K/V and mask written into ``slot``."""
+        decoder = self.decoder
+        feeds = decoder.encoder_feeds(ids, np.ones_like(ids))
+        values = decoder.encode(feeds)
+        n = ids.shape[1]
+        for name, array in self.cross.items():
+            if array.ndim == 4:
+                array[slot] = 0
+                array[slot, :, :n] = decoder.session.to_numpy(values[name])[0]
+            else:
+                array[slot] = 0
+                array[slot, :n] = 1
+
+    def _cross_rows(self, start: int, stop: int) -> dict:
+        """The step's cross K/V and encoder mask: the slots' rows as they lie (contiguous
+        views, bound by the runner as host arrays)."""
+        return {name: array[start:stop] for name, array in self.cross.items()}
 
     def release(self, slot: int) -> None:
         """Free ``slot`` now (a finished or cancelled request)."""
@@ -185,6 +273,8 @@ def generate_inflight(
     seeds: Sequence[int | None] | None = None,
     slots: int = 4,
     capacity: int | None = None,
+    encoder_capacity: int | None = None,
+    start_token: int = 0,
     keep_logits: bool = False,
 ) -> list[Request]:
     """Every prompt decoded through a :class:`SlotBatcher`: request i arrives before step
@@ -198,7 +288,9 @@ def generate_inflight(
     seeds = list(seeds) if seeds is not None else [None] * n
     if capacity is None:
         capacity = max(len(p) + c.max_new_tokens for p, c in zip(prompts, configs, strict=True))
-    batcher = SlotBatcher(decoder, slots, capacity, keep_logits=keep_logits)
+    batcher = SlotBatcher(
+        decoder, slots, capacity, encoder_capacity=encoder_capacity, keep_logits=keep_logits
+    )
     for prompt, config in zip(prompts, configs, strict=True):
         batcher.check(prompt, config)
     order = sorted(range(n), key=lambda i: arrivals[i])
@@ -207,7 +299,7 @@ def generate_inflight(
     while order or batcher.active:
         while order and arrivals[order[0]] <= step and batcher.free:
             i = order.pop(0)
-            results[i] = batcher.admit(prompts[i], configs[i], seeds[i])
+            results[i] = batcher.admit(prompts[i], configs[i], seeds[i], start_token)
         batcher.step()
         step += 1
     return results

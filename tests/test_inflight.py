@@ -20,6 +20,7 @@ import tfgraph
 from tfgraph.errors import TfgraphError
 from tfgraph.runtime import CachedDecoder, GenerationConfig, Session, SlotBatcher, generate
 from tfgraph.runtime import session as session_module
+from tfgraph.runtime.generate import seq2seq_prompts
 from tfgraph.runtime.inflight import generate_inflight, inflight_support
 from tfgraph.sources import load_source
 
@@ -52,7 +53,7 @@ def hf_dirs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hf_inflight")
     paths = {}
-    for name in ("llama", "gpt2"):
+    for name in ("llama", "gpt2", "bart"):
         cls, cfg, kwargs = CONFIGS[name]
         config = getattr(transformers, cfg)(**{**SMALL, **kwargs})
         torch.manual_seed(0)
@@ -64,8 +65,8 @@ def hf_dirs(tmp_path_factory):
 def _source(case, hf_dirs):
     if case == "sdpa_gpt":
         return tfgraph.from_module(sdpa_gpt(), origin="sdpa_gpt")
-    if case == "hf:llama":
-        return load_source(str(hf_dirs["llama"]))
+    if case.startswith("hf:"):
+        return load_source(str(hf_dirs[case[3:]]))
     if case == "masked:gpt2":
         return tfgraph.from_module(MaskedLM(transformers_model(hf_dirs["gpt2"])), origin=case)
     return load_source(case)
@@ -185,5 +186,35 @@ def test_artifacts_without_row_lengths_are_refused_with_the_reason(tmp_path):
     assert "per-row past lengths" in inflight_support(decoder)
     with pytest.raises(TfgraphError, match="in-flight batching is not available"):
         SlotBatcher(decoder, slots=2, capacity=8)
-    tfgraph.export(load_source("t5-tiny"), tmp_path / "t5", kv_cache=True, target="ort")
-    assert "encoder-decoder" in inflight_support(CachedDecoder(Session(tmp_path / "t5")))
+
+
+SEQ2SEQ = [("t5-tiny", "ort"), ("bart-tiny", "ort"), ("transformer-tiny", "onnx")]
+
+
+@pytest.mark.parametrize("case, target", SEQ2SEQ)
+def test_encoder_decoder_requests_equal_generate_alone(case, target, artifacts):
+    """Each slot holds its request's cross K/V (the encoder run on its prompt alone, padded
+    to the slot's encoder capacity and masked)."""
+    decoder = CachedDecoder(Session(artifacts(case, target)))
+    assert inflight_support(decoder) is None
+    prompts, configs = _prompts(_vocab(decoder)), _configs()
+    got = generate_inflight(
+        decoder, prompts, configs, arrivals=ARRIVALS, slots=SLOTS, capacity=16,
+        encoder_capacity=16, keep_logits=True,
+    )  # fmt: skip
+    for prompt, config, request in zip(prompts, configs, got, strict=True):
+        start, extra = seq2seq_prompts(decoder, [prompt], 0, 0)
+        alone = generate(decoder, start, config, extra=extra, keep_logits=True)
+        assert request.tokens == alone.tokens[0]
+        for mine, theirs in zip(request.logits, alone.step_logits, strict=True):
+            np.testing.assert_allclose(mine, theirs[0], atol=ATOL, rtol=0)
+    with pytest.raises(TfgraphError, match="more than the 16 encoder positions"):
+        SlotBatcher(decoder, 2, 16, encoder_capacity=16).check([1] * 17, configs[0])
+
+
+def test_an_encoder_decoder_without_an_encoder_mask_is_refused(artifacts):
+    """Hugging Face BART as loaded from a directory takes no attention_mask: a slot could
+    not mask the padding of its cross K/V, so it is refused (with the reason) rather than
+    attending to it."""
+    decoder = CachedDecoder(Session(artifacts("hf:bart")))
+    assert "no encoder mask" in inflight_support(decoder)

@@ -348,14 +348,11 @@ class Batching:
 
 
 def _batching(manifest: dict, concurrency: int, slots, capacity) -> Batching:
+    from tfgraph.runtime.inflight import signature_support
+
     graph = manifest["graphs"]["model.onnx"]
-    layout = graph.get("kv_layout") or manifest.get("kv_layout") or {}
-    if contract.ENCODER_FILE in manifest["graphs"]:
-        reason = "an encoder-decoder: no per-slot cross K/V yet"
-    elif not layout.get("row_lengths"):
-        reason = "its cache takes no per-row past lengths: re-export it for the ort target"
-    else:
-        reason = ""
+    signature = contract.signature_from_manifest(manifest)
+    reason = signature_support(signature, contract.ENCODER_FILE in manifest["graphs"])
     if reason:
         return Batching("static", concurrency, reason=reason)
     limit = manifest.get("max_positions")

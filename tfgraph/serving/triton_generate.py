@@ -24,8 +24,11 @@ cancels or disconnects (checked every step; a response that cannot be sent frees
 too), and the next waiting request takes it. Its tokens are those of ``tfgraph generate`` on
 that prompt alone, up to the fp32 noise of a batched step (tests/test_inflight.py).
 
-**Static batching** (``batching: static``: an encoder-decoder, or a cache without per-row
-lengths): ``execute`` checks each request and queues it; one scheduler thread decodes the
+An encoder-decoder's slot also holds its request's cross-attention K/V (the encoder runs
+once per request, on its prompt alone) for up to ``slot_capacity`` prompt tokens.
+
+**Static batching** (``batching: static``: a cache without per-row lengths, a step graph that
+takes more per request, or asked for): ``execute`` checks each request and queues it; one scheduler thread decodes the
 queue in batches: it takes the oldest request, waits ``batch_wait_ms`` (default 2) for others
 to arrive, and adds every waiting request with the same decoding settings (sampling on or off,
 temperature, top-k, top-p, EOS and pad ids) up to ``concurrency`` rows (default 16) whose
@@ -312,7 +315,7 @@ class TritonPythonModel:
                 if self._cancelled(job):
                     continue
                 try:
-                    request = batcher.admit(job.prompt, job.config, job.seed)
+                    request = batcher.admit(job.prompt, job.config, job.seed, job.start)
                 except Exception as exc:  # noqa: BLE001 - this client hears of it
                     self._fail(job.sender, f"generation failed: {type(exc).__name__}: {exc}")
                     continue
