@@ -1,18 +1,25 @@
-"""Serving under load: the Triton generation model against local ``generate``, in one run.
+"""Serving under load: the Triton generation model, static against in-flight batching.
 
 For gpt2-tiny and (full runs) GPT-2-small, the zoo presets exported with the KV cache, the
 repository of ``tfgraph triton`` is served by the ``nvidia-pytriton`` wheel's ``tritonserver``
-(CPU, Python backend) and driven by C concurrent gRPC streaming clients (C = 1, 4, 16), each
-sending one request after another for the duration of a round: a 16-token prompt, greedy
-``max_new_tokens`` tokens. Measured per C: **generated tokens/s** (all clients' tokens ÷ the
-round's wall time), **time to first token** (median over requests) and the **p50 / p99
-per-token latency** (the gaps between a stream's consecutive tokens). **Local** is
-``tfgraph.runtime.stream`` on the same artifact in a fresh process without torch, one request
-at a time: the same figures at C = 1; ``overhead`` = local tokens/s ÷ served tokens/s at C = 1.
-The generation model runs in both batching modes in the same server and run (``batching``:
-``static``, the requests that arrive together; ``inflight``, cache slots joined at every step).
+(CPU, Python backend) in each batching mode of the generation model, side by side in one
+server and one run:
 
-    python -m tfgraph.bench.serving [--quick] [--out serving.json]
+- ``static``: the requests that arrive together are decoded as one batch until its longest
+  request ends (what the generation model did before in-flight batching);
+- ``inflight``: cache slots (``--slots`` = the largest concurrency, ``--slot-capacity`` = the
+  longest request); a request joins at the next step in a free slot and leaves it when done.
+
+C concurrent gRPC streaming clients (C = 1, 4, 16, 32) each send requests back to back for a
+round of fixed duration: a **mixed workload**, prompt lengths uniform in 8–256 tokens and
+``max_new_tokens`` uniform in 16–256 (greedy), each client drawing its own seeded sequence,
+the same sequences in both modes. Measured per mode and C: **generated tokens/s** (all tokens
+÷ the round's wall time, the last requests finished), **time to first token** p50 / p99 and
+**per-token latency** p50 / p99 (the gaps between a stream's consecutive tokens), and the KV
+cache memory of a slot. **Local** is ``tfgraph.runtime.stream`` on the same artifact in a
+fresh process without torch, one request at a time over client 0's sequence.
+
+    python -m tfgraph.bench.serving [--quick] [--out serving.json] [--only gpt2-small]
     (or as the ``serving`` section of ``python -m tfgraph bench``)
 """
 
@@ -32,24 +39,22 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-PROMPT = 16
+CONCURRENCY = (1, 4, 16, 32)
 BATCHING = ("static", "inflight")  # the generation model's two modes, same server and run
-CONCURRENCY = (1, 4, 16)
+PROMPTS = (8, 256)  # prompt lengths, uniform (inclusive)
+NEW_TOKENS = (16, 256)  # max_new_tokens, uniform (inclusive)
 LOCAL_PROBE = r"""
 import json, sys, time
 import numpy as np
 from tfgraph.runtime import CachedDecoder, GenerationConfig, Session, stream
-path, prompt, new, requests = sys.argv[1], *map(int, sys.argv[2:5])
+path, requests = sys.argv[1], json.loads(sys.argv[2])
 decoder = CachedDecoder(Session(path, threads=2))
-rng = np.random.default_rng(0)
-config = GenerationConfig(max_new_tokens=new)
-for _ in stream(decoder, [[1] * prompt], config):  # warm-up
+for _ in stream(decoder, [[1] * 8], GenerationConfig(max_new_tokens=4)):  # warm-up
     pass
 firsts, gaps, tokens, start = [], [], 0, time.perf_counter()
-for _ in range(requests):
-    ids = rng.integers(1, 200, prompt).tolist()
+for ids, new in requests:
     sent = last = time.perf_counter()
-    for i, _step in enumerate(stream(decoder, [ids], config)):
+    for i, _step in enumerate(stream(decoder, [ids], GenerationConfig(max_new_tokens=new))):
         now = time.perf_counter()
         (firsts if i == 0 else gaps).append(now - (sent if i == 0 else last))
         last, tokens = now, tokens + 1
@@ -58,21 +63,38 @@ print(json.dumps({"tokens": tokens, "seconds": elapsed, "firsts": firsts, "gaps"
 """
 
 
+def workload(
+    client: int, count: int, prompts=PROMPTS, new_tokens=NEW_TOKENS, vocab: int = 200
+) -> list[tuple[list[int], int]]:
+    """Client ``client``'s requests: (prompt ids, max_new_tokens), seeded by the client."""
+    rng = np.random.default_rng(1000 + client)
+    out = []
+    for _ in range(count):
+        n = int(rng.integers(prompts[0], prompts[1] + 1))
+        new = int(rng.integers(new_tokens[0], new_tokens[1] + 1))
+        out.append((rng.integers(1, vocab, n).tolist(), new))
+    return out
+
+
 def _summary(tokens: int, seconds: float, firsts: list, gaps: list) -> dict:
+    def pct(values, q):
+        return 1e3 * float(np.percentile(values, q)) if values else None
+
     return {
         "tokens": tokens,
         "seconds": seconds,
         "tokens_per_s": tokens / seconds,
-        "ttft_ms_p50": 1e3 * float(np.percentile(firsts, 50)),
-        "token_ms_p50": 1e3 * float(np.percentile(gaps, 50)),
-        "token_ms_p99": 1e3 * float(np.percentile(gaps, 99)),
+        "ttft_ms_p50": pct(firsts, 50),
+        "ttft_ms_p99": pct(firsts, 99),
+        "token_ms_p50": pct(gaps, 50),
+        "token_ms_p99": pct(gaps, 99),
         "requests": len(firsts),
     }
 
 
-def local(artifact: Path, new: int, requests: int) -> dict:
+def local(artifact: Path, requests: list) -> dict:
     out = subprocess.run(
-        [sys.executable, "-c", LOCAL_PROBE, str(artifact), str(PROMPT), str(new), str(requests)],
+        [sys.executable, "-c", LOCAL_PROBE, str(artifact), json.dumps(requests)],
         capture_output=True,
         text=True,
         check=True,
@@ -81,17 +103,22 @@ def local(artifact: Path, new: int, requests: int) -> dict:
     return _summary(d["tokens"], d["seconds"], d["firsts"], d["gaps"])
 
 
-def served(server, model: str, concurrency: int, new: int, per_client: int) -> dict:
+def served(
+    server, model: str, concurrency: int, duration: float, shape=(PROMPTS, NEW_TOKENS)
+) -> dict:
+    """C clients sending their workloads back to back until ``duration`` seconds have
+    passed (each finishes the request it is in)."""
     from tfgraph.serving.client import stream_tokens
 
     firsts, gaps, counts, errors = [], [], [0] * concurrency, []
     lock = threading.Lock()
+    start = time.perf_counter()
 
     def client(i: int) -> None:
-        rng = np.random.default_rng(100 + i)
         try:
-            for _ in range(per_client):
-                ids = rng.integers(1, 200, PROMPT).tolist()
+            for ids, new in workload(i, 10_000, *shape):
+                if time.perf_counter() - start >= duration:
+                    return
                 sent = last = time.perf_counter()
                 mine_first, mine_gaps = None, []
                 for n, _ in enumerate(
@@ -111,7 +138,6 @@ def served(server, model: str, concurrency: int, new: int, per_client: int) -> d
             errors.append(f"{type(exc).__name__}: {exc}")
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(concurrency)]
-    start = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
@@ -122,7 +148,7 @@ def served(server, model: str, concurrency: int, new: int, per_client: int) -> d
     return {"concurrency": concurrency, **_summary(sum(counts), seconds, firsts, gaps)}
 
 
-def measure(name: str, preset: str, workdir: Path, new: int, rounds: dict, quick: bool) -> dict:
+def measure(name: str, preset: str, workdir: Path, duration: float, quick: bool, shape) -> dict:
     from tfgraph.bench import shared
     from tfgraph.serving import write_repository
     from tfgraph.serving.launcher import TritonServer
@@ -131,32 +157,39 @@ def measure(name: str, preset: str, workdir: Path, new: int, rounds: dict, quick
     result = shared.export(preset, artifact, kv_cache=True)
     if not result.passed:
         raise RuntimeError(f"{preset}: parity failed")
+    levels = CONCURRENCY if not quick else CONCURRENCY[:2]
+    prompts, new_tokens = shape
+    capacity = prompts[1] + new_tokens[1]
     repo = workdir / f"{name}-repo"
-    models = {}  # batching mode -> the generation model serving with it
+    models = {}  # batching mode -> (the generation model serving with it, its notes)
     for mode in BATCHING:
         part = workdir / f"{name}-{mode}"
-        written = write_repository(artifact, part, name=f"{name}_{mode}", batching=mode)
+        written = write_repository(
+            artifact, part, name=f"{name}_{mode}", batching=mode, concurrency=max(levels),
+            slot_capacity=capacity if mode == "inflight" else None,
+        )  # fmt: skip
         model = f"{name}_{mode}_generate"
-        notes = next(m.notes for m in written if m.name == model)
         repo.mkdir(exist_ok=True)
         (part / model).rename(repo / model)
-        models[mode] = (model, notes)
-    row: dict = {"preset": preset, "new_tokens": new, "prompt": PROMPT}
-    row["local"] = local(artifact / "model.onnx", new, rounds[1] * 2)
-    row["served"] = []  # static batching, as before
+        models[mode] = (model, next(m.notes for m in written if m.name == model))
+    row: dict = {"preset": preset, "prompts": prompts, "new_tokens": new_tokens}
+    row["duration_s"] = duration
+    row["kv_bytes_per_slot"] = _kv_bytes_per_slot(artifact, capacity)
+    row["local"] = local(artifact / "model.onnx", workload(0, 3 if quick else 6, *shape))
     row["batching"] = {}
     with TritonServer(repo, load=[m for m, _ in models.values()], startup_timeout=120) as server:
         for mode, (model, notes) in models.items():
-            served(server, model, 1, new, 1)  # warm-up
-            runs = [
-                served(server, model, c, new, rounds[c])
-                for c in (CONCURRENCY if not quick else CONCURRENCY[:2])
-            ]
+            served(server, model, 1, 0.0, shape)  # warm-up: one request
+            runs = [served(server, model, c, duration, shape) for c in levels]
             row["batching"][mode] = {"notes": notes, "served": runs}
-    row["served"] = row["batching"]["static"]["served"]
-    one = row["served"][0]
-    row["overhead_at_1"] = row["local"]["tokens_per_s"] / one["tokens_per_s"]
     return row
+
+
+def _kv_bytes_per_slot(artifact: Path, capacity: int) -> int:
+    from tfgraph.runtime import CachedDecoder, Session, SlotBatcher
+
+    batcher = SlotBatcher(CachedDecoder(Session(artifact)), 1, capacity)
+    return batcher.kv_bytes_per_slot()
 
 
 def run(quick: bool, workdir: Path, progress=lambda step: None, only=None) -> dict:
@@ -169,15 +202,16 @@ def run(quick: bool, workdir: Path, progress=lambda step: None, only=None) -> di
         return {"skipped": str(exc)}
     from .exporters import _commit
 
-    plan = [("gpt2-tiny", "gpt2-tiny", 64, {1: 4, 4: 2, 16: 1})]
+    # gpt2-tiny holds 128 positions: its workload is a quarter of the size
+    plan = [("gpt2-tiny", "gpt2-tiny", 4.0 if quick else 15.0, ((8, 64), (16, 64)))]
     if not quick:
-        plan.append(("gpt2-small", "gpt2-small", 64, {1: 3, 4: 1, 16: 1}))
+        plan.append(("gpt2-small", "gpt2-small", 30.0, (PROMPTS, NEW_TOKENS)))
     models = {}
-    for name, preset, new, rounds in plan:
+    for name, preset, duration, shape in plan:
         if only and name not in only:
             continue
         progress(f"serving: {name}")
-        models[name] = measure(name, preset, workdir, new, rounds, quick)
+        models[name] = measure(name, preset, workdir, duration, quick, shape)
     return {
         "date": time.strftime("%Y-%m-%d"),
         "commit": _commit(),

@@ -343,7 +343,7 @@ class Batching:
         kv = self.slots * self.capacity * self.kv_bytes_per_position / 2**20
         return [
             f"in-flight batching: {self.slots} slots x {self.capacity} positions "
-            f"({kv:.0f} MiB of KV cache)"
+            f"({kv:.1f} MiB of KV cache)"
         ]
 
 
