@@ -101,4 +101,3 @@ class ShareKVBufferPass(ir.passes.InPlacePass):
         expose_row_lengths(model)
         logger.info("KV cache: %d buffers shared by past and present", len(pasts))
         return ir.passes.PassResult(model, modified=True)
-

@@ -28,18 +28,18 @@ An encoder-decoder's slot also holds its request's cross-attention K/V (the enco
 once per request, on its prompt alone) for up to ``slot_capacity`` prompt tokens.
 
 **Static batching** (``batching: static``: a cache without per-row lengths, a step graph that
-takes more per request, or asked for): ``execute`` checks each request and queues it; one scheduler thread decodes the
-queue in batches: it takes the oldest request, waits ``batch_wait_ms`` (default 2) for others
-to arrive, and adds every waiting request with the same decoding settings (sampling on or off,
-temperature, top-k, top-p, EOS and pad ids) up to ``concurrency`` rows (default 16) whose
-longest prompt plus largest ``max_new_tokens`` fits the model's positions — and, for a model
-without an ``attention_mask`` input (which would attend to the padding), the same prompt
-length. The batch runs as
-one left-padded generation (:func:`tfgraph.runtime.stream` with one ``max_new_tokens`` and
-one seed per row): each row streams its own tokens and ends at its own limit or EOS; requests
-that arrive meanwhile form the next batch when it ends. A row samples from its own seeded
-generator, so its tokens are those of ``tfgraph generate`` on that prompt alone up to fp32
-noise in the padded batch (greedy: equal unless two logits tie within that noise).
+takes more per request, or asked for): ``execute`` checks each request and queues it; one
+scheduler thread decodes the queue in batches: it takes the oldest request, waits
+``batch_wait_ms`` (default 2) for others to arrive, and adds every waiting request with the
+same decoding settings (sampling on or off, temperature, top-k, top-p, EOS and pad ids) up to
+``concurrency`` rows (default 16) whose longest prompt plus largest ``max_new_tokens`` fits the
+model's positions — and, for a model without an ``attention_mask`` input (which would attend to
+the padding), the same prompt length. The batch runs as one left-padded generation
+(:func:`tfgraph.runtime.stream` with one ``max_new_tokens`` and one seed per row): each row
+streams its own tokens and ends at its own limit or EOS; requests that arrive meanwhile form
+the next batch when it ends. A row samples from its own seeded generator, so its tokens are
+those of ``tfgraph generate`` on that prompt alone up to fp32 noise in the padded batch
+(greedy: equal unless two logits tie within that noise).
 
 **Unloading** while streams are in flight: ``finalize`` asks them to stop; each ends with an
 error response ("model unloaded while generating") and its final flag.
