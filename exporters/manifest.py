@@ -86,9 +86,16 @@ def build_manifest(
         "passes": passes,
         "fusions": {k: {"fused": v["fused"], "total": v["total"]} for k, v in fusions.items()},
         "kv_cache": kv_cache,
+        # an int8 cache: dtype, granularity, scale tensors, measured ranges (else absent)
+        **_kv_quantization(model),
         "max_positions": max_positions,
         "versions": versions(),
     }
+
+
+def _kv_quantization(model: ir.Model) -> dict:
+    raw = model.metadata_props.get(contract.KV_QUANT_KEY)
+    return {"kv_quantization": json.loads(raw)} if raw else {}
 
 
 def read_manifest(directory: str | Path) -> dict | None:

@@ -37,6 +37,7 @@ _ORT_DTYPES = {
     "tensor(int64)": np.int64,
     "tensor(int32)": np.int32,
     "tensor(bool)": np.bool_,
+    "tensor(int8)": np.int8,  # an int8 KV cache
 }
 
 

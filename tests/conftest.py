@@ -32,6 +32,7 @@ UNCHECKED_MODULES = (
     "test_bf16",
     "test_recheck",
     "test_triton_",
+    "test_inflight",
     "test_export_sources",
 )
 

@@ -13,6 +13,11 @@ from __future__ import annotations
 # test (file::function) → the parameter ids that stay in the default tier; every other case
 # of that test is slow. An empty set: the whole test is slow.
 SWEEPS: dict[str, tuple[set[str], str]] = {
+    "test_triton_faults.py::test_two_hundred_requests_with_bad_ones_mixed_in": (
+        set(),
+        "the in-flight server's fault load at full size (200 requests, bad ones mixed in); "
+        "the default tier runs it with 48",
+    ),
     "test_streamed_checkpoints.py::test_low_precision_checkpoint_exports_with_parity": (
         {
             "llama-bf16-ort",

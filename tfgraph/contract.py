@@ -48,6 +48,7 @@ ROLES_KEY = "tfgraph.roles"  # model metadata: {name: [role, layer or null]}
 # place), "static" (standard TensorScatter-24 writes in place); else the copying "concat"
 BUFFER_LAYOUTS = ("shared", "static")
 KV_LAYOUT_KEY = "tfgraph.kv_buffer"  # model metadata: "shared" for a preallocated buffer
+KV_QUANT_KEY = "tfgraph.kv_quantization"  # model metadata: an int8 cache's dtype and scales
 
 TOKEN_IDS = "token_ids"
 ATTENTION_MASK = "attention_mask"

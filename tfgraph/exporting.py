@@ -9,7 +9,10 @@ Each stage lives in the subpackage named for it (docs/architecture.md).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,13 +24,14 @@ from tfgraph.exporters import check_target, staged_directory, write_json
 from tfgraph.exporters.budget import check_budget
 from tfgraph.exporters.write import write_artifact
 from tfgraph.options import ExportOptions
-from tfgraph.precision.stage import convert_precision, quantize_weights
+from tfgraph.precision.stage import convert_precision, quantize_kv_cache, quantize_weights
 from tfgraph.progress import stage
 from tfgraph.sources import ModelSource, load_source
 from tfgraph.sources.trace import TraceCache
 from tfgraph.sources.tracing import trace_source
 from tfgraph.targets import get_target
 from tfgraph.verify.artifact import check_artifact, weights_error
+from tfgraph.verify.kv_quantization import check_int8_cache
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +92,7 @@ def export(
     budget = check_budget(source, options, out_dir)  # disk and memory, before the slow work
     source, graph = stages.run("trace", trace_source, model, source, options, trace_cache)
     shapes = _within(options.parity_shapes, source.info.get("max_positions"))
-    with staged_directory(out_dir) as stage:
+    with staged_directory(out_dir) as stage, contextlib.ExitStack() as cleanup:
         records = stages.run("passes", _compile, graph, source, options, stage)
         precision = weights = None
         reference = source
@@ -100,15 +104,33 @@ def export(
             graph, weights, reference = stages.run(
                 "weights", quantize_weights, graph, source, options, records
             )
+        kv_reference = None
+        if options.kv_dtype != "fp32":
+            scratch = Path(tempfile.mkdtemp(prefix=".tfgraph-kv-", dir=out_dir.parent))
+            cleanup.callback(shutil.rmtree, scratch, ignore_errors=True)
+            kv_quant, kv_reference = stages.run(
+                "kv cache", quantize_kv_cache, graph, source, options, shapes, records, scratch
+            )
         fusions = count_fusions(graph, options.pipeline, target=options.target)
         passes = [r.as_dict() for r in records]
         manifest, files = stages.run(
             "save", write_artifact, graph, stage, source, options, passes, fusions
         )
-        parity = stages.run("parity", check_artifact, reference, stage / files[0], options, shapes)
+        if kv_reference is not None:  # an int8 cache: the bound measured on its reference
+            parity = stages.run(
+                "parity", check_int8_cache, reference, stage / files[0], kv_reference, options,
+                shapes,
+            )  # fmt: skip
+        else:
+            parity = stages.run(
+                "parity", check_artifact, reference, stage / files[0], options, shapes
+            )
         report = _report(source, options, graph, manifest, parity, fusions, passes, stages)
         report["precision"] = precision or {"precision": "fp32"}
         report["weights"] = weights
+        report["kv_dtype"] = options.kv_dtype
+        if kv_reference is not None:
+            report["kv_quantization"] = kv_quant
         report["budget"] = budget
         if weights is not None:
             weights["error_vs_fp32"] = stages.run(

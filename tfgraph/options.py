@@ -47,6 +47,8 @@ class ExportOptions:
     quantize_lm_head: bool = True
     quantize_embeddings: bool = True
     accuracy_level: int | None = None
+    kv_dtype: str = "fp32"  # int8: the KV cache quantized (tfgraph/precision/kv_cache.py)
+    kv_scales: str = "per-tensor"  # the int8 cache's scales: per-tensor or per-channel
 
     @classmethod
     def of(cls, options: ExportOptions | None, fields: dict) -> ExportOptions:
@@ -68,10 +70,12 @@ class ExportOptions:
         with its defaults filled in: the target as a :class:`Target`, the opset, the accuracy
         level."""
         from tfgraph.precision.islands import check_precision
+        from tfgraph.precision.kv_cache import check_kv_dtype
 
         target = target or get_target(self.target)
         check_precision(self.precision, self.keep_io_types, target)
         level = check_weights(self.weights, self.block_size, target, self.accuracy_level)
+        check_kv_dtype(self.kv_dtype, self.kv_scales, self.kv_cache, target)
         opset = target.opset if self.opset is None else self.opset
         check_opset(opset)
         return dataclasses.replace(self, target=target, accuracy_level=level, opset=opset)

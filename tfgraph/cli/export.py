@@ -130,6 +130,22 @@ def add_parser(sub):
         help="decoders: add past/present KV inputs and outputs (for `generate`); parity then "
         "checks prefill and decode steps",
     )
+    p.add_argument(
+        "--kv-dtype",
+        choices=("fp32", "int8"),
+        default="fp32",
+        help="the KV cache's dtype: int8 holds a quarter of fp32's bytes (ort target; scales "
+        "measured on the parity inputs, parity by a rule derived from the quantization's own "
+        "effect)",
+    )
+    p.add_argument(
+        "--kv-scales",
+        choices=("per-tensor", "per-channel"),
+        default="per-tensor",
+        help="the int8 cache's scales: one per layer's K and V (default), or one per kv head "
+        "and channel (finer, but clamps values beyond the ranges measured on the parity "
+        "inputs: measured worse, docs/kv-cache.md)",
+    )
     p.set_defaults(func=run)
 
 
@@ -157,6 +173,8 @@ def options_from_args(args):
         quantize_lm_head=not args.no_quantize_lm_head,
         quantize_embeddings=not args.no_quantize_embeddings,
         accuracy_level=args.accuracy_level,
+        kv_dtype=args.kv_dtype,
+        kv_scales=args.kv_scales,
     )
 
 

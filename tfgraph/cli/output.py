@@ -88,8 +88,21 @@ def print_parity(parity: dict, *, cached: bool) -> None:
         ]
         print(f"KV cache: prefill (empty past) and {parity['decode_steps']} decode steps:")
         print(table(rows, ["phase", "cases", "max abs err", "result"]))
+        rule = parity.get("kv_rule")
+        if rule:  # an int8 cache
+            effect = rule["quantization_effect"]
+            print(
+                f"int8 KV cache: error within 2 x the quantization's own effect (prefill "
+                f"{effect['prefill']:.3g}, decode {effect['decode']:.3g}) + fp32 tolerance: "
+                f"atol {rule['bound_atol']:.3g}"
+            )
         greedy = parity.get("greedy")
-        if greedy:
+        if greedy and rule:
+            print(
+                f"greedy {greedy['steps']} tokens x 2 prompts: {greedy['equal_to_fp32_eager']}/"
+                f"{greedy['tokens']} equal to fp32 eager (reported, not judged: near ties)"
+            )
+        elif greedy:
             low = next(k for k in greedy if k.startswith("equal_to_") and "fp32" not in k)
             print(
                 f"greedy {greedy['steps']} tokens x 2 prompts: {greedy['equal_to_fp32_eager']}/"

@@ -6,6 +6,9 @@ list and checks the graph it leaves."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
+
+import onnx_ir as ir
 
 from tfgraph.compile.pipeline import PassRecord, check_model
 from tfgraph.precision.islands import apply_precision
@@ -51,3 +54,34 @@ def quantize_weights(graph, source, options, records: list[PassRecord]) -> tuple
         reference, placed = dequantized_source(source, quantized, graph)
     report["parameters"] = placed
     return graph, report, reference
+
+
+def quantize_kv_cache(graph, source, options, shapes, records: list[PassRecord], scratch: Path):
+    """The cache of ``graph`` in int8 (:mod:`tfgraph.precision.kv_cache`): scales measured on
+    the parity inputs, the fake-quantized fp32 reference written to ``scratch/model.onnx``
+    for parity; (what the report says, the reference's path)."""
+    from tfgraph.precision.islands import island_feeds
+    from tfgraph.precision.kv_cache import (
+        FakeQuantized,
+        cached_layers,
+        calibrate,
+        kv_quantization,
+        scales_of,
+        to_int8,
+    )
+
+    start = time.perf_counter()
+    layers = cached_layers(graph)
+    ranges = calibrate(graph, island_feeds(graph, source, shapes), options.kv_scales)
+    scales = scales_of(ranges)
+    reference = FakeQuantized(graph, layers, scales)
+    try:
+        path = scratch / "model.onnx"
+        ir.save(graph, path, external_data="model.onnx.data")
+    finally:
+        reference.undo()
+    to_int8(graph, layers, scales, options.kv_scales, ranges)
+    seconds = round(time.perf_counter() - start, 3)
+    check_model(graph, "QuantizeKVCachePass", options.target)
+    records.append(PassRecord("QuantizeKVCachePass", seconds, True))
+    return kv_quantization(graph), path

@@ -189,6 +189,7 @@ class TritonServer:
         log_file: Path | None = None,
         startup_timeout: float = 60,
         stop_timeout: float = 5,
+        metrics: bool = False,
     ):
         if model_control not in ("explicit", "none"):
             raise TfgraphError(f"model_control must be 'explicit' or 'none', not {model_control!r}")
@@ -200,6 +201,7 @@ class TritonServer:
         self.http_port = http_port or _free_port()
         self.grpc_port = grpc_port or _free_port()
         self.metrics_port = _free_port()
+        self.metrics_enabled = metrics  # Prometheus /metrics on loopback (metrics())
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         self.process: subprocess.Popen | None = None
@@ -235,7 +237,12 @@ class TritonServer:
             f"--http-port={self.http_port}",
             f"--grpc-port={self.grpc_port}",
             f"--metrics-port={self.metrics_port}",
-            "--allow-metrics=false",
+            f"--allow-metrics={'true' if self.metrics_enabled else 'false'}",
+            *(
+                ["--allow-gpu-metrics=false", "--allow-cpu-metrics=false"]
+                if self.metrics_enabled
+                else []
+            ),  # fmt: skip
             *_address_flags(install),
             f"--model-control-mode={self.model_control}",
             *[f"--load-model={name}" for name in self.models],
@@ -339,6 +346,24 @@ class TritonServer:
 
     def _get(self, path: str) -> int:
         return self._request("GET", path, timeout=1)[0]
+
+    def metrics(self) -> dict[str, float]:
+        """The server's metrics (started with ``metrics=True``): ``{name{labels}: value}``
+        from its Prometheus text."""
+        if not self.metrics_enabled:
+            raise TfgraphError("this server was started without metrics (metrics=True)")
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                try:
+                    out[key] = float(value)
+                except ValueError:
+                    continue
+        return out
 
     def is_model_ready(self, name: str) -> bool:
         return self._get(f"/v2/models/{urllib.parse.quote(name, safe='')}/ready") == 200

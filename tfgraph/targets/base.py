@@ -85,6 +85,8 @@ class Target:
     # cached graphs take per-row past lengths (rows of a batch at different lengths in one
     # buffer: in-flight batching); passes/row_lengths.py
     row_lengths: bool = False
+    # KV cache dtypes besides the graph's float (``--kv-dtype``): tfgraph/precision/kv_cache.py
+    kv_dtypes: tuple[str, ...] = ()
     facts: tuple[str, ...] = ()
 
     def fused(self, kind: str) -> frozenset:
