@@ -79,26 +79,29 @@ def _compile(plt, d: dict, bench: Path) -> list[str]:
 
 
 def _serving(plt, d: dict, bench: Path) -> list[str]:
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(16, 4))
+    styles = {"static": ":", "inflight": "-", "inflight_int8": "--"}
     for name, m in d["models"].items():
-        cs = [r["concurrency"] for r in m["served"]]
-        (line,) = left.plot(cs, [r["tokens_per_s"] for r in m["served"]], marker="o", label=name)
-        left.axhline(m["local"]["tokens_per_s"], color=line.get_color(), linestyle="--")
-        for key, style in (("token_ms_p50", "-"), ("token_ms_p99", ":")):
-            right.plot(
-                cs,
-                [r[key] for r in m["served"]],
-                marker="o",
-                linestyle=style,
-                color=line.get_color(),
-                label=f"{name} {key.removeprefix('token_ms_')}",
-            )
+        color = None
+        for mode, b in m["batching"].items():
+            runs = b["served"]
+            cs = [r["concurrency"] for r in runs]
+            style = styles.get(mode, "-")
+            (line,) = left.plot(cs, [r["tokens_per_s"] for r in runs], marker="o",
+                                linestyle=style, color=color, label=f"{name} {mode}")  # fmt: skip
+            color = line.get_color()
+            mid.plot(cs, [r["ttft_ms_p50"] for r in runs], marker="o", linestyle=style,
+                     color=color, label=f"{name} {mode}")  # fmt: skip
+            right.plot(cs, [r["token_ms_p99"] for r in runs], marker="o", linestyle=style,
+                       color=color, label=f"{name} {mode}")  # fmt: skip
     left.set(xscale="log", xlabel="concurrent streams", ylabel="generated tokens/s")
-    left.set_title("Triton throughput (dashed: local generate)")
-    right.set(xscale="log", yscale="log", xlabel="concurrent streams", ylabel="ms per token")
-    right.set_title("per-token latency")
-    left.legend()
-    right.legend()
+    left.set_title("throughput (mixed workload)")
+    mid.set(xscale="log", yscale="log", xlabel="concurrent streams", ylabel="ms")
+    mid.set_title("time to first token, p50")
+    right.set(xscale="log", yscale="log", xlabel="concurrent streams", ylabel="ms")
+    right.set_title("per-token latency, p99")
+    for ax in (left, mid, right):
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(bench / "serving.png", dpi=100)
     plt.close(fig)

@@ -8,7 +8,11 @@ server and one run:
 - ``static``: the requests that arrive together are decoded as one batch until its longest
   request ends (what the generation model did before in-flight batching);
 - ``inflight``: cache slots (``--slots`` = the largest concurrency, ``--slot-capacity`` = the
-  longest request); a request joins at the next step in a free slot and leaves it when done.
+  longest request); a request joins at the next step in a free slot and leaves it when done;
+- ``inflight_int8``: the same over the export with an int8 KV cache (``--kv-dtype int8``).
+
+Besides, the **decode step** of 1 and 16 rows at past 512 with the fp32 and the int8 cache
+(in-flight slots, each in a fresh process without torch, alternated, medians of 3 rounds).
 
 C concurrent gRPC streaming clients (C = 1, 4, 16, 32) each send requests back to back for a
 round of fixed duration: a **mixed workload**, prompt lengths uniform in 8–256 tokens and
@@ -40,7 +44,10 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 CONCURRENCY = (1, 4, 16, 32)
-BATCHING = ("static", "inflight")  # the generation model's two modes, same server and run
+# the generation model's modes, same server and run: (batching, the cache's dtype)
+BATCHING = {"static": ("static", "fp32"), "inflight": ("inflight", "fp32"),
+            "inflight_int8": ("inflight", "int8")}  # fmt: skip
+STEP_PAST, STEP_BATCHES, STEP_ROUNDS = 512, (1, 16), 3  # the decode-step comparison
 PROMPTS = (8, 256)  # prompt lengths, uniform (inclusive)
 NEW_TOKENS = (16, 256)  # max_new_tokens, uniform (inclusive)
 LOCAL_PROBE = r"""
@@ -61,6 +68,44 @@ for ids, new in requests:
 elapsed = time.perf_counter() - start
 print(json.dumps({"tokens": tokens, "seconds": elapsed, "firsts": firsts, "gaps": gaps}))
 """
+
+
+STEP_PROBE = r"""
+import json, sys, time
+import numpy as np
+from tfgraph.runtime import CachedDecoder, GenerationConfig, Session, SlotBatcher
+path, past, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+decoder = CachedDecoder(Session(path, threads=2))
+slots = SlotBatcher(decoder, batch, past + 64)
+for i in range(batch):
+    slots.admit([(7 * i + j) % 200 + 1 for j in range(past)], GenerationConfig(max_new_tokens=60))
+for _ in range(3):
+    slots.step()
+times = []
+for _ in range(20):
+    start = time.perf_counter()
+    slots.step()
+    times.append(time.perf_counter() - start)
+print(json.dumps({"step_ms": 1e3 * float(np.median(times))}))
+"""
+
+
+def decode_steps(artifacts: dict[str, Path], rounds: int, past: int = STEP_PAST) -> dict:
+    """The step of ``batch`` rows at ``past`` per cache dtype, each in a fresh process without
+    torch, the dtypes alternated ``rounds`` times; medians of the rounds."""
+    out = {"past": past}
+    for batch in STEP_BATCHES:
+        times = {dtype: [] for dtype in artifacts}
+        for _ in range(rounds):
+            for dtype, path in artifacts.items():
+                done = subprocess.run(
+                    [sys.executable, "-c", STEP_PROBE, str(path), str(past), str(batch)],
+                    capture_output=True, text=True, check=True,
+                )  # fmt: skip
+                times[dtype].append(json.loads(done.stdout.strip().splitlines()[-1])["step_ms"])
+        out[str(batch)] = {dtype: float(np.median(t)) for dtype, t in times.items()}
+        out[str(batch)]["rounds"] = {dtype: t for dtype, t in times.items()}
+    return out
 
 
 def workload(
@@ -153,20 +198,23 @@ def measure(name: str, preset: str, workdir: Path, duration: float, quick: bool,
     from tfgraph.serving import write_repository
     from tfgraph.serving.launcher import TritonServer
 
-    artifact = workdir / name
-    result = shared.export(preset, artifact, kv_cache=True)
-    if not result.passed:
-        raise RuntimeError(f"{preset}: parity failed")
+    artifacts = {}
+    for dtype in ("fp32", "int8"):
+        artifacts[dtype] = workdir / f"{name}-{dtype}"
+        result = shared.export(preset, artifacts[dtype], kv_cache=True, kv_dtype=dtype)
+        if not result.passed:
+            raise RuntimeError(f"{preset} ({dtype} cache): parity failed")
+    artifact = artifacts["fp32"]
     levels = CONCURRENCY if not quick else CONCURRENCY[:2]
     prompts, new_tokens = shape
     capacity = prompts[1] + new_tokens[1]
     repo = workdir / f"{name}-repo"
     models = {}  # batching mode -> (the generation model serving with it, its notes)
-    for mode in BATCHING:
+    for mode, (batching, dtype) in BATCHING.items():
         part = workdir / f"{name}-{mode}"
         written = write_repository(
-            artifact, part, name=f"{name}_{mode}", batching=mode, concurrency=max(levels),
-            slot_capacity=capacity if mode == "inflight" else None,
+            artifacts[dtype], part, name=f"{name}_{mode}", batching=batching,
+            concurrency=max(levels), slot_capacity=capacity if batching == "inflight" else None,
         )  # fmt: skip
         model = f"{name}_{mode}_generate"
         repo.mkdir(exist_ok=True)
@@ -174,7 +222,10 @@ def measure(name: str, preset: str, workdir: Path, duration: float, quick: bool,
         models[mode] = (model, next(m.notes for m in written if m.name == model))
     row: dict = {"preset": preset, "prompts": prompts, "new_tokens": new_tokens}
     row["duration_s"] = duration
-    row["kv_bytes_per_slot"] = _kv_bytes_per_slot(artifact, capacity)
+    row["kv_bytes_per_slot"] = {d: _kv_bytes_per_slot(a, capacity) for d, a in artifacts.items()}
+    limit = result.manifest.get("max_positions") or STEP_PAST + 64
+    past = min(STEP_PAST, limit - 64)  # gpt2-tiny holds 128 positions
+    row["decode_step"] = decode_steps(artifacts, 1 if quick else STEP_ROUNDS, past)
     row["local"] = local(artifact / "model.onnx", workload(0, 3 if quick else 6, *shape))
     row["batching"] = {}
     with TritonServer(repo, load=[m for m, _ in models.values()], startup_timeout=120) as server:

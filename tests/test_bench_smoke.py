@@ -151,8 +151,15 @@ def test_precision(bench: Run):
 
 def test_serving(bench: Run, suite: dict):
     serving = bench.json("serving")["models"]["gpt2-tiny"]
-    assert [r["concurrency"] for r in serving["served"]] == [1, 4]
-    assert all(r["tokens_per_s"] > 0 and r["requests"] >= 1 for r in serving["served"])
+    assert set(serving["batching"]) == {"static", "inflight", "inflight_int8"}
+    for mode in serving["batching"].values():
+        runs = mode["served"]
+        assert [r["concurrency"] for r in runs] == [1, 4]
+        assert all(r["tokens_per_s"] > 0 and r["requests"] >= 1 for r in runs)
+    kv = serving["kv_bytes_per_slot"]
+    assert kv["int8"] * 4 == kv["fp32"]
+    assert all(t["fp32"] > 0 and t["int8"] > 0 for b, t in serving["decode_step"].items()
+               if b != "past")  # fmt: skip
     assert serving["local"]["tokens_per_s"] > 0 and "serving.png" in suite["plots"]
 
 
