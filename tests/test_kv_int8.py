@@ -24,7 +24,7 @@ def exported(tmp_path_factory):
     made = {}
 
     def get(preset, kv_dtype, **options):
-        key = (preset, kv_dtype, tuple(sorted(options.items())))
+        key = (preset, kv_dtype, tuple(sorted((k, str(v)) for k, v in options.items())))
         if key not in made:
             out = root / f"{preset}-{kv_dtype}-{len(made)}"
             made[key] = tfgraph.export(preset, out, kv_cache=True, kv_dtype=kv_dtype, **options)
@@ -33,9 +33,14 @@ def exported(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("preset", ["llama-tiny", "t5-tiny"])
-def test_int8_cache_passes_the_derived_rule(preset, exported):
-    result = exported(preset, "int8")
+@pytest.mark.parametrize(
+    "preset, target",
+    [("llama-tiny", "ort"), ("t5-tiny", "ort"), ("gpt-tiny", "onnx"), ("t5-tiny", "onnx")],
+)
+def test_int8_cache_passes_the_derived_rule(preset, target, exported):
+    """ort: GroupQueryAttention's int8 cache; onnx: QuantizeLinear before the static cache's
+    TensorScatter, DequantizeLinear where the attention reads it."""
+    result = exported(preset, "int8", target=target)
     parity = result.report["parity"]
     assert result.passed and parity["prefill"]["passed"] and parity["decode"]["passed"]
     effect = parity["kv_rule"]["quantization_effect"]
@@ -50,6 +55,12 @@ def test_int8_cache_passes_the_derived_rule(preset, exported):
     assert pasts and all(p["dtype"] == "int8" for p in pasts)
     assert set(quant["layers"]) == {str(p["layer"]) for p in pasts}
     assert parity["greedy"]["tokens"] > 0
+    ops = [n.op_type for n in onnx.load(result.out_dir / "model.onnx").graph.node]
+    if target == "onnx":
+        assert ops.count("QuantizeLinear") == ops.count("TensorScatter") == 2 * len(pasts)
+        assert ops.count("DequantizeLinear") == 2 * len(pasts)
+    else:
+        assert "QuantizeLinear" not in ops  # the kernel quantizes
 
 
 def test_a_quarter_of_the_fp32_cache_bytes(exported):
@@ -94,8 +105,9 @@ def test_the_rule_fails_a_wrong_scale(exported, tmp_path):
     assert not bad["passed"]
 
 
-def test_generation_and_inflight_batching_on_int8_buffers(exported):
-    decoder = CachedDecoder(Session(exported("llama-tiny", "int8").out_dir))
+@pytest.mark.parametrize("target", ["ort", "onnx"])
+def test_generation_and_inflight_batching_on_int8_buffers(target, exported):
+    decoder = CachedDecoder(Session(exported("llama-tiny", "int8", target=target).out_dir))
     prompts = [[3, 4, 5], [9, 8, 7, 6, 5, 4, 3], [11], [20, 21]]
     config = GenerationConfig(max_new_tokens=10)
     got = generate_inflight(decoder, prompts, config, arrivals=[0, 0, 2, 5], slots=2)
@@ -107,7 +119,14 @@ def test_bad_kv_options_are_refused(tmp_path):
     with pytest.raises(TfgraphError, match="add --kv-cache"):
         tfgraph.export("llama-tiny", tmp_path / "a", kv_dtype="int8")
     with pytest.raises(TfgraphError, match="no int8 KV cache"):
-        tfgraph.export("llama-tiny", tmp_path / "b", kv_cache=True, kv_dtype="int8", target="onnx")
+        tfgraph.export("llama-tiny", tmp_path / "b", kv_cache=True, kv_dtype="int8",
+                       target="tensorrt")  # fmt: skip
+    with pytest.raises(TfgraphError, match="takes --kv-scales per-tensor"):
+        tfgraph.export("llama-tiny", tmp_path / "d", kv_cache=True, kv_dtype="int8",
+                       target="onnx", kv_scales="per-channel")  # fmt: skip
+    with pytest.raises(TfgraphError, match="goes with an fp32 graph"):
+        tfgraph.export("llama-tiny", tmp_path / "e", kv_cache=True, kv_dtype="int8",
+                       precision="fp16")  # fmt: skip
     with pytest.raises(TfgraphError, match="--kv-scales"):
         tfgraph.export("llama-tiny", tmp_path / "c", kv_cache=True, kv_dtype="int8",
                        kv_scales="per-block")  # fmt: skip

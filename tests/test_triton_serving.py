@@ -36,6 +36,7 @@ from tfgraph.serving.repository import write_repository  # noqa: E402
 
 DECODER, SEQ2SEQ, TEXT = "llama", "t5", "words"
 SLOTS = "slots"  # llama-tiny in 2 cache slots (in-flight batching)
+INT8 = "llama8"  # llama-tiny with an int8 KV cache, in flight
 WORDS = ["[UNK]", "[PAD]", "the", "cat", "sat", "on", "a", "mat", "dog", "ran", "café"]
 
 
@@ -74,6 +75,10 @@ def served(tmp_path_factory):
     write_repository(root / DECODER, root / "repo-slots", name=SLOTS, slots=2, slot_capacity=600)
     (root / "repo-slots" / f"{SLOTS}_generate").rename(repo / f"{SLOTS}_generate")
     models.append(f"{SLOTS}_generate")
+    assert tfgraph.export("llama-tiny", root / INT8, kv_cache=True, kv_dtype="int8").passed
+    write_repository(root / INT8, root / "repo-int8", name=INT8, slots=4, slot_capacity=256)
+    (root / "repo-int8" / f"{INT8}_generate").rename(repo / f"{INT8}_generate")
+    models.append(f"{INT8}_generate")
     with TritonServer(repo, load=models, startup_timeout=120) as server:
         yield server, root
     assert server.process.poll() is not None  # stopped at the end, always
@@ -289,3 +294,21 @@ def test_inflight_more_clients_than_slots_and_a_request_too_long_for_a_slot(serv
         assert error is None and tokens == _local(root, DECODER, prompts[i], max_new_tokens=8 + i)
     tokens, _, error = _grpc_stream(server, model, [1, 2, 3], max_new_tokens=600)
     assert tokens == [] and "a slot holds 600" in str(error), str(error)
+
+
+def test_an_int8_cache_streams_what_generate_gives_locally(served):
+    """The generation model allocates its slots in the dtype the graph takes (int8 here)."""
+    server, root = served
+    prompts = [[5, 6, 7], [9, 3, 2, 8, 1], [4]]
+    got = [None] * 3
+
+    def client(i):
+        got[i] = _grpc_stream(server, f"{INT8}_generate", prompts[i], max_new_tokens=12)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for prompt, (tokens, _, error) in zip(prompts, got, strict=True):
+        assert error is None and tokens == _local(root, INT8, prompt, max_new_tokens=12)

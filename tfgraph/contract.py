@@ -14,7 +14,8 @@ role                        layer  meaning
 ``encoder_attention_mask``         padding mask over the encoder positions
 ``input``                          any other data input the user feeds
 ``past_key`` / ``past_value``  i   the cache of self-attention layer i
-``past_length``                    positions already in a shared cache buffer
+``past_length``                    positions already in a shared cache buffer (the longest row's)
+``past_lengths``                   each row's own past length, (batch,): in-flight batching
 ``cross_key`` / ``cross_value`` i  the encoder's keys/values for decoder layer i
 ``logits``                         next-token scores
 ``hidden_states``                  the last hidden state (encoders)

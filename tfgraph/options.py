@@ -75,7 +75,7 @@ class ExportOptions:
         target = target or get_target(self.target)
         check_precision(self.precision, self.keep_io_types, target)
         level = check_weights(self.weights, self.block_size, target, self.accuracy_level)
-        check_kv_dtype(self.kv_dtype, self.kv_scales, self.kv_cache, target)
+        check_kv_dtype(self.kv_dtype, self.kv_scales, self.kv_cache, target, self.precision)
         opset = target.opset if self.opset is None else self.opset
         check_opset(opset)
         return dataclasses.replace(self, target=target, accuracy_level=level, opset=opset)

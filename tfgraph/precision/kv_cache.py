@@ -43,7 +43,9 @@ KV_QUANT_KEY = contract.KV_QUANT_KEY  # model metadata: what the manifest states
 _MS = "com.microsoft"
 
 
-def check_kv_dtype(kv_dtype: str, granularity: str, kv_cache: bool, target) -> None:
+def check_kv_dtype(
+    kv_dtype: str, granularity: str, kv_cache: bool, target, precision: str = "fp32"
+) -> None:
     if kv_dtype not in KV_DTYPES:
         raise TfgraphError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, not {kv_dtype!r}")
     if granularity not in GRANULARITIES:
@@ -54,33 +56,48 @@ def check_kv_dtype(kv_dtype: str, granularity: str, kv_cache: bool, target) -> N
         return
     if not kv_cache:
         raise TfgraphError("--kv-dtype int8 quantizes the KV cache: add --kv-cache")
+    if precision != "fp32":
+        raise TfgraphError(
+            f"--kv-dtype {kv_dtype} goes with an fp32 graph; --precision {precision} beside it "
+            "is not supported yet (drop one of them)"
+        )
     if kv_dtype not in target.kv_dtypes:
         have = ", ".join(target.kv_dtypes) or "none"
         raise TfgraphError(
             f"target '{target.name}' has no {kv_dtype} KV cache (it has: {have}); export "
-            "for the ort target"
+            "for the ort or onnx target"
+        )
+    if granularity not in target.kv_scales:
+        raise TfgraphError(
+            f"target '{target.name}' takes --kv-scales {' or '.join(target.kv_scales)}, not "
+            f"{granularity} (per-channel needs GroupQueryAttention: the ort target)"
         )
 
 
 @dataclass
 class Layer:
-    """One cached GroupQueryAttention and where its keys and values come from."""
+    """One cached layer: a GroupQueryAttention (``node``; ``ort``) or the two TensorScatter
+    writes of a static cache (``scatters``: key, value; ``onnx``/``tensorrt``)."""
 
     index: int
-    node: ir.Node
+    node: ir.Node | None
     kv_heads: int
     head_size: int
     heads: int
+    scatters: tuple[ir.Node, ir.Node] | None = None
 
     def sources(self) -> tuple[ir.Value, ir.Value | None, ir.Value | None]:
         return self.node.inputs[0], self.node.inputs[1], self.node.inputs[2]
 
 
 def cached_layers(model: ir.Model) -> list[Layer]:
-    """The cached layers by layer index; refused when one is not a GroupQueryAttention over
-    its past (a layer lowered to MultiHeadAttention keeps a copying fp32 cache)."""
+    """The cached layers by layer index; refused when one is neither a GroupQueryAttention
+    over its past nor a static TensorScatter cache (a layer lowered to MultiHeadAttention
+    keeps a copying fp32 cache)."""
     roles = contract.read_roles(model.metadata_props)
     pasts = {n: layer for n, (role, layer) in roles.items() if role == contract.PAST_KEY}
+    if model.metadata_props.get(contract.KV_LAYOUT_KEY) == "static":
+        return _static_layers(model, roles)
     layers = {}
     for node in model.graph:
         if node.domain == _MS and node.op_type == "GroupQueryAttention" and len(node.inputs) > 3:
@@ -98,6 +115,24 @@ def cached_layers(model: ir.Model) -> list[Layer]:
             "the fp32 cache"
         )
     return [layers[i] for i in sorted(layers)]
+
+
+def _static_layers(model: ir.Model, roles: dict) -> list[Layer]:
+    scatters: dict[int, dict[str, ir.Node]] = {}
+    for value in model.graph.inputs:
+        role, layer = roles.get(value.name, (None, None))
+        if role not in (contract.PAST_KEY, contract.PAST_VALUE):
+            continue
+        node = next((u.node for u in value.uses() if u.node.op_type == "TensorScatter"), None)
+        if node is None:
+            raise TfgraphError(f"an int8 KV cache: layer {layer}'s cache has no TensorScatter")
+        scatters.setdefault(layer, {})[role] = node
+    layers = []
+    for i, s in sorted(scatters.items()):
+        key, value = s[contract.PAST_KEY], s[contract.PAST_VALUE]
+        dims = key.inputs[0].shape
+        layers.append(Layer(i, None, dims[1], dims[3], 0, (key, value)))
+    return layers
 
 
 def calibrate(model: ir.Model, feeds: list[dict], granularity: str) -> dict[int, tuple]:
@@ -141,6 +176,12 @@ class FakeQuantized:
         self.model, self.rewired, self.added = model, [], []
         for layer in layers:
             k_scale, v_scale = scales[layer.index]
+            if layer.scatters is not None:  # static cache: the new rows written, (B, KV, T, d)
+                for node, scale, which in zip(layer.scatters, (k_scale, v_scale), "kv",
+                                              strict=True):  # fmt: skip
+                    name = f"kvref.{layer.index}.{which}"
+                    self._wire(node, 1, self._qdq(node.inputs[1], scale, name))
+                continue
             query, key, value = layer.sources()
             if key is not None:
                 self._wire(layer.node, 1, self._qdq(key, k_scale, f"kvref.{layer.index}.k"))
@@ -197,6 +238,16 @@ def to_int8(model: ir.Model, layers: list[Layer], scales: dict, granularity: str
     kind = QUANT_TYPES[granularity]
     stated = {}
     for layer in layers:
+        if layer.scatters is not None:
+            names = _scatter_int8(graph, layer, scales[layer.index])
+            k_max, v_max = ranges[layer.index]
+            stated[str(layer.index)] = {
+                "k_scale": names[0].name,
+                "v_scale": names[1].name,
+                "k_max": round(float(np.max(k_max)), 6),
+                "v_max": round(float(np.max(v_max)), 6),
+            }
+            continue
         node = layer.node
         names = []
         for which, scale in zip(("key", "value"), scales[layer.index], strict=True):
@@ -235,6 +286,37 @@ def to_int8(model: ir.Model, layers: list[Layer], scales: dict, granularity: str
         sort_keys=True,
     )
     logger.info("KV cache in int8 (%s scales) for %d layers", granularity, len(layers))
+
+
+def _scatter_int8(graph: ir.Graph, layer: Layer, scales) -> list[ir.Value]:
+    """A static cache in int8: the new rows quantized before TensorScatter writes them into
+    the int8 buffer, the buffer dequantized where the attention reads it (the present output
+    stays the int8 buffer)."""
+    names = []
+    for node, scale, which in zip(layer.scatters, scales, ("key", "value"), strict=True):
+        name = f"kv_scales.{layer.index}.{which}"
+        value = ir.Value(name=name, shape=ir.Shape([]), type=ir.TensorType(ir.DataType.FLOAT))
+        value.const_value = ir.tensor(np.asarray(scale, np.float32).reshape(()), name=name)
+        graph.register_initializer(value)
+        zero_name = f"kv_zero_points.{layer.index}.{which}"
+        zero = ir.Value(name=zero_name, shape=ir.Shape([]), type=ir.TensorType(ir.DataType.INT8))
+        zero.const_value = ir.tensor(np.array(0, np.int8), name=zero_name)
+        graph.register_initializer(zero)
+        names.append(value)
+        past, new, present = node.inputs[0], node.inputs[1], node.outputs[0]
+        quantize = ir.node("QuantizeLinear", [new, value, zero])
+        graph.insert_before(node, quantize)
+        node.replace_input_with(1, quantize.outputs[0])
+        dequantize = ir.node("DequantizeLinear", [present, value, zero])
+        graph.insert_after(node, dequantize)
+        readers = [(u.node, u.idx) for u in present.uses() if u.node is not dequantize]
+        for reader, index in readers:
+            reader.replace_input_with(index, dequantize.outputs[0])
+        dequantize.outputs[0].type = ir.TensorType(ir.DataType.FLOAT)
+        dequantize.outputs[0].shape = present.shape
+        for v in (past, present, quantize.outputs[0]):
+            v.type = ir.TensorType(ir.DataType.INT8)
+    return names
 
 
 def kv_quantization(model: ir.Model) -> dict | None:

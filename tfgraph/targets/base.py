@@ -87,6 +87,7 @@ class Target:
     row_lengths: bool = False
     # KV cache dtypes besides the graph's float (``--kv-dtype``): tfgraph/precision/kv_cache.py
     kv_dtypes: tuple[str, ...] = ()
+    kv_scales: tuple[str, ...] = ("per-tensor",)  # the int8 cache's scale granularities
     facts: tuple[str, ...] = ()
 
     def fused(self, kind: str) -> frozenset:

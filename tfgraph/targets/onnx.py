@@ -64,6 +64,7 @@ register(
         session=SessionSettings(providers=("cpu",)),
         runner="onnxruntime",
         row_lengths=True,  # TensorScatter-24 writes each row at its own index
+        kv_dtypes=("int8",),  # QuantizeLinear before TensorScatter, DequantizeLinear after
         precisions=("fp32", "fp16", "bf16"),
         # ONNX Runtime has no bf16 kernels on the CPU: ONNX's reference evaluator verifies them
         precision_runners={"bf16": "onnx-reference"},

@@ -151,6 +151,7 @@ ORT = register(
         runner="onnxruntime",
         row_lengths=True,  # GroupQueryAttention's seqlens_k is per row
         kv_dtypes=("int8",),  # GroupQueryAttention's kv_cache_bit_width=8
+        kv_scales=("per-tensor", "per-channel"),
         precisions=("fp32", "fp16"),
         weight_formats=("int8", "int4"),  # com.microsoft.MatMulNBits
         # level 4: int8 activations per block, 2-35x faster than level 0 here (docs/precision.md)
