@@ -273,6 +273,8 @@ def tfgraph_graphs(out: Path, kind: str, high: int = 900) -> dict:
                 inputs[name] = {"shape": _kv(dims, 1, ENCODER_LENGTH), "dtype": dtype}
             elif role == "past_length":
                 inputs[name] = {"shape": [1], "dtype": dtype, "fill": {"value": past}}
+            elif role == "past_lengths":  # each row's own: the one row's
+                inputs[name] = {"shape": [1], "dtype": dtype, "fill": {"value": past}}
             else:
                 raise RuntimeError(f"tfgraph input '{name}' (role {role}) has no probe feed")
         return step_graph, inputs, bind if shared else {}

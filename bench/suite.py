@@ -7,8 +7,9 @@ token against past length, vs eager and Hugging Face ``generate``), ``compile_co
 against layers), ``peers`` (ONNX Runtime's transformers optimizer, onnxscript's
 ``optimize_for_ort``), ``exporters`` (cached decode and prefill against transformers' exporter
 and the onnxruntime-genai builder), ``precision`` (decode and prefill in fp32, int8, int4 and
-fp16, beside the builder's int4), ``serving`` (the Triton generation model under 1, 4 and 16
-concurrent streams, beside local generation), ``scale`` (export time, peak RSS and decode step
+fp16, beside the builder's int4), ``serving`` (the Triton generation model under 1, 4, 16 and 32
+concurrent streams with a mixed workload: static vs in-flight batching vs an int8 KV cache,
+beside local generation), ``scale`` (export time, peak RSS and decode step
 from ~120M to 6.7B parameters, beside the builder) and, in full runs, ``norm_folding``. Writes
 ``DIR/bench/<section>.json``, ``DIR/bench/*.png``, ``DIR/bench/suite.json`` (machine, command,
 per-section status, wall and CPU seconds) and ``DIR/BENCHMARKS.md``; each section's wall and

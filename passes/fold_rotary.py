@@ -43,6 +43,7 @@ from .rewrite_utils import (
     replace_value,
     same_dims,
 )
+from .row_lengths import rows_read
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +147,9 @@ def _rotate_half_of(value: ir.Value, head: int) -> ir.Value | None:
 
 def _table(value: ir.Value, trig: str) -> tuple[ir.Value, float] | None:
     """(E, a) for ``Unsqueeze(Cos(E) [· a], axes=[1])`` or a 2-D ``Cos(E) [· a]``
-    (``trig`` "Cos" or "Sin")."""
+    (``trig`` "Cos" or "Sin"), read through a per-row gather of the table (rows at their own
+    past lengths, :mod:`.row_lengths`: the kernel rotates each row at its own positions)."""
+    value = rows_read(value)
     node = _producer(value, "Unsqueeze")
     if node is not None and int_list(node.inputs[1]) == [1]:
         inner = node.inputs[0]  # (B, S, d) → (B, 1, S, d)

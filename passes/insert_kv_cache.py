@@ -531,7 +531,9 @@ class InsertKVCachePass(ir.passes.InPlacePass):
             value.shape = ir.Shape(
                 [TOTAL_DIM if i in axes else d for i, d in enumerate(dims_of(value))]
             )
-        # Junctions: token ops reading machinery in a data slot get its last T rows.
+        # Junctions: token ops reading machinery in a data slot get its last T rows (or, with
+        # per-row lengths, each row's own rows).
+        junctions = []
         for node in list(graph):
             if not any(o in analysis.token for o in node.outputs):
                 continue
@@ -563,17 +565,24 @@ class InsertKVCachePass(ir.passes.InPlacePass):
                     # buffer): no axis to slice, and its T-length original is what the token
                     # op read before the cache (cache parity checks it)
                     continue
-                rewriter.pending.clear()
-                new = None
-                if rows is not None and rows.refused is None and axes:
-                    new = rows.rows(node, rewriter.full(value), value, axes, seq)
-                if new is None:
-                    new = rewriter.last_rows(value, axes)
-                graph.insert_before(node, rewriter.pending)
-                for added in rewriter.pending:
-                    for key, prop in node.metadata_props.items():
-                        added.metadata_props.setdefault(key, prop)
-                node.replace_input_with(index, new)
+                junctions.append((node, index, value, axes))
+        if rows is not None:  # per-row lengths for every junction, or for none
+            for node, _, value, axes in junctions:
+                why = rows.why_not(node, value, axes, seq) if axes else None
+                if why is not None:
+                    rows.refuse(f"{_module(node)}: {why}")
+                    break
+        for node, index, value, axes in junctions:
+            rewriter.pending.clear()
+            if rows is not None and rows.refused is None and axes:
+                new = rows.rows(node, rewriter.full(value), value, axes, seq)
+            else:
+                new = rewriter.last_rows(value, axes)
+            graph.insert_before(node, rewriter.pending)
+            for added in rewriter.pending:
+                for key, prop in node.metadata_props.items():
+                    added.metadata_props.setdefault(key, prop)
+            node.replace_input_with(index, new)
         # K and V: the past, then the new tokens; the concatenation is the present.
         for i, node in enumerate(analysis.layers):
             # Q and K shared the sequence axis, where both causal alignments coincide; with a

@@ -41,6 +41,9 @@ class PipelineOptions:
 
     kv_cache: bool = False
     max_positions: int | None = None
+    # per-row past lengths where the target takes them (in-flight batching); False: the
+    # machinery is sliced to the new rows only (one request at a time or a static batch)
+    row_lengths: bool = True
 
 
 def _target(target):
@@ -67,7 +70,11 @@ def _default(target, options: PipelineOptions = PipelineOptions()) -> list[ir.pa
         FuseGeluPass(),
         FuseAttentionPass(),
         ClassifyAttentionBiasPass(),
-        *([InsertKVCachePass(row_lengths=target.row_lengths)] if options.kv_cache else []),
+        *(
+            [InsertKVCachePass(row_lengths=target.row_lengths and options.row_lengths)]
+            if options.kv_cache
+            else []
+        ),
         common.RemoveUnusedNodesPass(),  # masks the kernels compute themselves are dead now
         GatherAfterContractionPass(),  # relative-key tables: contract, then gather
         common.RemoveUnusedNodesPass(),

@@ -18,13 +18,17 @@ positions P_b … P_b + T − 1. :class:`~.insert_kv_cache.InsertKVCachePass` wi
 
 The gather reads the machinery at L; the pushed slice of :mod:`.slice_machinery` (which only
 computes the new rows) cannot follow a start that differs per row. So a row-length graph
-computes each junction's machinery for all L rows per step: O(L·d) for position rows, O(H·L²)
-for an (L, L) position bias (ALiBi, T5); measured in docs/serving.md.
+computes each gathered junction's machinery for all L rows per step: O(L·d) for position rows
+or an unfolded RoPE table (a folded one disappears into the kernel: FoldRotaryPass reads the
+table through the gather, :func:`rows_read`).
 
-A junction this cannot gather (an op other than a broadcasting elementwise one or the
-attention bias, two query axes, a leading axis that is neither 1 nor the batch) keeps the
-slice, and the graph does not take per-row lengths: the reason is recorded
-(``tfgraph.row_lengths`` metadata) and the input is not exposed.
+A junction this does not gather keeps the slice, and the graph does not take per-row
+lengths: the reason is recorded (``tfgraph.row_lengths`` metadata) and the input is not
+exposed. Not gathered: an op other than a broadcasting elementwise one or the attention bias,
+two query axes, a leading axis that is neither 1 nor the batch, and a position bias over
+queries × keys (ALiBi, T5's relative buckets, Shaw's keys): its slice is pushed down to the
+query positions (:mod:`.slice_machinery`: O(H·L) per step) and a per-row gather would need
+the whole (L, L) square, O(H·L²) (a tiny T5's step: 0.6 ms at past 128, 46 ms at 1016).
 """
 
 from __future__ import annotations
@@ -40,8 +44,12 @@ from .rewrite_utils import dims_of
 
 logger = logging.getLogger(__name__)
 
-ROW_LENGTHS_KEY = "tfgraph.row_lengths"  # model metadata: "per_row" or why not
+ROW_LENGTHS_KEY = contract.ROW_LENGTHS_KEY  # model metadata: "per_row" or why not
 PER_ROW = "per_row"
+# node metadata on the gathers this module adds: what they gather is the per-row rows of the
+# value they read (FoldRotaryPass reads a RoPE table through them: the kernel rotates each
+# row at its own positions)
+ROW_GATHER_KEY = "tfgraph.row_gather"
 
 # token ops whose machinery operand broadcasts against the other (numpy rules)
 BROADCASTING = {"Add", "Sub", "Mul", "Div", "Where", "Pow", "Max", "Min"}
@@ -91,23 +99,39 @@ class RowGather:
             )
         return self._index
 
+    def why_not(self, node: ir.Node, value: ir.Value, axes: list[int], seq) -> str | None:
+        """Why the junction ``node`` reading machinery ``value`` (query ``axes``) cannot be
+        gathered per row; None when it can. Checked for every junction before any is
+        rewritten: a graph takes per-row lengths whole or not at all."""
+        if node.op_type not in BROADCASTING and not _is_attention(node):
+            return f"{node.op_type} reads positions ({value.name}) along the tokens"
+        if len(axes) != 1:
+            return f"'{value.name}' has {len(axes)} query axes"
+        dims = list(dims_of(value))
+        if len([d for d in dims if d in (seq, contract.TOTAL_DIM)]) > 1:
+            return (
+                f"'{value.name}' is a position bias over queries x keys (ALiBi, relative "
+                "buckets): gathered per row it would be computed whole, O(L^2) per step, where "
+                "the sliced bias costs O(L); such models batch requests that arrive together"
+            )
+        rank = _rank(node)
+        if rank is None or len(dims) > rank:
+            return f"the rank of '{value.name}' against its consumer is unknown"
+        axis = axes[0] + rank - len(dims)
+        lead = ([1] * (rank - len(dims)) + dims)[0]
+        if axis == 0:
+            return f"'{value.name}' has its query axis first"
+        if lead != 1 and lead != self.batch:
+            return f"'{value.name}' has a leading axis {lead} (neither 1 nor the batch)"
+        return None
+
     def rows(
         self, node: ir.Node, full: ir.Value, value: ir.Value, axes: list[int], seq
     ) -> ir.Value | None:
         """``full`` (``value`` at L) gathered per row along its query axis, shaped to
-        broadcast into ``node`` as ``value`` did; None (and the reason kept) when it cannot."""
-        if node.op_type not in BROADCASTING and not _is_attention(node):
-            self.refuse(f"{node.op_type} reads positions ({value.name}) along the tokens")
-            return None
-        if len(axes) != 1:
-            self.refuse(f"'{value.name}' has {len(axes)} query axes")
-            return None
-        out = node.outputs[0]
-        rank = 4 if _is_attention(node) else (len(out.shape) if out.shape is not None else None)
+        broadcast into ``node`` as ``value`` did (:meth:`why_not` said it can)."""
+        rank = _rank(node)
         dims = list(dims_of(value))
-        if rank is None or len(dims) > rank:
-            self.refuse(f"the rank of '{value.name}' against its consumer is unknown")
-            return None
         key = (full, axes[0], rank)
         if key in self.memo:
             return self.memo[key]
@@ -117,15 +141,14 @@ class RowGather:
             lead = list(range(rank - len(dims)))
             full = rw.add("Unsqueeze", [full, rw.const(np.array(lead, np.int64))])
             dims = [1] * len(lead) + dims
-        if axis == 0:
-            self.refuse(f"'{value.name}' has its query axis first")
-            return None
         index = self.index()
         if dims[0] == 1:  # shared by every row: gather the rows, the batch axis to the front
             squeezed = rw.add("Squeeze", [full, rw.const(np.array([0], np.int64))])
             gathered = rw.add("Gather", [squeezed, index], {"axis": axis - 1})
             perm = [axis - 1, *range(axis - 1), *range(axis, rank)]
             result = rw.add("Transpose", [gathered], {"perm": perm})
+            for value in (squeezed, gathered, result):
+                value.producer().metadata_props[ROW_GATHER_KEY] = "1"
         elif dims[0] == self.batch:  # a row of its own per batch row (from the mask)
             ones = [i for i in range(1, rank) if i != axis]  # (B, 1, …, T, …, 1)
             idx = index
@@ -142,9 +165,9 @@ class RowGather:
             )
             idx = rw.add("Expand", [idx, target])
             result = rw.add("GatherElements", [full, idx], {"axis": axis})
-        else:
-            self.refuse(f"'{value.name}' has a leading axis {dims[0]} (neither 1 nor the batch)")
-            return None
+            result.producer().metadata_props[ROW_GATHER_KEY] = "1"
+        else:  # why_not refused it
+            raise AssertionError(f"'{value.name}': no per-row gather for this junction")
         result.type = value.type
         result.shape = ir.Shape(
             [self.batch if i == 0 else seq if i == axis else
@@ -160,6 +183,13 @@ def row_lengths_value(graph: ir.Graph) -> ir.Value | None:
         if node.outputs and node.outputs[0].name == contract.PAST_LENGTHS_NAME:
             return node.outputs[0]
     return None
+
+
+def _rank(node: ir.Node) -> int | None:
+    if _is_attention(node):
+        return 4
+    out = node.outputs[0]
+    return len(out.shape) if out.shape is not None else None
 
 
 def _is_attention(node: ir.Node) -> bool:
@@ -190,3 +220,18 @@ def expose_row_lengths(model: ir.Model) -> None:
     value.replace_all_uses_with(lengths)
     graph.remove(node, safe=True)
     logger.info("KV cache: rows take their own past lengths (%s)", contract.PAST_LENGTHS_NAME)
+
+
+def rows_read(value: ir.Value) -> ir.Value:
+    """The value a per-row gather of this module reads (``value`` itself when it is none)."""
+    node = value.producer()
+    if node is None or node.metadata_props.get(ROW_GATHER_KEY) != "1":
+        return value
+    if node.op_type == "GatherElements":
+        return node.inputs[0]
+    if node.op_type == "Transpose":
+        gather = node.inputs[0].producer()
+        squeeze = gather.inputs[0].producer() if gather is not None else None
+        if squeeze is not None and squeeze.metadata_props.get(ROW_GATHER_KEY) == "1":
+            return squeeze.inputs[0]
+    return value

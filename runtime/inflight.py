@@ -67,6 +67,9 @@ def signature_support(signature: contract.Signature, encoder_file: bool) -> str 
     if roles:
         return f"the step graph also takes {', '.join(sorted(roles))} per request"
     if not signature.row_lengths:
+        refused = (signature.kv_layout or {}).get("row_lengths_refused")
+        if refused:
+            return f"the artifact's cache takes no per-row past lengths: {refused}"
         return (
             "the artifact's cache takes no per-row past lengths (re-export it with --kv-cache "
             "for the ort or onnx target)"

@@ -3,9 +3,8 @@ slots and leave it when they end; every request's tokens equal ``generate`` on i
 alone, and each step's logits are within the fp32 parity tolerance of that run.
 
 The models cover the ways positions reach a row: learned position rows without a mask
-(gpt-tiny), RoPE inside GroupQueryAttention (llama-tiny), ALiBi (bloom-tiny), a sliding
-window (mistral-tiny), Hugging Face Llama and GPT-2 with positions from ``attention_mask``,
-and a model written with PyTorch's own ``F.scaled_dot_product_attention(is_causal=True)``.
+(gpt-tiny), RoPE (llama-tiny), a sliding window (mistral-tiny), Hugging Face Llama and
+GPT-2 with positions from ``attention_mask``, and a model written with PyTorch's own ``F.scaled_dot_product_attention(is_causal=True)``.
 A control feeds every row the longest row's length instead of its own: the logits part, so
 the comparison can fail."""
 
@@ -96,11 +95,11 @@ def _vocab(decoder) -> int:
 
 
 CASES = [
-    *[(c, "ort") for c in ("gpt-tiny", "llama-tiny", "bloom-tiny", "mistral-tiny", "hf:llama",
-                           "masked:gpt2", "sdpa_gpt")],
+    *[(c, "ort") for c in ("gpt-tiny", "llama-tiny", "mistral-tiny", "hf:llama", "masked:gpt2",
+                           "sdpa_gpt")],
     # the static standard-ONNX cache: TensorScatter writes each row at its own length, the
     # causal mask is per row
-    *[(c, "onnx") for c in ("gpt-tiny", "llama-tiny", "bloom-tiny", "masked:gpt2")],
+    *[(c, "onnx") for c in ("gpt-tiny", "llama-tiny", "masked:gpt2")],
 ]  # fmt: skip
 
 
@@ -188,7 +187,7 @@ def test_artifacts_without_row_lengths_are_refused_with_the_reason(tmp_path):
         SlotBatcher(decoder, slots=2, capacity=8)
 
 
-SEQ2SEQ = [("t5-tiny", "ort"), ("bart-tiny", "ort"), ("transformer-tiny", "onnx")]
+SEQ2SEQ = [("bart-tiny", "ort"), ("transformer-tiny", "onnx")]
 
 
 @pytest.mark.parametrize("case, target", SEQ2SEQ)
@@ -218,3 +217,16 @@ def test_an_encoder_decoder_without_an_encoder_mask_is_refused(artifacts):
     attending to it."""
     decoder = CachedDecoder(Session(artifacts("hf:bart")))
     assert "no encoder mask" in inflight_support(decoder)
+
+
+@pytest.mark.parametrize("preset", ["bloom-tiny", "t5-tiny"])
+def test_a_position_bias_over_queries_and_keys_keeps_one_past_length(preset, tmp_path):
+    """ALiBi and T5's relative buckets are (queries × keys) machinery: gathered per row, each
+    step would compute the whole (L, L) square where the sliced bias costs O(L). Such a graph
+    keeps one past length (the slice), says why, and serves with static batching."""
+    result = tfgraph.export(load_source(preset), tmp_path / "a", kv_cache=True)
+    layout = result.manifest["kv_layout"]
+    assert layout["row_lengths"] is None
+    assert "queries x keys" in layout["row_lengths_refused"]
+    why = inflight_support(CachedDecoder(Session(tmp_path / "a")))
+    assert "queries x keys" in why

@@ -294,7 +294,17 @@ def kv_layout(metadata: Mapping[str, str], input_names: Iterable[str]) -> dict |
         "row_lengths": next(
             (n for n, (r, _) in roles.items() if r == PAST_LENGTHS and n in names), None
         ),
+        # why the graph takes no per-row lengths, when the KV-cache pass said
+        **({"row_lengths_refused": why} if (why := _row_lengths_refused(metadata)) else {}),
     }
+
+
+ROW_LENGTHS_KEY = "tfgraph.row_lengths"  # model metadata: "per_row", or why not
+
+
+def _row_lengths_refused(metadata: Mapping[str, str]) -> str | None:
+    why = metadata.get(ROW_LENGTHS_KEY)
+    return why if why and why != "per_row" else None
 
 
 def build_signature(

@@ -159,6 +159,7 @@ def _compile(graph, source: ModelSource, options: ExportOptions, stage: Path):
         dump_dir=stage,
         kv_cache=options.kv_cache,
         max_positions=source.info.get("max_positions"),
+        row_lengths=options.row_lengths,
     )
 
 

@@ -47,6 +47,9 @@ class ExportOptions:
     quantize_lm_head: bool = True
     quantize_embeddings: bool = True
     accuracy_level: int | None = None
+    # per-row past lengths in the cached graph (in-flight batching) where the target takes them;
+    # False: machinery for the new rows only, one past length for the batch
+    row_lengths: bool = True
     kv_dtype: str = "fp32"  # int8: the KV cache quantized (tfgraph/precision/kv_cache.py)
     kv_scales: str = "per-tensor"  # the int8 cache's scales: per-tensor or per-channel
 

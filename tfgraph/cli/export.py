@@ -131,6 +131,12 @@ def add_parser(sub):
         "checks prefill and decode steps",
     )
     p.add_argument(
+        "--no-row-lengths",
+        action="store_true",
+        help="one past length for the whole batch: position machinery computed for the new rows "
+        "only (cheaper steps for (L, L) position biases: ALiBi, T5), no in-flight batching",
+    )
+    p.add_argument(
         "--kv-dtype",
         choices=("fp32", "int8"),
         default="fp32",
@@ -173,6 +179,7 @@ def options_from_args(args):
         quantize_lm_head=not args.no_quantize_lm_head,
         quantize_embeddings=not args.no_quantize_embeddings,
         accuracy_level=args.accuracy_level,
+        row_lengths=not args.no_row_lengths,
         kv_dtype=args.kv_dtype,
         kv_scales=args.kv_scales,
     )

@@ -276,6 +276,7 @@ def run_pipeline(
     dump_dir: Path | None = None,
     kv_cache: bool = False,
     max_positions: int | None = None,
+    row_lengths: bool = True,
 ) -> list[PassRecord]:
     """Apply pipeline ``name`` for target ``profile`` in place; one record per pass, named
     uniquely (:func:`tfgraph.passes.pass_names`). ``dump_after`` names one of those."""
@@ -283,7 +284,9 @@ def run_pipeline(
         raise TfgraphError(f"unknown pipeline '{name}': choose one of {', '.join(PIPELINES)}")
     target = get_target(profile)
     try:
-        options = PipelineOptions(kv_cache=kv_cache, max_positions=max_positions)
+        options = PipelineOptions(
+            kv_cache=kv_cache, max_positions=max_positions, row_lengths=row_lengths
+        )
         passes = build_pipeline(target, options, name=name)
     except ValueError as exc:
         raise TfgraphError(f"{exc}: use --pipeline default with --kv-cache") from exc
