@@ -5,8 +5,9 @@ alone, and each step's logits are within the fp32 parity tolerance of that run.
 The models cover the ways positions reach a row: learned position rows without a mask
 (gpt-tiny), RoPE (llama-tiny), a sliding window (mistral-tiny), Hugging Face Llama and
 GPT-2 with positions from ``attention_mask``, and a model written with PyTorch's own
-``F.scaled_dot_product_attention(is_causal=True)``. A control feeds every row the longest row's length instead of its own: the logits part, so
-the comparison can fail."""
+``F.scaled_dot_product_attention(is_causal=True)``; encoder-decoders hold their cross K/V
+per slot. A control feeds every row the longest row's length instead of its own: the logits
+part, so the comparison can fail."""
 
 import numpy as np
 import pytest
