@@ -9,6 +9,8 @@ GPT-2 with positions from ``attention_mask``, and a model written with PyTorch's
 per slot. A control feeds every row the longest row's length instead of its own: the logits
 part, so the comparison can fail."""
 
+import json
+
 import numpy as np
 import pytest
 from idiom_models import GPT
@@ -231,3 +233,25 @@ def test_a_position_bias_over_queries_and_keys_keeps_one_past_length(preset, tmp
     assert "queries x keys" in layout["row_lengths_refused"]
     why = inflight_support(CachedDecoder(Session(tmp_path / "a")))
     assert "queries x keys" in why
+
+
+def test_every_row_length_artifact_proves_rows_at_their_own_lengths(artifacts, monkeypatch):
+    """Export's cache parity runs three requests through two slots against each alone
+    (``parity.rows``); with every row fed the longest row's length it fails."""
+    from tfgraph.verify.row_parity import check_row_parity
+    from tfgraph.verify.tolerance import FP32
+
+    path = artifacts("llama-tiny")
+    report = json.loads((path / "report.json").read_text())["parity"]["rows"]
+    assert report["passed"] and report["requests"] == 3 and report["max_abs_err"] < ATOL
+    rows = session_module.Session.rows
+
+    def uniform(self, cache, start, stop, lengths):
+        out = rows(self, cache, start, stop, lengths)
+        out.lengths = np.full(len(out.lengths), out.length, np.int64)
+        return out
+
+    monkeypatch.setattr(session_module.Session, "rows", uniform)
+    decoder = CachedDecoder(Session(path, checking=True))
+    broken = check_row_parity(load_source("llama-tiny"), decoder, FP32)
+    assert not broken["passed"] and broken["max_abs_err"] > 100 * ATOL

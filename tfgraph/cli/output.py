@@ -88,6 +88,13 @@ def print_parity(parity: dict, *, cached: bool) -> None:
         ]
         print(f"KV cache: prefill (empty past) and {parity['decode_steps']} decode steps:")
         print(table(rows, ["phase", "cases", "max abs err", "result"]))
+        rows = parity.get("rows")
+        if rows and "skipped" not in rows:
+            print(
+                f"rows at their own lengths: {rows['requests']} requests through 2 slots "
+                f"against each alone, max abs err {rows['max_abs_err']:.3g}: "
+                + ("pass" if rows["passed"] else "FAIL")
+            )
         rule = parity.get("kv_rule")
         if rule:  # an int8 cache
             effect = rule["quantization_effect"]

@@ -143,12 +143,16 @@ def check_cache_parity(
             },
         }
     ]
+    from tfgraph.verify.row_parity import check_row_parity
+
+    rows = check_row_parity(source, decoder, tolerance, seed)
     return {
-        "passed": outputs[0]["passed"],
+        "passed": outputs[0]["passed"] and (rows is None or rows["passed"]),
         "outputs": outputs,
         "cases": cases,
         "shapes": [list(s) for s in shapes],
         **summary,
+        **({"rows": rows} if rows is not None else {}),
         "decode_steps": DECODE_STEPS,
         "runner": runner_info(decoder.session),
         "eager_device": source.device,

@@ -1,0 +1,70 @@
+"""Rows at different lengths, checked on every artifact that takes per-row past lengths.
+
+Cache parity (:mod:`.cache_parity`) feeds every row of a batch the same past length; an
+artifact whose ``kv_layout.row_lengths`` names an input promises more — rows of one batch
+at their own lengths, as in-flight batching runs them (:class:`tfgraph.runtime.SlotBatcher`).
+This check makes the artifact keep it: three requests decoded through two slots (the second
+joins while the first runs, the third takes a freed slot) against each request decoded alone
+by the same artifact, every step's logits within the fp32 tolerance. Prompts come from the
+source's own inputs; an encoder-decoder's prompts feed its encoder.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from tfgraph.verify.tolerance import Tolerance
+
+logger = logging.getLogger(__name__)
+
+LENGTHS = (7, 3, 5)  # the prompts' lengths
+NEW_TOKENS = 6
+ARRIVALS = (0, 2, 3)  # the second joins a running batch; the third waits for a slot
+
+
+def check_row_parity(source, decoder, tolerance: Tolerance, seed: int = 0) -> dict | None:
+    """The report of rows at different lengths on ``decoder`` (a
+    :class:`tfgraph.runtime.CachedDecoder` over the artifact: the session cache parity
+    opened, not a second one), or None when the artifact takes none."""
+    from tfgraph import contract
+    from tfgraph.runtime import GenerationConfig, generate
+    from tfgraph.runtime.generate import seq2seq_prompts
+    from tfgraph.runtime.inflight import generate_inflight, inflight_support
+
+    if not decoder.session.signature.row_lengths:
+        return None
+    why = inflight_support(decoder)
+    if why is not None:  # per-row lengths, but a step graph in-flight batching cannot feed
+        return {"passed": True, "skipped": why}
+    name = decoder.token_input
+    if decoder.seq2seq:
+        name = next(p.name for p in decoder._all_inputs() if p.role == contract.ENCODER_TOKEN_IDS)
+    ids = source.inputs(1, max(LENGTHS), seed=seed + 21)[name].numpy()[0]
+    prompts = [ids[:n].tolist() for n in LENGTHS]
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS)
+    capacity = max(LENGTHS) + NEW_TOKENS
+    got = generate_inflight(
+        decoder, prompts, config, arrivals=ARRIVALS, slots=2, capacity=capacity,
+        encoder_capacity=max(LENGTHS), keep_logits=True,
+    )  # fmt: skip
+    worst, passed = 0.0, True
+    for prompt, request in zip(prompts, got, strict=True):
+        start, extra = [prompt], {}
+        if decoder.seq2seq:
+            start, extra = seq2seq_prompts(decoder, [prompt], 0, 0)
+        alone = generate(decoder, start, config, extra=extra, keep_logits=True)
+        for mine, theirs in zip(request.logits, alone.step_logits, strict=True):
+            diff = np.abs(mine.astype(np.float64) - theirs[0])
+            worst = max(worst, float(diff.max()))
+            passed &= bool(np.all(diff <= tolerance.bound(theirs[0])))
+    logger.info("row parity: max abs err %.3g (%s)", worst, "pass" if passed else "FAIL")
+    return {
+        "passed": passed,
+        "max_abs_err": worst,
+        "requests": len(prompts),
+        "prompt_lengths": list(LENGTHS),
+        "new_tokens": NEW_TOKENS,
+        "tolerance": tolerance.as_dict(),
+    }
