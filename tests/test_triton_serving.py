@@ -37,6 +37,7 @@ from tfgraph.serving.repository import write_repository  # noqa: E402
 DECODER, SEQ2SEQ, TEXT = "llama", "t5", "words"
 SLOTS = "slots"  # llama-tiny in 2 cache slots (in-flight batching)
 INT8 = "llama8"  # llama-tiny with an int8 KV cache, in flight
+BART = "bart"  # an encoder-decoder in flight (t5-tiny's relative bias batches statically)
 WORDS = ["[UNK]", "[PAD]", "the", "cat", "sat", "on", "a", "mat", "dog", "ran", "café"]
 
 
@@ -79,6 +80,11 @@ def served(tmp_path_factory):
     write_repository(root / INT8, root / "repo-int8", name=INT8, slots=4, slot_capacity=256)
     (root / "repo-int8" / f"{INT8}_generate").rename(repo / f"{INT8}_generate")
     models.append(f"{INT8}_generate")
+    assert tfgraph.export("bart-tiny", root / BART, kv_cache=True).passed
+    written = write_repository(root / BART, root / "repo-bart", name=BART, slots=2)
+    assert any("in-flight" in note for m in written for note in m.notes)
+    (root / "repo-bart" / f"{BART}_generate").rename(repo / f"{BART}_generate")
+    models.append(f"{BART}_generate")
     with TritonServer(repo, load=models, startup_timeout=120) as server:
         yield server, root
     assert server.process.poll() is not None  # stopped at the end, always
@@ -312,3 +318,21 @@ def test_an_int8_cache_streams_what_generate_gives_locally(served):
         t.join(timeout=120)
     for prompt, (tokens, _, error) in zip(prompts, got, strict=True):
         assert error is None and tokens == _local(root, INT8, prompt, max_new_tokens=12)
+
+
+def test_an_encoder_decoder_in_flight_streams_what_generate_gives_locally(served):
+    """bart-tiny's slots hold each request's cross K/V: 4 requests through 2 slots."""
+    server, root = served
+    prompts = [[5, 6, 7, 8], [9, 3], [4, 4, 4, 4, 4, 4], [11]]
+    got = [None] * 4
+
+    def client(i):
+        got[i] = _grpc_stream(server, f"{BART}_generate", prompts[i], max_new_tokens=8)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for prompt, (tokens, _, error) in zip(prompts, got, strict=True):
+        assert error is None and tokens == _local(root, BART, prompt, max_new_tokens=8)

@@ -143,9 +143,9 @@ def check_cache_parity(
             },
         }
     ]
-    from tfgraph.verify.row_parity import check_row_parity
+    from tfgraph.verify.row_parity import check_row_parity, row_tolerance
 
-    rows = check_row_parity(source, decoder, tolerance, seed)
+    rows = check_row_parity(source, decoder, row_tolerance(tolerance, precision), seed)
     return {
         "passed": outputs[0]["passed"] and (rows is None or rows["passed"]),
         "outputs": outputs,
