@@ -93,6 +93,18 @@ def artifacts(tmp_path_factory, hf_dirs):
     return get
 
 
+def _feed_every_row_the_longest_length(monkeypatch) -> None:
+    """The control: the session's rows all get the longest row's past length."""
+    rows = session_module.Session.rows
+
+    def uniform(self, cache, start, stop, lengths):
+        out = rows(self, cache, start, stop, lengths)
+        out.lengths = np.full(len(out.lengths), out.length, np.int64)
+        return out
+
+    monkeypatch.setattr(session_module.Session, "rows", uniform)
+
+
 def _vocab(decoder) -> int:
     return min(50, decoder.session.signature.output("logits").shape[-1])
 
@@ -139,14 +151,7 @@ def test_rows_at_the_longest_length_would_be_wrong(artifacts, monkeypatch):
     not have, and its logits part from generate alone."""
     decoder = CachedDecoder(Session(artifacts("llama-tiny")))
     prompts, configs = _prompts(_vocab(decoder)), _configs()
-    rows = session_module.Session.rows
-
-    def uniform(self, cache, start, stop, lengths):
-        out = rows(self, cache, start, stop, lengths)
-        out.lengths = np.full(len(out.lengths), out.length, np.int64)
-        return out
-
-    monkeypatch.setattr(session_module.Session, "rows", uniform)
+    _feed_every_row_the_longest_length(monkeypatch)
     got = generate_inflight(
         decoder, prompts, configs, arrivals=ARRIVALS, slots=SLOTS, keep_logits=True
     )
@@ -244,14 +249,7 @@ def test_every_row_length_artifact_proves_rows_at_their_own_lengths(artifacts, m
     path = artifacts("llama-tiny")
     report = json.loads((path / "report.json").read_text())["parity"]["rows"]
     assert report["passed"] and report["requests"] == 3 and report["max_abs_err"] < ATOL
-    rows = session_module.Session.rows
-
-    def uniform(self, cache, start, stop, lengths):
-        out = rows(self, cache, start, stop, lengths)
-        out.lengths = np.full(len(out.lengths), out.length, np.int64)
-        return out
-
-    monkeypatch.setattr(session_module.Session, "rows", uniform)
+    _feed_every_row_the_longest_length(monkeypatch)
     decoder = CachedDecoder(Session(path, checking=True))
     broken = check_row_parity(load_source("llama-tiny"), decoder, FP32)
     assert not broken["passed"] and broken["max_abs_err"] > 100 * ATOL

@@ -302,37 +302,28 @@ def test_inflight_more_clients_than_slots_and_a_request_too_long_for_a_slot(serv
     assert tokens == [] and "a slot holds 600" in str(error), str(error)
 
 
-def test_an_int8_cache_streams_what_generate_gives_locally(served):
-    """The generation model allocates its slots in the dtype the graph takes (int8 here)."""
+def _streams_equal_local(served, name, prompts, new_tokens):
+    """Every prompt streamed at once (a thread each) equals local generate on it alone."""
     server, root = served
-    prompts = [[5, 6, 7], [9, 3, 2, 8, 1], [4]]
-    got = [None] * 3
+    got = [None] * len(prompts)
 
     def client(i):
-        got[i] = _grpc_stream(server, f"{INT8}_generate", prompts[i], max_new_tokens=12)
+        got[i] = _grpc_stream(server, f"{name}_generate", prompts[i], max_new_tokens=new_tokens)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
     for prompt, (tokens, _, error) in zip(prompts, got, strict=True):
-        assert error is None and tokens == _local(root, INT8, prompt, max_new_tokens=12)
+        assert error is None and tokens == _local(root, name, prompt, max_new_tokens=new_tokens)
+
+
+def test_an_int8_cache_streams_what_generate_gives_locally(served):
+    """The generation model allocates its slots in the dtype the graph takes (int8 here)."""
+    _streams_equal_local(served, INT8, [[5, 6, 7], [9, 3, 2, 8, 1], [4]], 12)
 
 
 def test_an_encoder_decoder_in_flight_streams_what_generate_gives_locally(served):
     """bart-tiny's slots hold each request's cross K/V: 4 requests through 2 slots."""
-    server, root = served
-    prompts = [[5, 6, 7, 8], [9, 3], [4, 4, 4, 4, 4, 4], [11]]
-    got = [None] * 4
-
-    def client(i):
-        got[i] = _grpc_stream(server, f"{BART}_generate", prompts[i], max_new_tokens=8)
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    for prompt, (tokens, _, error) in zip(prompts, got, strict=True):
-        assert error is None and tokens == _local(root, BART, prompt, max_new_tokens=8)
+    _streams_equal_local(served, BART, [[5, 6, 7, 8], [9, 3], [4, 4, 4, 4, 4, 4], [11]], 8)

@@ -33,6 +33,7 @@ import onnx_ir as ir
 
 from tfgraph import contract
 from tfgraph.errors import TfgraphError
+from tfgraph.passes.rewrite_utils import add_initializer
 
 logger = logging.getLogger(__name__)
 
@@ -238,38 +239,11 @@ def to_int8(model: ir.Model, layers: list[Layer], scales: dict, granularity: str
     kind = QUANT_TYPES[granularity]
     stated = {}
     for layer in layers:
+        k_max, v_max = ranges[layer.index]
         if layer.scatters is not None:
             names = _scatter_int8(graph, layer, scales[layer.index])
-            k_max, v_max = ranges[layer.index]
-            stated[str(layer.index)] = {
-                "k_scale": names[0].name,
-                "v_scale": names[1].name,
-                "k_max": round(float(np.max(k_max)), 6),
-                "v_max": round(float(np.max(v_max)), 6),
-            }
-            continue
-        node = layer.node
-        names = []
-        for which, scale in zip(("key", "value"), scales[layer.index], strict=True):
-            shape = (layer.kv_heads, 1, layer.head_size) if np.size(scale) > 1 else (1,)
-            name = f"kv_scales.{layer.index}.{which}"
-            tensor = ir.tensor(np.asarray(scale, np.float32).reshape(shape), name=name)
-            value = ir.Value(
-                name=name, shape=ir.Shape(shape), type=ir.TensorType(ir.DataType.FLOAT)
-            )
-            value.const_value = tensor
-            graph.register_initializer(value)
-            names.append(value)
-        if len(node.inputs) < 14:
-            node.resize_inputs(14)
-        node.replace_input_with(12, names[0])
-        node.replace_input_with(13, names[1])
-        node.attributes["kv_cache_bit_width"] = ir.AttrInt64("kv_cache_bit_width", 8)
-        node.attributes["k_quant_type"] = ir.AttrString("k_quant_type", kind)
-        node.attributes["v_quant_type"] = ir.AttrString("v_quant_type", kind)
-        for value in (node.inputs[3], node.inputs[4], node.outputs[1], node.outputs[2]):
-            value.type = ir.TensorType(ir.DataType.INT8)
-        k_max, v_max = ranges[layer.index]
+        else:
+            names = _gqa_int8(graph, layer, scales[layer.index], kind)
         stated[str(layer.index)] = {
             "k_scale": names[0].name,
             "v_scale": names[1].name,
@@ -288,20 +262,36 @@ def to_int8(model: ir.Model, layers: list[Layer], scales: dict, granularity: str
     logger.info("KV cache in int8 (%s scales) for %d layers", granularity, len(layers))
 
 
+def _gqa_int8(graph: ir.Graph, layer: Layer, scales, kind: str) -> list[ir.Value]:
+    """GroupQueryAttention keeps an int8 cache: its quantized-cache attributes and scale
+    inputs; past and present int8."""
+    node = layer.node
+    names = []
+    for which, scale in zip(("key", "value"), scales, strict=True):
+        shape = (layer.kv_heads, 1, layer.head_size) if np.size(scale) > 1 else (1,)
+        array = np.asarray(scale, np.float32).reshape(shape)
+        names.append(add_initializer(graph, f"kv_scales.{layer.index}.{which}", array))
+    if len(node.inputs) < 14:
+        node.resize_inputs(14)
+    node.replace_input_with(12, names[0])
+    node.replace_input_with(13, names[1])
+    node.attributes["kv_cache_bit_width"] = ir.AttrInt64("kv_cache_bit_width", 8)
+    node.attributes["k_quant_type"] = ir.AttrString("k_quant_type", kind)
+    node.attributes["v_quant_type"] = ir.AttrString("v_quant_type", kind)
+    for value in (node.inputs[3], node.inputs[4], node.outputs[1], node.outputs[2]):
+        value.type = ir.TensorType(ir.DataType.INT8)
+    return names
+
+
 def _scatter_int8(graph: ir.Graph, layer: Layer, scales) -> list[ir.Value]:
     """A static cache in int8: the new rows quantized before TensorScatter writes them into
     the int8 buffer, the buffer dequantized where the attention reads it (the present output
     stays the int8 buffer)."""
     names = []
     for node, scale, which in zip(layer.scatters, scales, ("key", "value"), strict=True):
-        name = f"kv_scales.{layer.index}.{which}"
-        value = ir.Value(name=name, shape=ir.Shape([]), type=ir.TensorType(ir.DataType.FLOAT))
-        value.const_value = ir.tensor(np.asarray(scale, np.float32).reshape(()), name=name)
-        graph.register_initializer(value)
-        zero_name = f"kv_zero_points.{layer.index}.{which}"
-        zero = ir.Value(name=zero_name, shape=ir.Shape([]), type=ir.TensorType(ir.DataType.INT8))
-        zero.const_value = ir.tensor(np.array(0, np.int8), name=zero_name)
-        graph.register_initializer(zero)
+        scale_array = np.asarray(scale, np.float32).reshape(())
+        value = add_initializer(graph, f"kv_scales.{layer.index}.{which}", scale_array)
+        zero = add_initializer(graph, f"kv_zero_points.{layer.index}.{which}", np.array(0, np.int8))
         names.append(value)
         past, new, present = node.inputs[0], node.inputs[1], node.outputs[0]
         quantize = ir.node("QuantizeLinear", [new, value, zero])

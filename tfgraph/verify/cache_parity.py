@@ -162,13 +162,10 @@ def check_cache_parity(
 GREEDY_STEPS = 32
 
 
-def greedy_in_precision(source: ModelSource, decoder: CachedDecoder, precision: str, seed=0):
-    """Greedy tokens of the artifact in ``precision`` against eager fp32 and eager in that
-    precision (full recompute), :data:`GREEDY_STEPS` steps for two prompts: how many agree.
-    Reported, not judged: a random model's near ties decide tokens in fp16."""
-    import dataclasses
-
-    from tfgraph.precision.islands import TORCH_TYPES
+def greedy_against_eager(source: ModelSource, decoder: CachedDecoder, seed=0) -> tuple:
+    """The artifact's and eager fp32's greedy tokens for two prompts from the source's inputs
+    (an encoder-decoder's feed its encoder), :data:`GREEDY_STEPS` steps within the model's
+    positions: (artifact tokens, eager tokens, prompts, extra feeds, steps)."""
     from tfgraph.runtime import GenerationConfig, generate
     from tfgraph.verify.generation_parity import eager_greedy, encoder_inputs
 
@@ -182,7 +179,20 @@ def greedy_in_precision(source: ModelSource, decoder: CachedDecoder, precision: 
     if limit:
         steps = min(steps, limit - max(len(p) for p in prompts))
     got = generate(decoder, prompts, GenerationConfig(max_new_tokens=steps), extra=extra).tokens
-    fp32, _ = eager_greedy(source, decoder, prompts, extra, steps)
+    want, _ = eager_greedy(source, decoder, prompts, extra, steps)
+    return got, want, prompts, extra, steps
+
+
+def greedy_in_precision(source: ModelSource, decoder: CachedDecoder, precision: str, seed=0):
+    """Greedy tokens of the artifact in ``precision`` against eager fp32 and eager in that
+    precision (full recompute), :data:`GREEDY_STEPS` steps for two prompts: how many agree.
+    Reported, not judged: a random model's near ties decide tokens in fp16."""
+    import dataclasses
+
+    from tfgraph.precision.islands import TORCH_TYPES
+    from tfgraph.verify.generation_parity import eager_greedy
+
+    got, fp32, prompts, extra, steps = greedy_against_eager(source, decoder, seed)
     low_source = dataclasses.replace(source, module=source.converted(TORCH_TYPES[precision]))
     low, _ = eager_greedy(low_source, decoder, prompts, extra, steps)
 

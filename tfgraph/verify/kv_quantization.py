@@ -19,7 +19,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from tfgraph.verify.cache_parity import GREEDY_STEPS, check_cache_parity
+from tfgraph.verify.cache_parity import check_cache_parity, greedy_against_eager
 from tfgraph.verify.tolerance import Tolerance
 
 logger = logging.getLogger(__name__)
@@ -55,21 +55,10 @@ def check_int8_cache(source, model_file: Path, reference_file: Path, options, sh
 def greedy_against_fp32(source, model_file: Path, seed: int = 0) -> dict:
     """Greedy tokens of the artifact against eager fp32 (full recompute) for two prompts: how
     many agree. Reported, not judged: a random model's near ties decide some tokens."""
-    from tfgraph.runtime import CachedDecoder, GenerationConfig, generate, open_runner
-    from tfgraph.verify.generation_parity import eager_greedy, encoder_inputs
+    from tfgraph.runtime import CachedDecoder, open_runner
 
     decoder = CachedDecoder(open_runner(model_file, checking=True))
-    ids = source.inputs(2, 6, seed=seed + 13)[decoder.token_input].numpy()
-    prompts = [ids[0].tolist(), ids[1, :3].tolist()]
-    extra = {}
-    if decoder.seq2seq:  # the prompts feed the encoder; the decoder starts from token 0
-        extra, prompts = encoder_inputs(decoder, prompts), [[0], [0]]
-    steps = GREEDY_STEPS
-    limit = source.info.get("max_positions")
-    if limit:
-        steps = min(steps, limit - max(len(p) for p in prompts))
-    got = generate(decoder, prompts, GenerationConfig(max_new_tokens=steps), extra=extra).tokens
-    want, _ = eager_greedy(source, decoder, prompts, extra, steps)
+    got, want, _, _, steps = greedy_against_eager(source, decoder, seed)
     equal = sum(x == y for a, b in zip(got, want, strict=True) for x, y in zip(a, b, strict=False))
     parts = [
         next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
