@@ -52,7 +52,7 @@ from .canonical import AttentionOp
 from .fuse_attention import is_gating_softmax
 from .provenance import layer_name
 from .rewrite_utils import DOMAIN, LOWERED_FROM_KEY, dims_of, int_list
-from .row_lengths import PER_ROW, ROW_LENGTHS_KEY, RowGather
+from .row_lengths import PER_ROW, ROW_LENGTHS_FROM_KEY, ROW_LENGTHS_KEY, RowGather
 from .slice_machinery import Slicer
 from .split_encoder import CROSS_KV_KEY
 
@@ -567,15 +567,18 @@ class InsertKVCachePass(ir.passes.InPlacePass):
                     continue
                 junctions.append((node, index, value, axes))
         if rows is not None:  # per-row lengths for every junction, or for none
-            for node, _, value, axes in junctions:
-                why = rows.why_not(node, value, axes, seq) if axes else None
+            for node, index, value, axes in junctions:
+                why = rows.why_not(node, index, value, axes, seq) if axes else None
                 if why is not None:
                     rows.refuse(f"{_module(node)}: {why}")
                     break
         for node, index, value, axes in junctions:
             rewriter.pending.clear()
             if rows is not None and rows.refused is None and axes:
-                new = rows.rows(node, rewriter.full(value), value, axes, seq)
+                if rows.shifts(node, index):  # a function of i − j: the slice, shifted
+                    new = rows.shifted(rewriter.last_rows(value, axes), rewriter.past_len)
+                else:
+                    new = rows.rows(node, rewriter.full(value), value, axes, seq)
             else:
                 new = rewriter.last_rows(value, axes)
             graph.insert_before(node, rewriter.pending)
@@ -607,6 +610,8 @@ class InsertKVCachePass(ir.passes.InPlacePass):
         _name_cross_kv(model, analysis)
         if rows is not None:
             model.metadata_props[ROW_LENGTHS_KEY] = rows.refused or PER_ROW
+            if not rows.refused:  # for the kernels, should the cleanup remove them
+                graph.metadata_props[ROW_LENGTHS_FROM_KEY] = f"{rows.tokens.name}\n{pasts[0].name}"
             if rows.refused:
                 logger.info("KV cache without per-row lengths: %s", rows.refused)
         for mask in analysis.masks:

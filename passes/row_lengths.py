@@ -26,9 +26,17 @@ A junction this does not gather keeps the slice, and the graph does not take per
 lengths: the reason is recorded (``tfgraph.row_lengths`` metadata) and the input is not
 exposed. Not gathered: an op other than a broadcasting elementwise one or the attention bias,
 two query axes, a leading axis that is neither 1 nor the batch, and a position bias over
-queries × keys (ALiBi, T5's relative buckets, Shaw's keys): its slice is pushed down to the
-query positions (:mod:`.slice_machinery`: O(H·L) per step) and a per-row gather would need
-the whole (L, L) square, O(H·L²) (a tiny T5's step: 0.6 ms at past 128, 46 ms at 1016).
+queries × keys that is not a function of i − j (Shaw's keys, read by a MatMul; an ``additive``
+bias): a per-row gather along its query axis would need the whole (L, L) square, O(H·L²) (a
+tiny T5's step: 0.6 ms at past 128, 46 ms at 1016).
+
+A bias over queries × keys that :mod:`.classify_attention_bias` measured to be a function of
+i − j (``bias_kind`` ``alibi`` or ``relative``: ALiBi, T5's buckets, each up to a constant per
+query row, which the softmax ignores) keeps its pushed slice, O(H·T·L) per step, computed at
+the common past length F (the longest row's): rows F … F + T − 1, keys 0 … L − 1. Row b needs
+rows P_b + t and keys j; since bias(P_b + t, j) = bias(F + t, j + F − P_b), it reads the slice
+**shifted along the keys** by F − P_b (:meth:`RowGather.shifted`, a GatherElements; a key
+index past L − 1 is clamped, and those keys lie beyond the row's length, masked).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import onnx_ir as ir
 
 from tfgraph import contract
 
+from .canonical import AttentionOp
 from .rewrite_utils import dims_of
 
 logger = logging.getLogger(__name__)
@@ -50,9 +59,17 @@ PER_ROW = "per_row"
 # value they read (FoldRotaryPass reads a RoPE table through them: the kernel rotates each
 # row at its own positions)
 ROW_GATHER_KEY = "tfgraph.row_gather"
+# graph metadata of a per-row graph: the token input and a past input the per-row lengths
+# are built from (a graph without position machinery has no reader of them until lowering,
+# and the dead-node cleanup after the cache pass removes them: row_lengths_value rebuilds them)
+ROW_LENGTHS_FROM_KEY = "tfgraph.row_lengths_from"
 
 # token ops whose machinery operand broadcasts against the other (numpy rules)
 BROADCASTING = {"Add", "Sub", "Mul", "Div", "Where", "Pow", "Max", "Min"}
+BIAS_SLOT = 3  # tfgraph.Attention(Q, K, V, bias)
+# bias kinds measured to be a function of i − j (up to a constant per query row): a row at
+# another past length reads them shifted along the keys
+SHIFTABLE = ("alibi", "relative")
 
 
 class RowGather:
@@ -99,20 +116,29 @@ class RowGather:
             )
         return self._index
 
-    def why_not(self, node: ir.Node, value: ir.Value, axes: list[int], seq) -> str | None:
-        """Why the junction ``node`` reading machinery ``value`` (query ``axes``) cannot be
-        gathered per row; None when it can. Checked for every junction before any is
-        rewritten: a graph takes per-row lengths whole or not at all."""
+    def why_not(
+        self, node: ir.Node, index: int, value: ir.Value, axes: list[int], seq
+    ) -> str | None:
+        """Why the junction ``node`` reading machinery ``value`` (query ``axes``) in input
+        ``index`` cannot be gathered per row; None when it can. Checked for every junction
+        before any is rewritten: a graph takes per-row lengths whole or not at all."""
         if node.op_type not in BROADCASTING and not _is_attention(node):
             return f"{node.op_type} reads positions ({value.name}) along the tokens"
         if len(axes) != 1:
             return f"'{value.name}' has {len(axes)} query axes"
         dims = list(dims_of(value))
         if len([d for d in dims if d in (seq, contract.TOTAL_DIM)]) > 1:
+            if self.shifts(node, index):
+                lead = ([1] * (4 - len(dims)) + dims)[0]
+                if len(dims) > 4 or lead not in (1, self.batch):
+                    return f"the attention bias '{value.name}' is not (batch or 1, …, T, L)"
+                return None
+            kind = AttentionOp.read(node).bias_kind if _is_attention(node) else "not measured"
             return (
-                f"'{value.name}' is a position bias over queries x keys (ALiBi, relative "
-                "buckets): gathered per row it would be computed whole, O(L^2) per step, where "
-                "the sliced bias costs O(L); such models batch requests that arrive together"
+                f"'{value.name}' is a position bias over queries x keys that is not a function "
+                f"of i - j (bias_kind {kind}): gathered per row it would be computed whole, "
+                "O(L^2) per step, where the sliced bias costs O(L); such models batch requests "
+                "that arrive together"
             )
         rank = _rank(node)
         if rank is None or len(dims) > rank:
@@ -124,6 +150,59 @@ class RowGather:
         if lead != 1 and lead != self.batch:
             return f"'{value.name}' has a leading axis {lead} (neither 1 nor the batch)"
         return None
+
+    @staticmethod
+    def shifts(node: ir.Node, index: int) -> bool:
+        """Whether junction (``node``, ``index``) is an attention bias measured to be a
+        function of i − j: each row reads the common slice shifted along the keys."""
+        return (
+            _is_attention(node)
+            and index == BIAS_SLOT
+            and AttentionOp.read(node).bias_kind in SHIFTABLE
+        )
+
+    def shifted(self, sliced: ir.Value, past_len: ir.Value) -> ir.Value:
+        """The bias slice ``sliced`` (…, T, L), computed at the common past length
+        ``past_len`` (F, shape [1]), per row: row b reads key j at j + F − P_b, clamped to
+        L − 1 (beyond its own length, masked). (B, …, T, L)."""
+        key = ("shifted", sliced)
+        if key in self.memo:
+            return self.memo[key]
+        rw = self.rw
+        dims = list(dims_of(sliced))
+        rank = max(len(dims), 4)
+        data = sliced
+        if len(dims) < rank:
+            lead = list(range(rank - len(dims)))
+            data = rw.add("Unsqueeze", [data, rw.const(np.array(lead, np.int64))])
+            dims = [1] * len(lead) + dims
+        batch_dim = rw.add("Shape", [self.tokens], {"start": 0, "end": 1})
+        ones = rw.const(np.ones(rank - 1, np.int64))
+        data = rw.add("Expand", [data, rw.add("Concat", [batch_dim, ones], {"axis": 0})])
+        total = rw.add("Shape", [sliced], {"start": -1})  # (1,) L
+        keys = rw.add(
+            "Range",
+            [rw.const(np.array(0, np.int64)), rw.add("Squeeze", [total]),
+             rw.const(np.array(1, np.int64))],
+        )  # fmt: skip
+        shift = rw.add("Sub", [past_len, self.lengths])  # (B,) F − P_b
+        index = rw.add(
+            "Add",
+            [
+                rw.add("Unsqueeze", [shift, rw.const(np.array([1], np.int64))]),
+                rw.add("Unsqueeze", [keys, rw.const(np.array([0], np.int64))]),
+            ],
+        )  # (B, L)
+        last = rw.add("Sub", [total, rw.const(np.array([1], np.int64))])
+        index = rw.add("Min", [index, last])
+        middle = rw.const(np.array(list(range(1, rank - 1)), np.int64))
+        index = rw.add("Unsqueeze", [index, middle])  # (B, 1, …, 1, L)
+        index = rw.add("Expand", [index, rw.add("Shape", [data])])
+        result = rw.add("GatherElements", [data, index], {"axis": rank - 1})
+        result.type = sliced.type
+        result.shape = ir.Shape([self.batch, *dims[1:]])
+        self.memo[key] = result
+        return result
 
     def rows(
         self, node: ir.Node, full: ir.Value, value: ir.Value, axes: list[int], seq
@@ -178,11 +257,27 @@ class RowGather:
 
 
 def row_lengths_value(graph: ir.Graph) -> ir.Value | None:
-    """The (batch,) per-row past lengths the KV-cache pass made, if any."""
+    """The (batch,) per-row past lengths the KV-cache pass made, if any; rebuilt (at the top
+    of the graph) when the graph takes them but nothing read them before lowering: a model
+    without position machinery (``nn.MultiheadAttention`` and no positions) has per-row
+    lengths for its kernels' sake only."""
     for node in graph:
         if node.outputs and node.outputs[0].name == contract.PAST_LENGTHS_NAME:
             return node.outputs[0]
-    return None
+    names = graph.metadata_props.get(ROW_LENGTHS_FROM_KEY, "").split("\n")
+    inputs = {v.name: v for v in graph.inputs}
+    if len(names) != 2 or not all(name in inputs for name in names):
+        return None
+    tokens, past = (inputs[name] for name in names)
+    batch = ir.node("Shape", [tokens], {"start": 0, "end": 1})
+    length = ir.node("Shape", [past], {"start": 2, "end": 3})
+    expand = ir.node("Expand", [length.outputs[0], batch.outputs[0]])
+    value = expand.outputs[0]
+    value.name, value.type = contract.PAST_LENGTHS_NAME, ir.TensorType(ir.DataType.INT64)
+    value.shape = ir.Shape([dims_of(tokens)[0]])
+    graph.insert_before(next(iter(graph)), [batch, length, expand])
+    logger.debug("per-row past lengths rebuilt for the kernels (no machinery read them)")
+    return value
 
 
 def _rank(node: ir.Node) -> int | None:

@@ -354,6 +354,22 @@ def short_gpt():
     )
 
 
+def t5_decoder():
+    """A decoder-only model with T5's relative buckets (unidirectional) in every layer: a
+    position bias over queries × keys that is a function of i − j but not linear in it."""
+    import torch
+
+    from tfgraph.models.config import ModelConfig
+    from tfgraph.models.presets import build
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        family="decoder", vocab_size=64, d_model=32, n_layers=2, n_heads=2, positions="t5",
+        norm="rmsnorm", bias=False, scale_scores=False,
+    )  # fmt: skip
+    return build(cfg).eval()
+
+
 # --- attention sinks (gpt-oss, Granite SWA) ----------------------------------------------------
 class SinkAttn(SoftcapAttn):
     """Causal GQA (4:2, head size 8) with a learned logit per head in the softmax's

@@ -4,16 +4,18 @@ alone, and each step's logits are within the fp32 parity tolerance of that run.
 
 The models cover the ways positions reach a row: learned position rows without a mask
 (gpt-tiny), RoPE (llama-tiny), a sliding window (mistral-tiny), Hugging Face Llama and
-GPT-2 with positions from ``attention_mask``, and a model written with PyTorch's own
-``F.scaled_dot_product_attention(is_causal=True)``; encoder-decoders hold their cross K/V
-per slot. A control feeds every row the longest row's length instead of its own: the logits
-part, so the comparison can fail."""
+GPT-2 with positions from ``attention_mask``, a model written with PyTorch's own
+``F.scaled_dot_product_attention(is_causal=True)``, ALiBi (bloom-tiny, mpt-tiny-sdpa: a bias
+over queries × keys read shifted along the keys per row), and ``nn.MultiheadAttention`` with
+no positions at all (the per-row lengths only the kernel reads); encoder-decoders hold their
+cross K/V per slot (T5's relative buckets shifted like ALiBi). A control feeds every row the
+longest row's length instead of its own: the logits part, so the comparison can fail."""
 
 import json
 
 import numpy as np
 import pytest
-from idiom_models import GPT
+from idiom_models import GPT, mha_lm, t5_decoder
 from idiom_models import gpt as sdpa_gpt
 from test_generation_parity import MaskedLM, transformers_model
 from test_hf_pipelines import CONFIGS, SMALL
@@ -67,6 +69,10 @@ def hf_dirs(tmp_path_factory):
 def _source(case, hf_dirs):
     if case == "sdpa_gpt":
         return tfgraph.from_module(sdpa_gpt(), origin="sdpa_gpt")
+    if case == "mha_lm":  # nn.MultiheadAttention, no position machinery
+        return tfgraph.from_module(mha_lm(), origin="mha_lm")
+    if case == "t5_decoder":  # T5's relative buckets in a decoder-only model
+        return tfgraph.from_module(t5_decoder(), origin="t5_decoder")
     if case.startswith("hf:"):
         return load_source(str(hf_dirs[case[3:]]))
     if case == "masked:gpt2":
@@ -111,10 +117,10 @@ def _vocab(decoder) -> int:
 
 CASES = [
     *[(c, "ort") for c in ("gpt-tiny", "llama-tiny", "mistral-tiny", "hf:llama", "masked:gpt2",
-                           "sdpa_gpt")],
+                           "sdpa_gpt", "bloom-tiny", "mpt-tiny-sdpa", "mha_lm", "t5_decoder")],
     # the static standard-ONNX cache: TensorScatter writes each row at its own length, the
     # causal mask is per row
-    *[(c, "onnx") for c in ("gpt-tiny", "llama-tiny", "masked:gpt2")],
+    *[(c, "onnx") for c in ("gpt-tiny", "llama-tiny", "masked:gpt2", "mha_lm", "t5_decoder")],
 ]  # fmt: skip
 
 
@@ -133,16 +139,31 @@ def test_greedy_requests_equal_generate_alone(case, target, artifacts):
             np.testing.assert_allclose(mine, theirs[0], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("case, target", [("gpt-tiny", "ort"), ("llama-tiny", "onnx")])
+SAMPLED = [("gpt-tiny", "ort"), ("llama-tiny", "onnx"), ("t5_decoder", "onnx")]
+
+
+@pytest.mark.parametrize("case, target", SAMPLED)
 def test_seeded_sampling_equals_generate_alone(case, target, artifacts):
+    """Sampled tokens vary where a random model's greedy tokens repeat one (T5's decoder):
+    over keys that are all one token any weighting gives the same output, so this is where a
+    wrong per-row bias shows."""
     decoder = CachedDecoder(Session(artifacts(case, target)))
     prompts = _prompts(_vocab(decoder))
     config = GenerationConfig(max_new_tokens=10, do_sample=True, temperature=3.0, top_k=30)
     seeds = list(range(len(prompts)))
-    got = generate_inflight(decoder, prompts, config, arrivals=ARRIVALS, seeds=seeds, slots=4)
+    got = generate_inflight(
+        decoder, prompts, config, arrivals=ARRIVALS, seeds=seeds, slots=4, capacity=24,
+        encoder_capacity=16, keep_logits=True,
+    )  # fmt: skip
     for prompt, seed, request in zip(prompts, seeds, got, strict=True):
-        alone = generate(decoder, [prompt], GenerationConfig(**{**vars(config), "seed": seed}))
+        start, extra = [prompt], {}
+        if decoder.seq2seq:
+            start, extra = seq2seq_prompts(decoder, [prompt], 0, 0)
+        config_alone = GenerationConfig(**{**vars(config), "seed": seed})
+        alone = generate(decoder, start, config_alone, extra=extra, keep_logits=True)
         assert request.tokens == alone.tokens[0]
+        for mine, theirs in zip(request.logits, alone.step_logits, strict=True):
+            np.testing.assert_allclose(mine, theirs[0], atol=ATOL, rtol=0)
     assert len({tuple(r.tokens) for r in got}) > 1  # sampling at temperature 3 varies
 
 
@@ -195,7 +216,7 @@ def test_artifacts_without_row_lengths_are_refused_with_the_reason(tmp_path):
         SlotBatcher(decoder, slots=2, capacity=8)
 
 
-SEQ2SEQ = [("bart-tiny", "ort"), ("transformer-tiny", "onnx")]
+SEQ2SEQ = [("bart-tiny", "ort"), ("transformer-tiny", "onnx"), ("t5-tiny", "ort")]
 
 
 @pytest.mark.parametrize("case, target", SEQ2SEQ)
@@ -227,17 +248,40 @@ def test_an_encoder_decoder_without_an_encoder_mask_is_refused(artifacts):
     assert "no encoder mask" in inflight_support(decoder)
 
 
-@pytest.mark.parametrize("preset", ["bloom-tiny", "t5-tiny"])
-def test_a_position_bias_over_queries_and_keys_keeps_one_past_length(preset, tmp_path):
-    """ALiBi and T5's relative buckets are (queries × keys) machinery: gathered per row, each
-    step would compute the whole (L, L) square where the sliced bias costs O(L). Such a graph
-    keeps one past length (the slice), says why, and serves with static batching."""
-    result = tfgraph.export(load_source(preset), tmp_path / "a", kv_cache=True)
+def test_shaws_relative_keys_keep_one_past_length(tmp_path):
+    """Shaw's relative keys are (queries × keys × size) machinery read by an Einsum with the
+    queries, not a bias of i − j: such a graph keeps one past length (the slice), says why,
+    and serves with static batching."""
+    result = tfgraph.export(load_source("shaw-tiny"), tmp_path / "a", kv_cache=True)
     layout = result.manifest["kv_layout"]
     assert layout["row_lengths"] is None
-    assert "queries x keys" in layout["row_lengths_refused"]
+    assert "Einsum reads positions" in layout["row_lengths_refused"]
     why = inflight_support(CachedDecoder(Session(tmp_path / "a")))
-    assert "queries x keys" in why
+    assert "Einsum reads positions" in why
+
+
+def test_an_unshifted_relative_bias_fails_the_exports_row_parity(tmp_path, monkeypatch):
+    """The control of the key shift: every row reading the common slice of T5's relative
+    bias unshifted (keys as the longest row sees them) is caught by export's row parity: the
+    export fails. (ALiBi, linear in j − i, is the one bias the shift changes only by a
+    constant per row, which the softmax ignores; and a random T5's decoder tends to repeat
+    one token, over which any weighting is the same: a decoder-only T5 is the control.)"""
+    from tfgraph.passes import row_lengths
+
+    shifted = row_lengths.RowGather.shifted
+
+    def no_shift(self, sliced, past_len):  # F − P_b replaced by 0 for every row
+        lengths, self.lengths = self.lengths, past_len
+        try:
+            return shifted(self, sliced, past_len)
+        finally:
+            self.lengths = lengths
+
+    monkeypatch.setattr(row_lengths.RowGather, "shifted", no_shift)
+    result = tfgraph.export(_source("t5_decoder", {}), tmp_path / "a", kv_cache=True)
+    rows = result.report["parity"]["rows"]
+    assert not result.passed and not rows["passed"]
+    assert rows["max_abs_err"] > 100 * ATOL
 
 
 def test_every_row_length_artifact_proves_rows_at_their_own_lengths(artifacts, monkeypatch):
