@@ -1,19 +1,27 @@
-"""The int8 KV cache (``export --kv-cache --kv-dtype int8``, ort target): a quarter of fp32's
-cache bytes, parity by the rule derived from the quantization's own effect (the fp32 graph
-with K/V fake-quantized the same way), on a decoder and an encoder-decoder; the rule fails a
-wrong scale; generation and in-flight batching run on the int8 buffers; bad options refused."""
+"""The int8 KV cache (``export --kv-cache --kv-dtype int8``; ort, onnx and tensorrt targets): a
+quarter of fp32's cache bytes, parity by the rule derived from the quantization's own effect
+(the fp32 graph with K/V fake-quantized the same way), on a decoder and an encoder-decoder; the
+rule fails a wrong scale; generation and in-flight batching run on the int8 buffers; bad
+options refused; a graph past the streaming size calibrates and is judged without a second
+copy of its weights."""
 
+import dataclasses
+
+import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
 from onnx import numpy_helper
 
 import tfgraph
+import tfgraph.exporting
+import tfgraph.precision.kv_cache as kv_cache
 from tfgraph.errors import TfgraphError
-from tfgraph.precision.kv_cache import FakeQuantized, cached_layers
+from tfgraph.precision.kv_cache import FakeQuantized, cached_layers, check_kv_dtype
 from tfgraph.runtime import CachedDecoder, GenerationConfig, Session, SlotBatcher, generate
 from tfgraph.runtime.inflight import generate_inflight
 from tfgraph.sources import load_source
+from tfgraph.targets import get_target
 from tfgraph.verify.kv_quantization import check_int8_cache
 from tfgraph.verify.tolerance import PARITY_SHAPES
 
@@ -35,11 +43,18 @@ def exported(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "preset, target",
-    [("llama-tiny", "ort"), ("t5-tiny", "ort"), ("gpt-tiny", "onnx"), ("t5-tiny", "onnx")],
+    [
+        ("llama-tiny", "ort"),
+        ("t5-tiny", "ort"),
+        ("gpt-tiny", "onnx"),
+        ("t5-tiny", "onnx"),
+        ("llama-tiny", "tensorrt"),
+        ("t5-tiny", "tensorrt"),
+    ],
 )
 def test_int8_cache_passes_the_derived_rule(preset, target, exported):
-    """ort: GroupQueryAttention's int8 cache; onnx: QuantizeLinear before the static cache's
-    TensorScatter, DequantizeLinear where the attention reads it."""
+    """ort: GroupQueryAttention's int8 cache; onnx and tensorrt: QuantizeLinear before the
+    static cache's TensorScatter, DequantizeLinear where the attention computes with it."""
     result = exported(preset, "int8", target=target)
     parity = result.report["parity"]
     assert result.passed and parity["prefill"]["passed"] and parity["decode"]["passed"]
@@ -55,12 +70,43 @@ def test_int8_cache_passes_the_derived_rule(preset, target, exported):
     assert pasts and all(p["dtype"] == "int8" for p in pasts)
     assert set(quant["layers"]) == {str(p["layer"]) for p in pasts}
     assert parity["greedy"]["tokens"] > 0
-    ops = [n.op_type for n in onnx.load(result.out_dir / "model.onnx").graph.node]
-    if target == "onnx":
+    model = onnx.load(result.out_dir / "model.onnx")
+    int8 = onnx.TensorProto.INT8
+    ports = result.manifest["graphs"]["model.onnx"]["inputs"]
+    caches = {p["name"] for p in ports if p["role"] in ("past_key", "past_value")}
+    buffers = [v for v in model.graph.input if v.name in caches]
+    assert len(buffers) == 2 * len(pasts)
+    assert all(v.type.tensor_type.elem_type == int8 for v in buffers)
+    ops = [n.op_type for n in model.graph.node]
+    if target in ("onnx", "tensorrt"):
         assert ops.count("QuantizeLinear") == ops.count("TensorScatter") == 2 * len(pasts)
         assert ops.count("DequantizeLinear") == 2 * len(pasts)
+        _check_standard_qdq(model)
     else:
         assert "QuantizeLinear" not in ops  # the kernel quantizes
+
+
+_MOVES = ("Unsqueeze", "Squeeze", "Reshape", "Transpose", "Slice")  # ORT propagates DQ past them
+
+
+def _check_standard_qdq(model: onnx.ModelProto) -> None:
+    """Per-tensor Q/DQ with an fp32 scalar scale and an int8 zero point 0, no output_dtype; no
+    DequantizeLinear whose one reader ONNX Runtime would propagate it past (at opset 21+ its
+    QDQS8ToU8Transformer then breaks the pair it inserts)."""
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    readers = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node.op_type)
+    for node in model.graph.node:
+        if node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
+            continue
+        scale, zero = inits[node.input[1]], inits[node.input[2]]
+        assert scale.dtype == np.float32 and scale.shape == ()
+        assert zero.dtype == np.int8 and zero.shape == () and zero == 0
+        assert not [a for a in node.attribute if a.name == "output_dtype"]
+        if node.op_type == "DequantizeLinear":
+            assert readers[node.output[0]] and readers[node.output[0]][0] not in _MOVES
 
 
 def test_a_quarter_of_the_fp32_cache_bytes(exported):
@@ -118,9 +164,9 @@ def test_generation_and_inflight_batching_on_int8_buffers(target, exported):
 def test_bad_kv_options_are_refused(tmp_path):
     with pytest.raises(TfgraphError, match="add --kv-cache"):
         tfgraph.export("llama-tiny", tmp_path / "a", kv_dtype="int8")
+    without = dataclasses.replace(get_target("tensorrt"), kv_dtypes=())
     with pytest.raises(TfgraphError, match="no int8 KV cache"):
-        tfgraph.export("llama-tiny", tmp_path / "b", kv_cache=True, kv_dtype="int8",
-                       target="tensorrt")  # fmt: skip
+        check_kv_dtype("int8", "per-tensor", True, without)
     with pytest.raises(TfgraphError, match="takes --kv-scales per-tensor"):
         tfgraph.export("llama-tiny", tmp_path / "d", kv_cache=True, kv_dtype="int8",
                        target="onnx", kv_scales="per-channel")  # fmt: skip
@@ -148,3 +194,35 @@ def test_per_channel_scales_are_stated(exported):
         if a.name in ("k_quant_type", "v_quant_type")
     }
     assert kinds == {"PER_CHANNEL"}
+
+
+def test_a_large_graph_streams_its_weights(exported, monkeypatch):
+    """Past :data:`~tfgraph.precision.kv_cache.STREAM_FROM` (forced here on a tiny model),
+    calibration hands ONNX Runtime the weights in place and the reference takes the artifact's
+    weight file through a hard link: the same scales and effect as in memory, no second copy."""
+    small = exported("llama-tiny", "int8")
+    monkeypatch.setattr(kv_cache, "STREAM_FROM", 0)
+    check, links = tfgraph.exporting.check_int8_cache, {}
+
+    def spy(source, model_file, reference, options, shapes):
+        parity = check(source, model_file, reference, options, shapes)
+        for data in reference.parent.glob("*.data"):
+            links[data.name] = data.samefile(model_file.parent / data.name)
+        return parity
+
+    monkeypatch.setattr(tfgraph.exporting, "check_int8_cache", spy)
+    large = exported("llama-tiny", "int8", external_data=True)
+    assert large.passed
+    assert links == {"model.onnx.data": True}  # the reference's weights are the artifact's
+    assert _kv_scales(large.out_dir) == _kv_scales(small.out_dir)
+    rules = [r.report["parity"]["kv_rule"] for r in (small, large)]
+    assert rules[0]["quantization_effect"] == rules[1]["quantization_effect"]
+
+
+def _kv_scales(out_dir) -> dict:
+    model = onnx.load(out_dir / "model.onnx")
+    return {
+        i.name: numpy_helper.to_array(i).tobytes()
+        for i in model.graph.initializer
+        if i.name.startswith("kv_scales.")
+    }

@@ -146,16 +146,26 @@ def _probe_feed(value: ir.Value, role: str, rng: np.random.Generator) -> np.ndar
     return rng.integers(0, _index_bound(value), shape).astype(dtype)
 
 
-def run_in_ort(model: ir.Model, feeds: list[dict[str, np.ndarray]]) -> list[dict]:
-    """Run an ``onnx_ir`` model in one ONNX Runtime CPU session (its own optimizations off,
-    one thread) on each feed; ``{output name: array}`` per feed."""
+def run_in_ort(
+    model: ir.Model | bytes,
+    feeds: list[dict[str, np.ndarray]],
+    initializers: dict[str, np.ndarray] | None = None,
+) -> list[dict]:
+    """Run an ``onnx_ir`` model (or a serialized one) in one ONNX Runtime CPU session (its own
+    optimizations off, one thread) on each feed; ``{output name: array}`` per feed.
+    ``initializers`` are handed to the session in place (``add_external_initializers``): the
+    serialized model then declares them as external data that is never read."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 4  # a probe that fails raises; ORT must not also print it
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.intra_op_num_threads = 1
-    data = ir.serde.serialize_model(model).SerializeToString()
+    if initializers:
+        values = [ort.OrtValue.ortvalue_from_numpy(a) for a in initializers.values()]
+        options.add_external_initializers(list(initializers), values)
+    data = model if isinstance(model, bytes) else ir.serde.serialize_model(model)
+    data = data if isinstance(data, bytes) else data.SerializeToString()
     session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
     inputs = [i.name for i in session.get_inputs()]

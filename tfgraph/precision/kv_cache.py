@@ -16,6 +16,10 @@ past and new keys and values to 5e-7; KERNELS.md). So:
   against eager PyTorch by a derived rule (:mod:`tfgraph.verify.kv_quantization`): its error
   within twice the reference's own error (the quantization's effect on these inputs) plus
   the fp32 tolerance;
+- past a size (:data:`STREAM_FROM`, as the artifact's external data) the graph is never
+  serialized whole: calibration hands ONNX Runtime the weights in place, and the reference is
+  saved with its weights pending, taken at parity from the written artifact's weight files
+  (hard links), so no second copy of the weights is made on disk or in memory;
 - past inputs and present outputs become int8 (``manifest.json`` says it per port, and
   ``kv_quantization``: dtype, granularity, scale tensors and the measured ranges); the
   runners allocate the buffers in the dtype the graph takes, so ``generate``, in-flight
@@ -24,15 +28,22 @@ past and new keys and values to 5e-7; KERNELS.md). So:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from tfgraph import contract
 from tfgraph.errors import TfgraphError
+from tfgraph.exporters.onnx_file import EXTERNAL_FROM, weight_bytes
 from tfgraph.passes.rewrite_utils import add_initializer
 
 logger = logging.getLogger(__name__)
@@ -42,6 +53,11 @@ GRANULARITIES = ("per-channel", "per-tensor")
 QUANT_TYPES = {"per-channel": "PER_CHANNEL", "per-tensor": "PER_TENSOR"}
 KV_QUANT_KEY = contract.KV_QUANT_KEY  # model metadata: what the manifest states
 _MS = "com.microsoft"
+# past this much weight the graph is not serialized whole (protobuf's 2 GB limit, and a copy
+# of every weight in memory): the artifact writer's own threshold for external data
+STREAM_FROM = EXTERNAL_FROM
+PENDING = "tfgraph.pending-weights"  # where a reference's weights are until parity fills them
+_INLINE_BYTES = 256  # smaller tensors stay in the graph (as the artifact writer keeps them)
 
 
 def check_kv_dtype(
@@ -66,7 +82,7 @@ def check_kv_dtype(
         have = ", ".join(target.kv_dtypes) or "none"
         raise TfgraphError(
             f"target '{target.name}' has no {kv_dtype} KV cache (it has: {have}); export "
-            "for the ort or onnx target"
+            "for the ort, onnx or tensorrt target"
         )
     if granularity not in target.kv_scales:
         raise TfgraphError(
@@ -139,8 +155,6 @@ def _static_layers(model: ir.Model, roles: dict) -> list[Layer]:
 def calibrate(model: ir.Model, feeds: list[dict], granularity: str) -> dict[int, tuple]:
     """{layer: (k_max, v_max)}: the largest |K| and |V| of the fp32 graph's prefill on
     ``feeds``, per channel ((kv_heads, head_size)) or per tensor (scalars)."""
-    from tfgraph.compile.pipeline import run_in_ort
-
     roles = contract.read_roles(model.metadata_props)
     present = {
         (role, layer): name
@@ -148,7 +162,7 @@ def calibrate(model: ir.Model, feeds: list[dict], granularity: str) -> dict[int,
         if role in (contract.PRESENT_KEY, contract.PRESENT_VALUE)
     }
     out = {}
-    for result in run_in_ort(model, feeds):
+    for result in _prefill(model, feeds):
         for layer in {lay for _, lay in present}:
             pair = []
             for role in (contract.PRESENT_KEY, contract.PRESENT_VALUE):
@@ -158,6 +172,104 @@ def calibrate(model: ir.Model, feeds: list[dict], granularity: str) -> dict[int,
                 pair = [np.maximum(a, b) for a, b in zip(out[layer], pair, strict=True)]
             out[layer] = tuple(pair)
     return out
+
+
+def streams(model: ir.Model) -> bool:
+    """Whether ``model``'s weights pass :data:`STREAM_FROM` (never serialized whole)."""
+    return weight_bytes(model) > STREAM_FROM
+
+
+def _prefill(model: ir.Model, feeds: list[dict]) -> list[dict]:
+    """The graph's outputs on ``feeds`` in ONNX Runtime; past :data:`STREAM_FROM` the session
+    gets the weights in place (a tensor held by PyTorch is shared, a lazy one computed once)."""
+    from tfgraph.compile.pipeline import run_in_ort
+
+    if not streams(model):
+        return run_in_ort(model, feeds)
+    with weights_aside(model) as aside:
+        data = ir.serde.serialize_model(model).SerializeToString()
+    arrays = {name: np.ascontiguousarray(t.numpy()) for name, t in aside.items()}
+    logger.info("calibrating with %d weights handed to ONNX Runtime in place", len(arrays))
+    return run_in_ort(data, feeds, arrays)
+
+
+@contextlib.contextmanager
+def weights_aside(model: ir.Model) -> Iterator[dict]:
+    """Within the block, every initializer of the main graph above :data:`_INLINE_BYTES` is an
+    external-data placeholder at :data:`PENDING` (never read); yields ``{name: its tensor}``."""
+    aside = {}
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if tensor is None or tensor.nbytes <= _INLINE_BYTES:
+            continue
+        aside[value.name] = (value, tensor)
+        value.const_value = ir.ExternalTensor(
+            PENDING, 0, tensor.nbytes, tensor.dtype, shape=tensor.shape, name=value.name
+        )
+    try:
+        yield {name: tensor for name, (_, tensor) in aside.items()}
+    finally:
+        for value, tensor in aside.values():
+            value.const_value = tensor
+
+
+def save_reference(model: ir.Model, path: Path) -> None:
+    """Save the reference at ``path``: with its own weight file (``model.onnx.data``) below
+    :data:`STREAM_FROM`, else with its weights pending (:func:`fill_reference` takes the
+    artifact's)."""
+    if not streams(model):
+        ir.save(model, path, external_data=f"{path.name}.data")
+        return
+    with weights_aside(model):
+        ir.save(model, path)
+
+
+def fill_reference(reference: Path, artifact_dir: Path) -> None:
+    """Give the reference's pending weights those of the artifact in ``artifact_dir`` (the same
+    tensors by name): external ones through hard links to its weight files beside the reference
+    (a copy where the two directories are on different file systems), inline ones copied."""
+    proto = onnx.load(str(reference), load_external_data=False)
+    pending = [t for t in proto.graph.initializer if _location(t) == PENDING]
+    if not pending:
+        return
+    stored = _artifact_tensors(artifact_dir)
+    for tensor in pending:
+        if tensor.name not in stored:
+            raise TfgraphError(
+                f"the int8 cache's reference needs weight '{tensor.name}', which the artifact "
+                f"in {artifact_dir} does not hold; export with --kv-dtype fp32 and report this"
+            )
+        tensor.CopyFrom(stored[tensor.name])
+        location = _location(tensor)
+        if location is not None:
+            _link(artifact_dir / location, reference.parent / location)
+    onnx.save(proto, str(reference))
+    logger.info("KV reference: %d weights taken from the artifact", len(pending))
+
+
+def _location(tensor: onnx.TensorProto) -> str | None:
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        return None
+    return next((e.value for e in tensor.external_data if e.key == "location"), "")
+
+
+def _artifact_tensors(artifact_dir: Path) -> dict[str, onnx.TensorProto]:
+    """The initializers of every graph of the artifact (step graph, split encoder), unread."""
+    tensors = {}
+    for path in sorted(artifact_dir.glob("*.onnx")):
+        graph = onnx.load(str(path), load_external_data=False).graph
+        tensors.update({t.name: t for t in graph.initializer})
+    return tensors
+
+
+def _link(source: Path, target: Path) -> None:
+    if target.exists():
+        return
+    try:
+        os.link(source, target)
+    except OSError as exc:
+        logger.warning("KV reference: copying %s (no hard link: %s)", source.name, exc)
+        shutil.copyfile(source, target)
 
 
 def scales_of(ranges: dict[int, tuple]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -283,10 +395,14 @@ def _gqa_int8(graph: ir.Graph, layer: Layer, scales, kind: str) -> list[ir.Value
     return names
 
 
+# ops that only move values: the int8 buffer passes them before it is dequantized
+_MOVES = frozenset({"Unsqueeze", "Squeeze", "Reshape", "Transpose", "Expand", "Slice"})
+
+
 def _scatter_int8(graph: ir.Graph, layer: Layer, scales) -> list[ir.Value]:
     """A static cache in int8: the new rows quantized before TensorScatter writes them into
-    the int8 buffer, the buffer dequantized where the attention reads it (the present output
-    stays the int8 buffer)."""
+    the int8 buffer, the buffer dequantized where the attention first computes with it (the
+    present output stays the int8 buffer)."""
     names = []
     for node, scale, which in zip(layer.scatters, scales, ("key", "value"), strict=True):
         scale_array = np.asarray(scale, np.float32).reshape(())
@@ -297,16 +413,44 @@ def _scatter_int8(graph: ir.Graph, layer: Layer, scales) -> list[ir.Value]:
         quantize = ir.node("QuantizeLinear", [new, value, zero])
         graph.insert_before(node, quantize)
         node.replace_input_with(1, quantize.outputs[0])
-        dequantize = ir.node("DequantizeLinear", [present, value, zero])
-        graph.insert_after(node, dequantize)
-        readers = [(u.node, u.idx) for u in present.uses() if u.node is not dequantize]
-        for reader, index in readers:
-            reader.replace_input_with(index, dequantize.outputs[0])
-        dequantize.outputs[0].type = ir.TensorType(ir.DataType.FLOAT)
-        dequantize.outputs[0].shape = present.shape
         for v in (past, present, quantize.outputs[0]):
             v.type = ir.TensorType(ir.DataType.INT8)
+        _dequantize_where_computed(graph, present, value, zero)
     return names
+
+
+def _moved(value: ir.Value) -> ir.Node | None:
+    """The one op reading ``value`` (``Shape`` aside) when it only moves values, else None."""
+    readers = [u for u in value.uses() if u.node.op_type != "Shape"]
+    if len(readers) != 1:
+        return None
+    node, index = readers[0]
+    moves = node.domain in ("", "ai.onnx") and node.op_type in _MOVES and index == 0
+    return node if moves and not node.outputs[0].is_graph_output() else None
+
+
+def _dequantize_where_computed(graph: ir.Graph, buffer: ir.Value, scale, zero) -> None:
+    """``DequantizeLinear`` past the ops that only move the int8 ``buffer`` (the head repeat
+    of grouped-query attention, the keys' transpose), before the first that computes.
+
+    A DequantizeLinear whose one reader is such an op is moved past it by ONNX Runtime's
+    QDQPropagationTransformer, which inserts a QuantizeLinear/DequantizeLinear pair; at opset
+    21+ that QuantizeLinear carries ``output_dtype`` INT8, and QDQS8ToU8Transformer then turns
+    the pair's zero point into uint8: the session fails ("output_dtype INT8 does not match
+    y_zero_point type UINT8"). Placed here there is nothing to propagate; TensorRT moves
+    DequantizeLinear the same way itself. ``Shape`` readers keep reading the int8 values.
+    """
+    value = buffer
+    while (node := _moved(value)) is not None:
+        value = node.outputs[0]
+        value.type = ir.TensorType(ir.DataType.INT8)
+    readers = [(u.node, u.idx) for u in value.uses() if u.node.op_type != "Shape"]
+    dequantize = ir.node("DequantizeLinear", [value, scale, zero])
+    graph.insert_after(value.producer(), dequantize)
+    for reader, index in readers:
+        reader.replace_input_with(index, dequantize.outputs[0])
+    dequantize.outputs[0].type = ir.TensorType(ir.DataType.FLOAT)
+    dequantize.outputs[0].shape = value.shape
 
 
 def kv_quantization(model: ir.Model) -> dict | None:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import onnx_ir as ir
-
 from tfgraph.compile.pipeline import PassRecord, check_model
 from tfgraph.precision.islands import apply_precision
 from tfgraph.precision.streamed_reference import is_streamed, placements, streamed_dequantized
@@ -59,13 +57,15 @@ def quantize_weights(graph, source, options, records: list[PassRecord]) -> tuple
 def quantize_kv_cache(graph, source, options, shapes, records: list[PassRecord], scratch: Path):
     """The cache of ``graph`` in int8 (:mod:`tfgraph.precision.kv_cache`): scales measured on
     the parity inputs, the fake-quantized fp32 reference written to ``scratch/model.onnx``
-    for parity; (what the report says, the reference's path)."""
+    for parity (a large graph's without its weights: parity links the artifact's); (what the
+    report says, the reference's path)."""
     from tfgraph.precision.islands import island_feeds
     from tfgraph.precision.kv_cache import (
         FakeQuantized,
         cached_layers,
         calibrate,
         kv_quantization,
+        save_reference,
         scales_of,
         to_int8,
     )
@@ -77,7 +77,7 @@ def quantize_kv_cache(graph, source, options, shapes, records: list[PassRecord],
     reference = FakeQuantized(graph, layers, scales)
     try:
         path = scratch / "model.onnx"
-        ir.save(graph, path, external_data="model.onnx.data")
+        save_reference(graph, path)
     finally:
         reference.undo()
     to_int8(graph, layers, scales, options.kv_scales, ranges)

@@ -11,6 +11,9 @@
 - TensorRT 11 builds strongly typed networks: the precision comes from the ONNX file
   (``strongly_typed`` in ``facts``), 10.x from builder flags.
 - No ``com.microsoft`` ops.
+- ``--kv-dtype int8``: the static cache's buffers in int8, per-tensor ``QuantizeLinear`` before
+  ``TensorScatter`` and ``DequantizeLinear`` where the attention computes with them (zero point
+  0 of type INT8, fp32 scalar scale); unverified on TensorRT itself (tensorrt_compat).
 
 Nothing here is verified with TensorRT on these machines (it cannot be installed): parity
 runs the same graph in ONNX Runtime's CPU provider.
@@ -91,12 +94,15 @@ def tensorrt_target(version: tuple[int, ...] = DEFAULT_VERSION) -> Target:
         precisions=("fp32", "fp16", "bf16"),
         # ONNX Runtime has no bf16 kernels on the CPU: ONNX's reference evaluator verifies them
         precision_runners={"bf16": "onnx-reference"},
+        # QuantizeLinear before the static cache's TensorScatter, DequantizeLinear after
+        kv_dtypes=("int8",),
         version=tuple(version),
         compatibility=lambda model: [f.as_dict() for f in check_tensorrt(model, tuple(version))],
         facts=(
             f"TensorRT {'.'.join(map(str, version))}",
             "Attention parsed with a single output (no present K/V) from 10.14",
             "RMSNormalization parsed from 10.15",
+            "int8 KV cache: per-tensor int8 Q/DQ around the static cache (unverified on TensorRT)",
             "strongly typed networks (precision from the ONNX file)"
             if strongly_typed
             else "precision from builder flags (10.x)",

@@ -10,7 +10,12 @@ module it came from and what to do. Two severities:
   with a single output: issue 4738); ``RMSNormalization`` before 10.15.
 - ``unverified``: not in the parser table known here — ``TensorScatter`` (the static cache's
   write; 10.15 adds a KV-cache-update layer, whether the parser maps TensorScatter onto it is
-  not known here), any op outside :data:`PARSED`, and opsets above 23.
+  not known here), any op outside :data:`PARSED`, and opsets above 23; and the int8 KV
+  cache (``--kv-dtype int8``): per-tensor int8 ``QuantizeLinear``/``DequantizeLinear`` (zero
+  point 0 of type INT8, fp32 scalar scale) are in the parser's table, but int8 buffers written
+  by ``TensorScatter`` and moved by ``Unsqueeze``/``Expand``/``Reshape``/``Transpose`` before
+  they are dequantized have not been built into an engine: unverified on TensorRT until a GPU
+  machine is lent (parity ran the graph in ONNX Runtime's CPU provider only).
 
 The facts (``../shared/KERNELS.md`` and onnx-tensorrt's operator table) are data here, not
 code: :data:`PARSED` and :data:`FIRST_VERSION`.
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
+from tfgraph import contract
 from tfgraph.passes.provenance import module_name
 
 # standard ops onnx-tensorrt's table (10.x) lists as parsed, that tfgraph's graphs use
@@ -32,7 +38,7 @@ PARSED = frozenset(
     Mean Min Mod Mul Neg Not Or Pad Pow Range Reciprocal ReduceMax ReduceMean ReduceMin
     ReduceSum Relu Reshape ScatterElements ScatterND Shape Sigmoid Sign Sin Size Slice Softmax
     Softplus Split Sqrt Squeeze Sub Sum Tanh Tile TopK Transpose Trilu Unsqueeze Where Xor
-    Attention RMSNormalization""".split()
+    Attention RMSNormalization QuantizeLinear DequantizeLinear""".split()
 )
 FIRST_VERSION = {"Attention": (10, 14), "RMSNormalization": (10, 15)}
 SINGLE_OUTPUT_ATTENTION_UNTIL = (11,)  # TensorRT issue 4738
@@ -123,6 +129,19 @@ def check_tensorrt(model: ir.Model, version: tuple[int, ...]) -> list[Finding]:
                 f"{op} is not in the parser table known here",
                 "build the engine on a GPU machine (tools/gpu_check.sh) to find out",
             )
+    if contract.KV_QUANT_KEY in model.metadata_props:
+        found.append(
+            Finding(
+                "",
+                "int8 KV cache",
+                "",
+                "unverified",
+                f"TensorRT {at} is not known here to build the int8 KV cache (int8 buffers "
+                "written by TensorScatter, moved by Unsqueeze/Expand/Reshape/Transpose, then "
+                "DequantizeLinear); only ONNX Runtime's CPU provider ran it",
+                "build the engine on a GPU machine (tools/gpu_check.sh) to find out",
+            )
+        )
     if opset > MAX_KNOWN_OPSET:
         found.append(
             Finding(

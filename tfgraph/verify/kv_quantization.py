@@ -29,7 +29,11 @@ UNBOUNDED = Tolerance(atol=float("inf"), rtol=0.0)
 
 def check_int8_cache(source, model_file: Path, reference_file: Path, options, shapes) -> dict:
     """The cache parity report of the int8 artifact at ``model_file`` against ``source``, with
-    the bound measured on the fake-quantized fp32 graph at ``reference_file``."""
+    the bound measured on the fake-quantized fp32 graph at ``reference_file`` (its pending
+    weights, if any, taken from the artifact's files first)."""
+    from tfgraph.precision.kv_cache import fill_reference
+
+    fill_reference(reference_file, model_file.parent)
     effect = check_cache_parity(source, reference_file, shapes=shapes, tolerance=UNBOUNDED)
     phases = {p: effect[p]["max_abs_err"] for p in ("prefill", "decode")}
     worst = max(phases.values())
