@@ -88,6 +88,20 @@ PAST_DIM, TOTAL_DIM, BUFFER_DIM = "past_sequence", "total_sequence", "max_sequen
 # Named dims that count token positions (checked against ``max_positions``).
 SEQUENCE_DIMS = frozenset({"sequence", "decoder_sequence", TOTAL_DIM})
 
+# Paged KV cache (opt-in on ort-cuda, passes/paged_attention.py): per layer a pool of blocks of
+# ``block_size`` positions, (num_blocks, block_size, kv_heads, head_size), shared by every row and
+# found through each row's block table; the output of the same role and layer aliases the input
+KEY_BLOCKS, VALUE_BLOCKS = "key_blocks", "value_blocks"
+BLOCK_TABLE = "block_table"  # (batch, max_blocks_per_sequence) int32: each row's blocks, in order
+KV_PAGED_KEY = "tfgraph.kv_paged"  # model metadata: the paged layout (JSON), for the manifest
+BLOCK_NAMES = {KEY_BLOCKS: "key_blocks.{}", VALUE_BLOCKS: "value_blocks.{}"}
+PRESENT_BLOCK_NAMES = {
+    KEY_BLOCKS: "present.{}.key_blocks",
+    VALUE_BLOCKS: "present.{}.value_blocks",
+}
+BLOCK_TABLE_NAME = "block_table"
+BLOCKS_DIM, TABLE_DIM = "num_blocks", "max_blocks_per_sequence"
+
 ENCODER_FILE = "encoder.onnx"  # encoder-decoder artifacts: cross-attention K/V, run once
 MODEL_FILE = "model.onnx"
 

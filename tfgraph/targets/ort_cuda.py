@@ -4,6 +4,10 @@
 
 Not verified on a GPU here: parity of an ``ort-cuda`` export runs these kernels on ONNX
 Runtime's CPU provider (they exist there), and ``report.json`` names the provider used.
+
+Opt-in, not wired to an option yet: :func:`tfgraph.passes.paged_attention.lower_to_paged` pages
+an fp16 ``ort-cuda`` graph's KV cache (``com.microsoft.PagedAttention``, CUDA only; its
+compatibility statement is that module's docstring and docs/serving.md).
 """
 
 from __future__ import annotations
