@@ -274,14 +274,15 @@ class _Paging:
             "PagedAttention", paged, attrs, domain=MS_DOMAIN, num_outputs=3
         )
         query = inputs[0]
-        out.type = query.type
+        out.type = ir.TensorType(inputs[3].dtype)
         target = tape.op(
             "Concat",
             [tape.op("Shape", [query], {"start": 0, "end": 2}), self.const("rest", [-1])],
             {"axis": 0},
         )
         y = tape.op("Reshape", [out, target])
-        y.type, y.shape = node.outputs[0].type, node.outputs[0].shape
+        # the attention's dtype is the cache's (PagedAttention's T)
+        y.type, y.shape = ir.TensorType(inputs[3].dtype), node.outputs[0].shape
         insert_tape(self.graph, node, tape)
         replace_value(node.outputs[0], y)
         for present, pool, new, role in (

@@ -193,6 +193,12 @@ class Session:
         import onnxruntime as ort
 
         self.path, self.manifest = checked_model(path)
+        if ((self.manifest or {}).get("kv_layout") or {}).get("kind") == "paged":
+            raise TfgraphError(
+                f"'{path}' has a paged KV cache (PagedAttention: ONNX Runtime's CUDA provider "
+                "only), and tfgraph's runtime has no block allocator yet; export it without "
+                "--kv-layout paged to run it with tfgraph"
+            )
         self.max_positions = (self.manifest or {}).get("max_positions")
         self.providers, self.threads = tuple(providers), threads
         available = ort.get_available_providers()

@@ -80,7 +80,54 @@ def test_new_inputs_have_roles_and_shapes(llama):
     layout = json.loads(after.metadata_props[contract.KV_PAGED_KEY])
     assert layout["block_size"] == BLOCK and layout["layers"] == 2
     assert layout["present_aliases_past"]["present.1.value_blocks"] == "value_blocks.1"
-    assert signature.kv_layout is None  # the manifest's concat/shared layout does not apply
+    assert signature.kv_layout == layout  # the manifest states the paged layout as recorded
+
+
+def test_export_pages_after_parity_and_states_what_is_unverified(tmp_path):
+    """``--kv-layout paged``: parity runs on the shared-buffer graph, then the artifact is
+    paged, saved again and its session checked; the manifest and the report say so, and the
+    runtime refuses the artifact with the reason (it has no block allocator)."""
+    from tfgraph.errors import TfgraphError
+    from tfgraph.runtime import Session
+
+    out = tmp_path / "paged"
+    result = tfgraph.export(
+        "llama-tiny", out, kv_cache=True, target="ort-cuda", precision="fp16", kv_layout="paged",
+        kv_block_size=32,
+    )  # fmt: skip
+    assert result.passed and result.report["parity"]["rows"]["passed"]
+    paged = result.report["paged"]
+    assert (paged["layers"], paged["block_size"]) == (2, 32)
+    assert "stopped at kernel assignment" in paged["session_check"]
+    assert "unverified" in paged["parity"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["kv_layout"]["kind"] == "paged" and manifest["kv_layout"]["block_size"] == 32
+    assert manifest["fusions"]["attention"] == {"fused": 2, "total": 2}
+    names = {i["name"] for i in manifest["inputs"]}
+    assert {"block_table", "key_blocks.0", "value_blocks.1"} <= names
+    assert not any(n.startswith("past_key_values") for n in names)
+    saved = ir.load(out / contract.MODEL_FILE)
+    assert len(_ops(saved, "PagedAttention")) == 2 and not _ops(saved, "GroupQueryAttention")
+    with pytest.raises(TfgraphError, match="no block allocator"):
+        Session(out)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"target": "ort", "precision": "fp16"}, "export with --target ort-cuda"),
+        ({"target": "ort-cuda"}, "needs --precision fp16"),
+        ({"target": "ort-cuda", "precision": "fp16", "kv_block_size": 24}, "power of two"),
+        ({"target": "ort-cuda", "precision": "fp16", "kv_cache": False}, "add --kv-cache"),
+    ],
+)
+def test_a_paged_cache_the_export_cannot_build_is_refused_first(tmp_path, fields, message):
+    from tfgraph.errors import TfgraphError
+
+    fields = {"kv_cache": True, **fields}
+    with pytest.raises(TfgraphError, match=message):
+        tfgraph.export("llama-tiny", tmp_path / "a", kv_layout="paged", **fields)
+    assert not (tmp_path / "a").exists()
 
 
 def test_graph_is_well_formed_and_only_the_kernel_is_missing(llama, tmp_path):

@@ -37,7 +37,7 @@ from tfgraph.serving.repository import write_repository  # noqa: E402
 DECODER, SEQ2SEQ, TEXT = "llama", "t5", "words"
 SLOTS = "slots"  # llama-tiny in 2 cache slots (in-flight batching)
 INT8 = "llama8"  # llama-tiny with an int8 KV cache, in flight
-BART = "bart"  # an encoder-decoder in flight (t5-tiny's relative bias batches statically)
+BART = "bart"  # an encoder-decoder in flight with learned positions (t5-tiny: a relative bias)
 WORDS = ["[UNK]", "[PAD]", "the", "cat", "sat", "on", "a", "mat", "dog", "ran", "café"]
 
 

@@ -286,6 +286,8 @@ def kv_layout(metadata: Mapping[str, str], input_names: Iterable[str]) -> dict |
     """The KV layout a graph's metadata states for its past inputs (``None`` without a cache)."""
     roles = read_roles(metadata)
     names = set(input_names)
+    if metadata.get(KV_LAYOUT_KEY) == "paged" and KV_PAGED_KEY in metadata:
+        return json.loads(metadata[KV_PAGED_KEY])  # blocks and a block table (PagedAttention)
     pasts = [n for n, (r, _) in roles.items() if r in PRESENT_OF and n in names]
     if not pasts:
         return None

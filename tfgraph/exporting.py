@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tfgraph.compile.fusions import count_fusions
+from tfgraph.compile.paging import page_artifact
 from tfgraph.compile.pipeline import run_pipeline
 from tfgraph.exporters import check_target, staged_directory, write_json
 from tfgraph.exporters.budget import check_budget
+from tfgraph.exporters.manifest import MANIFEST_FILE, build_manifest
 from tfgraph.exporters.write import write_artifact
 from tfgraph.options import ExportOptions
 from tfgraph.precision.stage import convert_precision, quantize_kv_cache, quantize_weights
@@ -125,7 +127,18 @@ def export(
             parity = stages.run(
                 "parity", check_artifact, reference, stage / files[0], options, shapes
             )
+        paged = None
+        if options.kv_layout == "paged" and parity["passed"]:  # parity ran on the GQA graph
+            paged = stages.run(
+                "paging", page_artifact, graph, stage, options,
+                lambda g: _resave(g, stage, files[0], manifest, options),
+            )  # fmt: skip
+            manifest = paged["manifest"]
+            fusions = count_fusions(graph, options.pipeline, target=options.target)
         report = _report(source, options, graph, manifest, parity, fusions, passes, stages)
+        report["kv_layout"] = options.kv_layout
+        if paged is not None:
+            report["paged"] = paged["report"]
         report["precision"] = precision or {"precision": "fp32"}
         report["weights"] = weights
         report["kv_dtype"] = options.kv_dtype
@@ -139,6 +152,26 @@ def export(
             )  # fmt: skip
         write_json(stage / "report.json", report)
     return ExportResult(out_dir, manifest, report)
+
+
+def _resave(graph, stage: Path, name: str, manifest: dict, options: ExportOptions) -> dict:
+    """The step graph saved again over ``name`` (its weights where the first save put them)
+    and the manifest's signature, layout and fusions rebuilt from it."""
+    import onnx_ir as ir
+
+    ir.save(graph, stage / name)
+    fresh = build_manifest(
+        graph, kv_cache=True, origin=manifest["model"], pipeline=options.pipeline,
+        target=options.target, passes=manifest["passes"],
+        fusions=count_fusions(graph, options.pipeline, target=options.target),
+        files=manifest["files"], max_positions=manifest["max_positions"],
+    )  # fmt: skip
+    updated = dict(manifest)
+    for key in ("inputs", "outputs", "kv_layout", "opsets", "fusions"):
+        updated[key] = fresh[key]
+    updated["graphs"] = {**manifest["graphs"], name: fresh["graphs"][name]}
+    write_json(stage / MANIFEST_FILE, updated)
+    return updated
 
 
 def _load(model: str, options: ExportOptions) -> ModelSource:

@@ -52,6 +52,10 @@ class ExportOptions:
     row_lengths: bool = True
     kv_dtype: str = "fp32"  # int8: the KV cache quantized (tfgraph/precision/kv_cache.py)
     kv_scales: str = "per-tensor"  # the int8 cache's scales: per-tensor or per-channel
+    # paged: the cache in blocks of kv_block_size positions (PagedAttention, ort-cuda;
+    # tfgraph/compile/paging.py)
+    kv_layout: str = "shared"
+    kv_block_size: int = 16
 
     @classmethod
     def of(cls, options: ExportOptions | None, fields: dict) -> ExportOptions:
@@ -72,6 +76,7 @@ class ExportOptions:
         """These options checked against their target (``target``: it, already looked up),
         with its defaults filled in: the target as a :class:`Target`, the opset, the accuracy
         level."""
+        from tfgraph.compile.paging import check_kv_layout
         from tfgraph.precision.islands import check_precision
         from tfgraph.precision.kv_cache import check_kv_dtype
 
@@ -79,6 +84,7 @@ class ExportOptions:
         check_precision(self.precision, self.keep_io_types, target)
         level = check_weights(self.weights, self.block_size, target, self.accuracy_level)
         check_kv_dtype(self.kv_dtype, self.kv_scales, self.kv_cache, target, self.precision)
+        check_kv_layout(self, target)
         opset = target.opset if self.opset is None else self.opset
         check_opset(opset)
         return dataclasses.replace(self, target=target, accuracy_level=level, opset=opset)

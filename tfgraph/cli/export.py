@@ -133,8 +133,21 @@ def add_parser(sub):
     p.add_argument(
         "--no-row-lengths",
         action="store_true",
-        help="one past length for the whole batch: position machinery computed for the new rows "
-        "only (cheaper steps for (L, L) position biases: ALiBi, T5), no in-flight batching",
+        help="one past length for the whole batch (machinery computed once for the batch, not "
+        "gathered per row); no in-flight batching",
+    )
+    p.add_argument(
+        "--kv-layout",
+        choices=("shared", "paged"),
+        default="shared",
+        help="paged: the cache in blocks found through a block table (PagedAttention; "
+        "--target ort-cuda --precision fp16; CUDA only: the graph is checked here, not run)",
+    )
+    p.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=16,
+        help="--kv-layout paged: positions per block (a power of two >= 16; default 16)",
     )
     p.add_argument(
         "--kv-dtype",
@@ -182,13 +195,21 @@ def options_from_args(args):
         row_lengths=not args.no_row_lengths,
         kv_dtype=args.kv_dtype,
         kv_scales=args.kv_scales,
+        kv_layout=args.kv_layout,
+        kv_block_size=args.kv_block_size,
     )
 
 
 def run(args) -> int:
     from tfgraph.exporting import export
 
-    steps = len(EXPORT_STEPS) + (args.precision != "fp32") + 2 * (args.weights is not None)
+    steps = (
+        len(EXPORT_STEPS)
+        + (args.precision != "fp32")
+        + 2 * (args.weights is not None)
+        + (args.kv_dtype != "fp32")
+        + (args.kv_layout == "paged")
+    )
     from tfgraph.progress import listening
 
     lines = progress(steps)
@@ -209,6 +230,13 @@ def run(args) -> int:
     print_weights(report.get("weights"), verbose=args.verbose)
     print_compatibility(report.get("compatibility") or [], report["target"], args.verbose)
     print_parity(report["parity"], cached=bool(report.get("kv_cache")))
+    paged = report.get("paged")
+    if paged:
+        print(
+            f"KV cache paged: {paged['layers']} layer(s) -> PagedAttention, blocks of "
+            f"{paged['block_size']}; {paged['session_check']}; its numbers are unverified until "
+            "run on a GPU (parity ran before paging)"
+        )
     if not result.passed:
         print(f"error: parity failed; see {result.out_dir / 'report.json'}", file=sys.stderr)
         return 1

@@ -88,6 +88,8 @@ class Target:
     # KV cache dtypes besides the graph's float (``--kv-dtype``): tfgraph/precision/kv_cache.py
     kv_dtypes: tuple[str, ...] = ()
     kv_scales: tuple[str, ...] = ("per-tensor",)  # the int8 cache's scale granularities
+    # KV layouts besides the default (``--kv-layout``): paged (tfgraph/compile/paging.py)
+    kv_layouts: tuple[str, ...] = ()
     facts: tuple[str, ...] = ()
 
     def fused(self, kind: str) -> frozenset:

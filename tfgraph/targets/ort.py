@@ -54,6 +54,7 @@ ORT_FUSED = {
         ("com.microsoft", "Attention"),
         ("com.microsoft", "MultiHeadAttention"),
         ("com.microsoft", "GroupQueryAttention"),
+        ("com.microsoft", "PagedAttention"),  # ort-cuda, --kv-layout paged
     },
     "norm": {
         ("", "SimplifiedLayerNormalization"),

@@ -5,9 +5,10 @@
 Not verified on a GPU here: parity of an ``ort-cuda`` export runs these kernels on ONNX
 Runtime's CPU provider (they exist there), and ``report.json`` names the provider used.
 
-Opt-in, not wired to an option yet: :func:`tfgraph.passes.paged_attention.lower_to_paged` pages
-an fp16 ``ort-cuda`` graph's KV cache (``com.microsoft.PagedAttention``, CUDA only; its
-compatibility statement is that module's docstring and docs/serving.md).
+Opt-in, ``--kv-layout paged``: :func:`tfgraph.passes.paged_attention.lower_to_paged` pages an
+fp16 ``ort-cuda`` graph's KV cache after parity (``com.microsoft.PagedAttention``, CUDA only;
+:mod:`tfgraph.compile.paging`; its compatibility statement is that module's docstring and
+docs/serving.md).
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ register(
         precisions=("fp32", "fp16"),
         weight_formats=("int8", "int4"),  # com.microsoft.MatMulNBits
         weight_accuracy_levels=(0,),  # activation quantization is a CPU-kernel mode
-        facts=(*ORT.facts, "SkipLayerNormalization folds the residual Add (slower on the CPU)"),
+        kv_layouts=("paged",),  # PagedAttention: CUDA only, unverified until a GPU is lent
+        facts=(
+            *ORT.facts,
+            "SkipLayerNormalization folds the residual Add (slower on the CPU)",
+            "--kv-layout paged: PagedAttention (CUDA kernel only; graph checked, not run here)",
+        ),
     )
 )
