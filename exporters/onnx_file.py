@@ -7,6 +7,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+from tfgraph.passes.rewrite_utils import weight_bytes
 from tfgraph.progress import tick
 
 logger = logging.getLogger(__name__)
@@ -19,11 +20,6 @@ PROTOBUF_LIMIT = 2 * 1024**3
 EXTERNAL_FROM = 64 * 1024**2
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
-
-
-def weight_bytes(model: ir.Model) -> int:
-    """Bytes of all initializers of the main graph."""
-    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value)
 
 
 def save_onnx(

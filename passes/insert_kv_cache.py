@@ -49,6 +49,7 @@ import onnx_ir.passes.common as common
 from tfgraph import contract
 
 from .canonical import AttentionOp
+from .encoder_mask import add_encoder_mask
 from .fuse_attention import is_gating_softmax
 from .provenance import layer_name
 from .rewrite_utils import DOMAIN, LOWERED_FROM_KEY, dims_of, int_list
@@ -608,6 +609,8 @@ class InsertKVCachePass(ir.passes.InPlacePass):
                 node.replace_input_with(slot, out)
                 graph.outputs.append(out)
         _name_cross_kv(model, analysis)
+        if rows is not None:  # slots pad their cross K/V: the step graph masks the padding
+            add_encoder_mask(model)
         if rows is not None:
             model.metadata_props[ROW_LENGTHS_KEY] = rows.refused or PER_ROW
             if not rows.refused:  # for the kernels, should the cleanup remove them

@@ -118,13 +118,17 @@ def _verdict(model, subgraphs, node, value, attrs: dict, check_long, done: dict)
         return None  # finite values besides the mask (a position bias)
     key = ("built", mask_value.name, value.dtype)  # one rebuilt bias per mask (GPT-OSS:
     if key not in done:  # sliding and full layers differ only in the window attribute)
-        done[key] = _build(model.graph, node, mask_value, value)
+        done[key] = build_key_bias(model.graph, node, mask_value, value.dtype)
     bias = done[key]
     return {"causal": attrs["causal"], "window": window}, bias
 
 
-def _build(graph: ir.Graph, node: ir.Node, mask: ir.Value, bias: ir.Value) -> ir.Value:
-    dtype = bias.dtype or ir.DataType.FLOAT
+def build_key_bias(
+    graph: ir.Graph, node: ir.Node, mask: ir.Value, dtype: ir.DataType | None
+) -> ir.Value:
+    """``Unsqueeze(Where(Equal(mask, 0), lowest, 0), [1, 2])`` (B, 1, 1, S) in ``dtype``
+    (float when unknown), inserted before ``node``."""
+    dtype = dtype or ir.DataType.FLOAT
     np_dtype = dtype.numpy()
     zero_mask = add_initializer(graph, "key_padding_zero", np.zeros((), mask.dtype.numpy()))
     lowest = add_initializer(

@@ -77,6 +77,11 @@ def diagnose(
     return str(best.match_result.reason)
 
 
+def weight_bytes(model: ir.Model) -> int:
+    """Bytes of all initializers of the main graph."""
+    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value)
+
+
 def insert_tape(graph: ir.Graph, before: ir.Node, tape: ir.tape.Tape) -> None:
     """Insert a tape's nodes (and initializers) in front of ``before``, carrying its metadata
     (the PyTorch module name) onto every new node, so reports keep naming the layer."""

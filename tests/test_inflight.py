@@ -57,7 +57,7 @@ def hf_dirs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hf_inflight")
     paths = {}
-    for name in ("llama", "gpt2", "bart"):
+    for name in ("llama", "gpt2", "bart", "t5"):
         cls, cfg, kwargs = CONFIGS[name]
         config = getattr(transformers, cfg)(**{**SMALL, **kwargs})
         torch.manual_seed(0)
@@ -73,8 +73,8 @@ def _source(case, hf_dirs):
         return tfgraph.from_module(mha_lm(), origin="mha_lm")
     if case == "t5_decoder":  # T5's relative buckets in a decoder-only model
         return tfgraph.from_module(t5_decoder(), origin="t5_decoder")
-    if case.startswith("hf:"):
-        return load_source(str(hf_dirs[case[3:]]))
+    if case.startswith("hf:"):  # a directory, as the CLI takes it (T5 retries with eager)
+        return str(hf_dirs[case[3:]])
     if case == "masked:gpt2":
         return tfgraph.from_module(MaskedLM(transformers_model(hf_dirs["gpt2"])), origin=case)
     return load_source(case)
@@ -216,7 +216,12 @@ def test_artifacts_without_row_lengths_are_refused_with_the_reason(tmp_path):
         SlotBatcher(decoder, slots=2, capacity=8)
 
 
-SEQ2SEQ = [("bart-tiny", "ort"), ("transformer-tiny", "onnx"), ("t5-tiny", "ort")]
+SEQ2SEQ = [
+    ("bart-tiny", "ort"), ("transformer-tiny", "onnx"), ("t5-tiny", "ort"),
+    # Hugging Face classes as loaded from a directory: no attention_mask input, so the cache
+    # pass adds the encoder mask the slots need
+    ("hf:bart", "ort"), ("hf:t5", "onnx"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("case, target", SEQ2SEQ)
@@ -240,12 +245,45 @@ def test_encoder_decoder_requests_equal_generate_alone(case, target, artifacts):
         SlotBatcher(decoder, 2, 16, encoder_capacity=16).check([1] * 17, configs[0])
 
 
-def test_an_encoder_decoder_without_an_encoder_mask_is_refused(artifacts):
-    """Hugging Face BART as loaded from a directory takes no attention_mask: a slot could
-    not mask the padding of its cross K/V, so it is refused (with the reason) rather than
-    attending to it."""
-    decoder = CachedDecoder(Session(artifacts("hf:bart")))
-    assert "no encoder mask" in inflight_support(decoder)
+def test_an_encoder_decoder_without_an_encoder_mask_gets_one(artifacts):
+    """Hugging Face BART as loaded from a directory takes no attention_mask: the cache pass
+    gives its step graph one (role encoder_attention_mask) for the cross-attention alone, so
+    a slot masks the padding of its cross K/V; the encoder file does not take it. The
+    control: cross K/V padded with garbage and the mask's padding opened up changes the
+    logits, so the mask is what keeps the padding out."""
+    path = artifacts("hf:bart")
+    manifest = json.loads((path / "manifest.json").read_text())
+    roles = {p["name"]: p["role"] for p in manifest["graphs"]["model.onnx"]["inputs"]}
+    assert roles.get("attention_mask") == "encoder_attention_mask"
+    encoder = {p["role"] for p in manifest["graphs"]["encoder.onnx"]["inputs"]}
+    assert "encoder_attention_mask" not in encoder
+    decoder = CachedDecoder(Session(path))
+    assert inflight_support(decoder) is None
+    start, extra = seq2seq_prompts(decoder, [[5, 6, 7]], 0, 0)
+    cross = decoder.encode(extra)
+    cache = decoder.empty_cache(1, 4)
+    masked, _ = decoder.step(np.asarray(start), cache, None, {**extra, **_padded(cross, 2)})
+    alone, _ = decoder.step(np.asarray(start), decoder.empty_cache(1, 4), None, {**extra, **cross})
+    np.testing.assert_allclose(masked, alone, atol=ATOL, rtol=0)
+    opened = {**extra, **_padded(cross, 2), "attention_mask": np.ones((1, 5), np.int64)}
+    leaked, _ = decoder.step(np.asarray(start), decoder.empty_cache(1, 4), None, opened)
+    assert np.abs(leaked - alone).max() > 100 * ATOL
+
+
+def _padded(cross: dict, extra_positions: int) -> dict:
+    """Cross K/V (OrtValues) with ``extra_positions`` garbage positions after the real ones,
+    and the encoder mask that hides them."""
+    rng = np.random.default_rng(0)
+    out = {}
+    for name, value in cross.items():
+        array = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
+        noise = rng.normal(0, 3, (*array.shape[:2], extra_positions, array.shape[3]))
+        out[name] = np.concatenate([array, noise.astype(array.dtype)], axis=2)
+    length = next(iter(out.values())).shape[2]
+    mask = np.zeros((1, length), np.int64)
+    mask[:, : length - extra_positions] = 1
+    out["attention_mask"] = mask
+    return out
 
 
 def test_shaws_relative_keys_keep_one_past_length(tmp_path):

@@ -196,6 +196,13 @@ def test_per_channel_scales_are_stated(exported):
     assert kinds == {"PER_CHANNEL"}
 
 
+def test_calibration_streams_from_the_size_the_artifact_goes_external():
+    from tfgraph.exporters.onnx_file import EXTERNAL_FROM
+    from tfgraph.precision import kv_cache
+
+    assert kv_cache.STREAM_FROM == EXTERNAL_FROM
+
+
 def test_a_large_graph_streams_its_weights(exported, monkeypatch):
     """Past :data:`~tfgraph.precision.kv_cache.STREAM_FROM` (forced here on a tiny model),
     calibration hands ONNX Runtime the weights in place and the reference takes the artifact's

@@ -27,6 +27,7 @@ from tfgraph.compile.skeleton import skeleton
 from tfgraph.errors import TfgraphError, first_line
 from tfgraph.passes import PIPELINES, PipelineOptions, build_pipeline, pass_names
 from tfgraph.passes.insert_kv_cache import KVCacheError
+from tfgraph.passes.rewrite_utils import weight_bytes
 from tfgraph.targets import Target, all_nonstandard_default_ops, get_target
 
 logger = logging.getLogger(__name__)
@@ -272,8 +273,7 @@ class ParityProbe:
 
     @staticmethod
     def _too_large(model: ir.Model) -> bool:
-        size = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value)
-        return size > _PROBE_MAX_BYTES
+        return weight_bytes(model) > _PROBE_MAX_BYTES
 
 
 def run_pipeline(

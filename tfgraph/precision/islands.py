@@ -368,7 +368,11 @@ def island_feeds(model: ir.Model, source, shapes) -> list[dict]:
         feed = {}
         for value in model.graph.inputs:
             if value.name in masks:  # no padding: a padded row's leading positions attend
-                feed[value.name] = np.ones_like(inputs[value.name])  # to nothing, any value
+                like = inputs.get(value.name)  # to nothing, any value
+                if like is None:  # an encoder mask the export added: the encoder tokens'
+                    tokens = contract.names_with_role(model, contract.ENCODER_TOKEN_IDS)
+                    like = next(inputs[n] for n in tokens if n in inputs)
+                feed[value.name] = np.ones_like(like)
             elif value.name in inputs:
                 feed[value.name] = inputs[value.name]
             elif value.name in pasts:

@@ -43,8 +43,7 @@ import onnx_ir as ir
 
 from tfgraph import contract
 from tfgraph.errors import TfgraphError
-from tfgraph.exporters.onnx_file import EXTERNAL_FROM, weight_bytes
-from tfgraph.passes.rewrite_utils import add_initializer
+from tfgraph.passes.rewrite_utils import add_initializer, weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +54,8 @@ KV_QUANT_KEY = contract.KV_QUANT_KEY  # model metadata: what the manifest states
 _MS = "com.microsoft"
 # past this much weight the graph is not serialized whole (protobuf's 2 GB limit, and a copy
 # of every weight in memory): the artifact writer's own threshold for external data
-STREAM_FROM = EXTERNAL_FROM
+# (exporters/onnx_file.py EXTERNAL_FROM; tests/test_kv_int8.py holds them equal)
+STREAM_FROM = 64 * 1024**2
 PENDING = "tfgraph.pending-weights"  # where a reference's weights are until parity fills them
 _INLINE_BYTES = 256  # smaller tensors stay in the graph (as the artifact writer keeps them)
 

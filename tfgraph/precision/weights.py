@@ -42,6 +42,7 @@ from tfgraph.errors import TfgraphError
 from tfgraph.passes.gemm_as_matmul import gemm_as_matmul
 from tfgraph.passes.lazy_weights import transposed
 from tfgraph.passes.provenance import layer_name
+from tfgraph.passes.rewrite_utils import weight_bytes
 from tfgraph.precision.activations import ActivationQuantizer
 from tfgraph.precision.dequantize import dequantize
 from tfgraph.precision.gather_nbits import dequantize_table, quantize_embeddings
@@ -144,7 +145,7 @@ def quantize(
     unquantized = []
     if head is not None and lm_head:
         _untie_head(model, head)
-    before = _weight_bytes(model)
+    before = weight_bytes(model)
     exclude = [head.name] if head is not None and not lm_head else []
     if exclude:
         unquantized.append(
@@ -192,7 +193,7 @@ def quantize(
         "quantized": quantized,
         "unquantized": unquantized,
         "weight_bytes_before": before,
-        "weight_bytes_after": _weight_bytes(quantized_model),
+        "weight_bytes_after": weight_bytes(quantized_model),
         "_quantized": done,
     }
 
@@ -203,10 +204,6 @@ def _kept_gather(bits: int, embeddings: bool) -> str:
     if not embeddings:
         return "embedding (--no-quantize-embeddings)"
     return "not an fp32/fp16 embedding table (the ones GatherBlockQuantized takes)"
-
-
-def _weight_bytes(model: ir.Model) -> int:
-    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value)
 
 
 def locate(module, dequantized: dict[str, tuple[np.ndarray, np.ndarray]]) -> list[dict]:
