@@ -43,7 +43,11 @@ import onnx_ir as ir
 from tfgraph.contract import ATTENTION_MASK, ENCODER_ATTENTION_MASK, names_with_role
 
 from .canonical import DOMAIN, AttentionOp, drop_attention_bias
-from .key_padding_bias import compact_key_padding
+from .key_padding_bias import (
+    LEFT_PAD_SHIFT_KEY,
+    compact_key_padding,
+    shifts_with_left_padding,
+)
 from .probe_feeds import probe_feeds
 
 logger = logging.getLogger(__name__)
@@ -231,6 +235,7 @@ class ClassifyAttentionBiasPass(ir.passes.InPlacePass):
         other_tokens = evaluate_biases(model, values, SIZES[0], False, token=1, subgraphs=subgraphs)
         modified, checked = False, {}  # checked: the long check's result per bias value
         compacted: dict = {}  # the key-padding verdict per bias value
+        shifted: dict = {}  # the left-padding verdict per bias value
         for k, node in enumerate(nodes):
             if any(run[k] is None for run in runs):
                 if _split_off_mask(model, node, subgraphs, checked):
@@ -253,6 +258,8 @@ class ClassifyAttentionBiasPass(ir.passes.InPlacePass):
                 )
                 if compact is not None:
                     attrs = {**attrs, **compact}
+                elif shifts_with_left_padding(model, subgraphs, values[k], shifted):
+                    node.metadata_props[LEFT_PAD_SHIFT_KEY] = "1"
             elif attrs["causal"] and not attrs["keep"]:
                 attrs = _check_long(model, subgraphs, node, values[k], attrs, runs[0][k], checked)
             spec = AttentionOp.read(node)

@@ -561,6 +561,12 @@ class InsertKVCachePass(ir.passes.InPlacePass):
                 if _is_attention(node) and index == BIAS_SLOT:
                     key_axes = [len(dims) - 1]  # keys stay at L
                 axes = [i for i, d in enumerate(dims) if d == seq and i not in key_axes]
+                if _is_attention(node) and index == BIAS_SLOT and not axes and len(dims) > 1:
+                    # an attention bias is (…, T or 1, S or 1): a query axis that shape
+                    # inference lost (a position table sliced to the length, HF MPT's ALiBi)
+                    # is still the queries
+                    if not isinstance(dims[-2], int):
+                        axes = [len(dims) - 2]
                 if not axes and not key_axes and any(_flattened(d, seq) for d in dims):
                     # the tokens flattened into one axis (JetMoE's (batch·T, experts) router
                     # buffer): no axis to slice, and its T-length original is what the token
@@ -577,7 +583,11 @@ class InsertKVCachePass(ir.passes.InPlacePass):
             rewriter.pending.clear()
             if rows is not None and rows.refused is None and axes:
                 if rows.shifts(node, index):  # a function of i − j: the slice, shifted
-                    new = rows.shifted(rewriter.last_rows(value, axes), rewriter.past_len)
+                    if rows.pads(node):  # …that also reads the mask: the mask left-padded
+                        sliced = rows.left_padded(rewriter, value, axes, seq)
+                    else:
+                        sliced = rewriter.last_rows(value, axes)
+                    new = rows.shifted(sliced, rewriter.past_len)
                 else:
                     new = rows.rows(node, rewriter.full(value), value, axes, seq)
             else:

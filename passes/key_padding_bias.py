@@ -27,7 +27,12 @@ logger = logging.getLogger(__name__)
 
 MASKED = -1e8
 COMPACT_KEY = "tfgraph.key_padding_bias"  # the rebuilt bias the node reads
+# node metadata: the padding bias, computed for a row left-padded by p, is the unpadded row's
+# bias moved by p along queries and keys (up to a constant per query row): measured by
+# shifts_with_left_padding; a cached graph's rows at their own lengths read it so
+LEFT_PAD_SHIFT_KEY = "tfgraph.bias_shifts_with_left_padding"
 SIZE = 11
+PAD = 4  # the left-padded probe row's padding (_evaluate)
 
 
 def _mask_input(model: ir.Model, subgraphs, value: ir.Value):
@@ -61,6 +66,35 @@ def _evaluate(session_sub, mask_name: str) -> tuple[np.ndarray, np.ndarray] | No
     mask[2, -3:] = 0  # right-padded
     feeds[mask_name] = mask.astype(feeds[mask_name].dtype)
     return session.run(None, feeds)[0], mask
+
+
+def shifts_with_left_padding(model, subgraphs, value: ir.Value, done: dict) -> bool:
+    """Whether the padding bias ``value`` computes, for a row left-padded by p, the unpadded
+    row's bias moved by p along queries and keys: bias_left[…, p + i, p + j] equals
+    bias[…, i, j] plus a constant per query row wherever it is finite, and is masked exactly
+    where it is (Hugging Face BLOOM's ALiBi from the mask's cumulative sum with its causal and
+    padding mask; MPT's). Measured on the probe rows of :func:`_evaluate`."""
+    if value.name in done:
+        return done[value.name]
+    done[value.name] = False
+    mask_value, session_sub = _mask_input(model, subgraphs, value)
+    evaluated = _evaluate(session_sub, mask_value.name) if mask_value is not None else None
+    if evaluated is None:
+        return False
+    bias, mask = evaluated
+    s = mask.shape[1]
+    if bias.ndim != 4 or bias.shape[0] != 3 or bias.shape[-2:] != (s, s) or mask[1, PAD] != 1:
+        return False
+    plain = bias[0, :, : s - PAD, : s - PAD].astype(np.float64)
+    moved = bias[1, :, PAD:, PAD:].astype(np.float64)
+    if not np.array_equal(plain <= MASKED, moved <= MASKED):
+        return False
+    finite = plain > MASKED
+    diff = np.where(finite, moved - plain, np.nan)
+    row = np.nanmean(np.where(finite.any(-1, keepdims=True), diff, 0.0), axis=-1, keepdims=True)
+    scale = max(1.0, float(np.abs(plain[finite]).max(initial=0.0)))
+    done[value.name] = bool(np.all(np.where(finite, np.abs(diff - row), 0.0) <= 1e-5 * scale))
+    return done[value.name]
 
 
 def _expected(mask: np.ndarray, causal: bool, window: int) -> np.ndarray:

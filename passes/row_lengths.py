@@ -49,6 +49,7 @@ import onnx_ir as ir
 from tfgraph import contract
 
 from .canonical import AttentionOp
+from .key_padding_bias import LEFT_PAD_SHIFT_KEY
 from .rewrite_utils import dims_of
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ class RowGather:
         self.nodes = [batch_dim, expand]
         self.lengths = expand.outputs[0]
         self._index: ir.Value | None = None
+        self._padded: tuple[dict, dict] | None = None  # (rewriter memo, slicer memo)
 
     def refuse(self, reason: str) -> None:
         if self.refused is None:
@@ -127,13 +129,18 @@ class RowGather:
         if len(axes) != 1:
             return f"'{value.name}' has {len(axes)} query axes"
         dims = list(dims_of(value))
-        if len([d for d in dims if d in (seq, contract.TOTAL_DIM)]) > 1:
+        keys = len([d for d in dims if d in (seq, contract.TOTAL_DIM)]) > 1 or (
+            _is_attention(node) and index == BIAS_SLOT and dims[-1] != 1
+        )  # the attention bias's key axis is its last
+        if keys:
             if self.shifts(node, index):
                 lead = ([1] * (4 - len(dims)) + dims)[0]
                 if len(dims) > 4 or lead not in (1, self.batch):
                     return f"the attention bias '{value.name}' is not (batch or 1, …, T, L)"
                 return None
             kind = AttentionOp.read(node).bias_kind if _is_attention(node) else "not measured"
+            if kind == "padding":
+                kind += ", and it does not move with left padding"
             return (
                 f"'{value.name}' is a position bias over queries x keys that is not a function "
                 f"of i - j (bias_kind {kind}): gathered per row it would be computed whole, "
@@ -154,12 +161,63 @@ class RowGather:
     @staticmethod
     def shifts(node: ir.Node, index: int) -> bool:
         """Whether junction (``node``, ``index``) is an attention bias measured to be a
-        function of i − j: each row reads the common slice shifted along the keys."""
+        function of i − j (or one that moves with left padding): each row reads the common
+        slice shifted along the keys."""
+        if not (_is_attention(node) and index == BIAS_SLOT):
+            return False
+        return AttentionOp.read(node).bias_kind in SHIFTABLE or RowGather.pads(node)
+
+    @staticmethod
+    def pads(node: ir.Node) -> bool:
+        """A padding bias measured to move with left padding (:mod:`.key_padding_bias`): its
+        common slice is computed on the mask with each row left-padded to the longest row."""
         return (
-            _is_attention(node)
-            and index == BIAS_SLOT
-            and AttentionOp.read(node).bias_kind in SHIFTABLE
+            AttentionOp.read(node).bias_kind == "padding"
+            and node.metadata_props.get(LEFT_PAD_SHIFT_KEY) == "1"
         )
+
+    def left_padded(self, rewriter, value: ir.Value, axes: list[int], seq) -> ir.Value:
+        """``value``'s last rows (the common slice at F) computed on the attention masks with
+        row b moved right by F − P_b (left-padded): a row at its own length, as the longest
+        row sees it. Rebuilt on the rewriter with its masks replaced, memoized apart."""
+        rw = self.rw
+        if self._padded is None:
+            masks = {}
+            for mask in rw.a.masks:
+                dims = dims_of(mask) if mask.shape is not None else []
+                masks[mask] = self._shift_mask(mask, rw.past_len) if dims[-1:] == [seq] else mask
+            self._padded = (masks, {})
+        saved = rw.memo, rw.slicer.memo
+        rw.memo, rw.slicer.memo = self._padded
+        try:
+            return rw.last_rows(value, axes)
+        finally:
+            rw.memo, rw.slicer.memo = saved
+
+    def _shift_mask(self, mask: ir.Value, past_len: ir.Value) -> ir.Value:
+        """(B, L) ``mask`` with row b moved right by F − P_b, zeros entering on the left."""
+        rw = self.rw
+        total = rw.add("Shape", [mask], {"start": 1, "end": 2})
+        keys = rw.add(
+            "Range",
+            [rw.const(np.array(0, np.int64)), rw.add("Squeeze", [total]),
+             rw.const(np.array(1, np.int64))],
+        )  # fmt: skip
+        shift = rw.add("Sub", [past_len, self.lengths])  # (B,)
+        index = rw.add(
+            "Sub",
+            [
+                rw.add("Unsqueeze", [keys, rw.const(np.array([0], np.int64))]),
+                rw.add("Unsqueeze", [shift, rw.const(np.array([1], np.int64))]),
+            ],
+        )  # (B, L): j − (F − P_b)
+        inside = rw.add("GreaterOrEqual", [index, rw.const(np.array(0, np.int64))])
+        index = rw.add("Max", [index, rw.const(np.array(0, np.int64))])
+        moved = rw.add("GatherElements", [mask, index], {"axis": 1})
+        dtype = mask.dtype or ir.DataType.INT64
+        out = rw.add("Mul", [moved, rw.add("Cast", [inside], {"to": dtype})])
+        out.type, out.shape = mask.type, mask.shape
+        return out
 
     def shifted(self, sliced: ir.Value, past_len: ir.Value) -> ir.Value:
         """The bias slice ``sliced`` (…, T, L), computed at the common past length

@@ -530,3 +530,48 @@ class TwoValueGPT(GPT):
 def two_value_gpt():
     torch.manual_seed(0)
     return TwoValueGPT().eval()
+
+
+class AbsoluteBiasLM(nn.Module):
+    """A bias over absolute (query, key) positions, ``sin(0.3 i) · cos(0.7 j)`` per head, plus
+    the causal and padding mask from ``attention_mask``: a padding bias that does not move
+    with left padding (not a function of i − j), so rows at their own lengths cannot read it
+    shifted."""
+
+    input_names = ("input_ids", "attention_mask")
+    output_names = ("logits",)
+
+    def __init__(self, vocab=64, d=32, h=2):
+        super().__init__()
+        self.h, self.hs = h, d // h
+        self.emb = nn.Embedding(vocab, d)
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.slope = nn.Parameter(torch.linspace(1.0, 2.0, h)[:, None, None])
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids, attention_mask):
+        B, T = input_ids.shape
+        x = self.emb(input_ids)
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, self.hs).permute(2, 0, 3, 1, 4)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        pos = torch.arange(T, device=x.device, dtype=x.dtype)
+        bias = self.slope * (torch.sin(0.3 * pos)[:, None] * torch.cos(0.7 * pos)[None, :])
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        keep = causal[None, None] & attention_mask[:, None, None, :].bool()
+        bias = bias[None].masked_fill(~keep, torch.finfo(x.dtype).min)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return self.head(x + self.o(y.transpose(1, 2).contiguous().reshape(B, T, -1)))
+
+    def example_inputs(self, batch, seq, generator):
+        ids = torch.randint(1, 64, (batch, seq), generator=generator)
+        mask = torch.ones(batch, seq, dtype=torch.int64)
+        mask[1:, : seq // 3] = 0  # rows after the first are left-padded
+        return {"input_ids": ids, "attention_mask": mask}
+
+    def dynamic_axes(self):
+        return {n: {0: "batch", 1: "sequence"} for n in self.input_names}
+
+
+def absolute_bias_lm():
+    torch.manual_seed(0)
+    return AbsoluteBiasLM().eval()

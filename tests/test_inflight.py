@@ -15,7 +15,7 @@ import json
 
 import numpy as np
 import pytest
-from idiom_models import GPT, mha_lm, t5_decoder
+from idiom_models import GPT, absolute_bias_lm, mha_lm, t5_decoder
 from idiom_models import gpt as sdpa_gpt
 from test_generation_parity import MaskedLM, transformers_model
 from test_hf_pipelines import CONFIGS, SMALL
@@ -57,13 +57,18 @@ def hf_dirs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hf_inflight")
     paths = {}
-    for name in ("llama", "gpt2", "bart", "t5"):
-        cls, cfg, kwargs = CONFIGS[name]
+    for name in ("llama", "gpt2", "bart", "t5", "bloom", "mpt"):
+        cls, cfg, kwargs = CONFIGS.get(name) or MPT
         config = getattr(transformers, cfg)(**{**SMALL, **kwargs})
         torch.manual_seed(0)
         getattr(transformers, cls)(config).eval().save_pretrained(root / name)
         paths[name] = root / name
     return paths
+
+
+# Hugging Face MPT: ALiBi sliced from a 2048-position buffer (shape inference loses the query
+# axis of its bias) plus the causal and padding mask
+MPT = ("MptForCausalLM", "MptConfig", {"n_layers": 2, "d_model": 64, "n_heads": 4})
 
 
 def _source(case, hf_dirs):
@@ -117,7 +122,10 @@ def _vocab(decoder) -> int:
 
 CASES = [
     *[(c, "ort") for c in ("gpt-tiny", "llama-tiny", "mistral-tiny", "hf:llama", "masked:gpt2",
-                           "sdpa_gpt", "bloom-tiny", "mpt-tiny-sdpa", "mha_lm", "t5_decoder")],
+                           "sdpa_gpt", "bloom-tiny", "mpt-tiny-sdpa", "mha_lm", "t5_decoder",
+                           # ALiBi built from attention_mask (BLOOM) or sliced from a buffer
+                           # (MPT), in a bias that also masks: the mask moves with each row
+                           "hf:bloom", "hf:mpt")],
     # the static standard-ONNX cache: TensorScatter writes each row at its own length, the
     # causal mask is per row
     *[(c, "onnx") for c in ("gpt-tiny", "llama-tiny", "masked:gpt2", "mha_lm", "t5_decoder")],
@@ -286,24 +294,41 @@ def _padded(cross: dict, extra_positions: int) -> dict:
     return out
 
 
-def test_shaws_relative_keys_keep_one_past_length(tmp_path):
+@pytest.mark.parametrize(
+    "case, why",
+    [
+        ("shaw-tiny", "Einsum reads positions"),
+        ("absolute_bias_lm", "does not move with left padding"),
+    ],
+)
+def test_machinery_rows_cannot_read_shifted_keeps_one_past_length(case, why, tmp_path):
     """Shaw's relative keys are (queries × keys × size) machinery read by an Einsum with the
-    queries, not a bias of i − j: such a graph keeps one past length (the slice), says why,
-    and serves with static batching."""
-    result = tfgraph.export(load_source("shaw-tiny"), tmp_path / "a", kv_cache=True)
+    queries; a bias over absolute (query, key) positions with the padding mask in it is
+    neither a function of i − j nor moved by left padding. Such a graph keeps one past
+    length (the slice), passes parity, says why, and serves with static batching."""
+    source = (
+        tfgraph.from_module(absolute_bias_lm(), origin=case)
+        if case == "absolute_bias_lm"
+        else load_source(case)
+    )
+    result = tfgraph.export(source, tmp_path / "a", kv_cache=True)
     layout = result.manifest["kv_layout"]
-    assert layout["row_lengths"] is None
-    assert "Einsum reads positions" in layout["row_lengths_refused"]
-    why = inflight_support(CachedDecoder(Session(tmp_path / "a")))
-    assert "Einsum reads positions" in why
+    assert result.passed and layout["row_lengths"] is None
+    assert why in layout["row_lengths_refused"]
+    assert why in inflight_support(CachedDecoder(Session(tmp_path / "a")))
 
 
-def test_an_unshifted_relative_bias_fails_the_exports_row_parity(tmp_path, monkeypatch):
-    """The control of the key shift: every row reading the common slice of T5's relative
-    bias unshifted (keys as the longest row sees them) is caught by export's row parity: the
-    export fails. (ALiBi, linear in j − i, is the one bias the shift changes only by a
-    constant per row, which the softmax ignores; and a random T5's decoder tends to repeat
-    one token, over which any weighting is the same: a decoder-only T5 is the control.)"""
+@pytest.mark.parametrize("case, broken", [("t5_decoder", "shift"), ("hf:bloom", "mask")])
+def test_a_bias_read_unshifted_fails_the_exports_row_parity(
+    case, broken, tmp_path, monkeypatch, hf_dirs
+):
+    """The controls of the key shift: every row reading the common slice of T5's relative
+    bias unshifted (keys as the longest row sees them), or BLOOM's mask-built ALiBi computed
+    on the mask as it lies (not left-padded to the longest row), is caught by export's row
+    parity: the export fails. (ALiBi alone, linear in j − i, is the one bias the shift changes
+    only by a constant per row, which the softmax ignores; and a random T5's decoder tends to
+    repeat one token, over which any weighting is the same: a decoder-only T5 is the
+    control.)"""
     from tfgraph.passes import row_lengths
 
     shifted = row_lengths.RowGather.shifted
@@ -315,11 +340,17 @@ def test_an_unshifted_relative_bias_fails_the_exports_row_parity(tmp_path, monke
         finally:
             self.lengths = lengths
 
-    monkeypatch.setattr(row_lengths.RowGather, "shifted", no_shift)
-    result = tfgraph.export(_source("t5_decoder", {}), tmp_path / "a", kv_cache=True)
+    def mask_as_it_lies(self, rewriter, value, axes, seq):
+        return rewriter.last_rows(value, axes)
+
+    if broken == "shift":
+        monkeypatch.setattr(row_lengths.RowGather, "shifted", no_shift)
+    else:
+        monkeypatch.setattr(row_lengths.RowGather, "left_padded", mask_as_it_lies)
+    result = tfgraph.export(_source(case, hf_dirs), tmp_path / "a", kv_cache=True)
     rows = result.report["parity"]["rows"]
     assert not result.passed and not rows["passed"]
-    assert rows["max_abs_err"] > 100 * ATOL
+    assert rows["max_abs_err"] > 10 * ATOL
 
 
 def test_every_row_length_artifact_proves_rows_at_their_own_lengths(artifacts, monkeypatch):
