@@ -5,11 +5,16 @@ and values in its slot, padded to the slot's encoder capacity: the step graph mu
 padding. A model traced without an ``attention_mask`` input (Hugging Face T5 and BART as
 tfgraph loads them from a directory take only ``input_ids`` and ``decoder_input_ids``) has no
 mask to do it with. :func:`add_encoder_mask` gives every cross-attention a key-padding bias
-from a new input ``attention_mask`` (role ``encoder_attention_mask``, (batch,
-encoder_sequence) int64, 1 for a real position): the bias the classifier builds from a mask
-input (:func:`.key_padding_bias.build_key_bias`), added to any bias the layer had. With a
-mask of ones the graph computes what it did; only the step graph reads the input (the
-encoder file does not take it: a slot's encoder runs on its prompt alone, unpadded).
+from a new input ``encoder_slot_mask`` (role ``encoder_slot_mask``, (batch, encoder_sequence)
+int64, 1 for a position the slot's request has): the bias the classifier builds from a mask
+input (:func:`.key_padding_bias.build_key_bias`), added to any bias the layer had. Only the
+step graph reads it (the encoder file does not: a slot's encoder runs on its prompt alone).
+
+It is a role of its own, not ``encoder_attention_mask``: the model as written attends to
+every encoder position, padding included, so ``generate`` over left-padded prompts feeds it
+ones and computes what eager PyTorch computes; only a slot, whose padding is the slot's and
+not the request's, feeds zeros. Added for a text encoder (its input has role
+``encoder_token_ids``); a speech encoder-decoder is not batched in flight anyway.
 
 Called by :class:`~.insert_kv_cache.InsertKVCachePass` with per-row lengths, after the cross
 K/V are named (their names find the cross-attentions).
@@ -32,13 +37,15 @@ from .split_encoder import CROSS_KV_KEY
 logger = logging.getLogger(__name__)
 
 BIAS_SLOT = AttentionOp.BIAS
-NAMES = ("attention_mask", "encoder_attention_mask")  # the first one no input has
+NAME = "encoder_slot_mask"
 
 
 def add_encoder_mask(model: ir.Model) -> int:
     """Mask every cross-attention's keys with a new encoder-mask input, where the model has
     cross-attention and no such input; the number of layers masked."""
     if contract.names_with_role(model, contract.ENCODER_ATTENTION_MASK):
+        return 0
+    if not contract.names_with_role(model, contract.ENCODER_TOKEN_IDS):
         return 0
     entries = json.loads(model.metadata_props.get(CROSS_KV_KEY, "[]"))
     cross = {name for name, role, _ in entries if role == contract.CROSS_KEY}
@@ -49,10 +56,9 @@ def add_encoder_mask(model: ir.Model) -> int:
     ]
     if not nodes:
         return 0
-    taken = {v.name for v in model.graph.inputs}
-    name = next((n for n in NAMES if n not in taken), None)
+    name = NAME
     keys = nodes[0].inputs[1]
-    if name is None or keys.shape is None or len(keys.shape) != 4:
+    if name in {v.name for v in model.graph.inputs} or keys.shape is None or len(keys.shape) != 4:
         logger.info("no encoder mask added: no free input name or the keys' shape is unknown")
         return 0
     batch, _, length, _ = dims_of(keys)
@@ -60,7 +66,7 @@ def add_encoder_mask(model: ir.Model) -> int:
         name=name, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([batch, length])
     )
     model.graph.inputs.append(mask)
-    contract.set_role(model, name, contract.ENCODER_ATTENTION_MASK)
+    contract.set_role(model, name, contract.ENCODER_SLOT_MASK)
     built: dict[ir.DataType | None, ir.Value] = {}
     for node in nodes:
         dtype = node.inputs[0].dtype

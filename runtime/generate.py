@@ -90,6 +90,9 @@ class CachedDecoder:
             if p.role not in (contract.TOKEN_IDS, contract.ATTENTION_MASK, *_CACHE_ROLES)
         ]
         self._keys = {p.name: p.key for p in signature.inputs}
+        self._slot_masks = {
+            p.name for p in signature.inputs if p.role == contract.ENCODER_SLOT_MASK
+        }
         self._logits = (signature.output(contract.LOGITS) or signature.outputs[0]).key
         self.encoder = None
         self.encoder_inputs: list[str] = []
@@ -120,6 +123,15 @@ class CachedDecoder:
             elif port.role == contract.ENCODER_ATTENTION_MASK:
                 feeds[port.name] = mask
         return feeds
+
+    def _cross_length(self, extra: dict | None) -> int:
+        """The encoder positions of the cross K/V in ``extra`` (runner values or arrays)."""
+        for port in self._all_inputs():
+            value = (extra or {}).get(port.name)
+            if port.role == contract.CROSS_KEY and value is not None:
+                shape = value.shape() if callable(value.shape) else value.shape
+                return int(shape[2])
+        raise TfgraphError("the step graph needs the encoder's cross-attention keys")
 
     def check_positions(self, needed: int, what: str) -> None:
         """Refuse, before the runner runs, more positions than the model supports."""
@@ -172,6 +184,11 @@ class CachedDecoder:
                 )
             feeds[(contract.ATTENTION_MASK, None)] = np.asarray(mask, np.int64)
         for name in self.extra_inputs:
+            if (extra is None or name not in extra) and name in self._slot_masks:
+                # the slot mask export added: ones, the model as written (slots feed theirs)
+                shape = (tokens.shape[0], self._cross_length(extra))
+                feeds[self._keys[name]] = np.ones(shape, np.int64)
+                continue
             if extra is None or name not in extra:
                 raise TfgraphError(f"the model also needs input '{name}'")
             feeds[self._keys[name]] = extra[name]

@@ -47,6 +47,9 @@ logger = logging.getLogger(__name__)
 
 
 _CROSS = (contract.CROSS_KEY, contract.CROSS_VALUE)
+# a slot masks its cross K/V's padding with the model's encoder mask or, where the model takes
+# none, the one export added (passes/encoder_mask.py)
+_ENCODER_MASKS = (contract.ENCODER_ATTENTION_MASK, contract.ENCODER_SLOT_MASK)
 
 
 _STEP = (contract.TOKEN_IDS, contract.ATTENTION_MASK, contract.PAST_KEY, contract.PAST_VALUE,
@@ -61,9 +64,9 @@ def signature_support(signature: contract.Signature, encoder_file: bool) -> str 
     if contract.ENCODER_TOKEN_IDS in roles:
         return "the encoder runs inside the step graph (no encoder.onnx to run per request)"
     if roles & set(_CROSS) or encoder_file:
-        if contract.ENCODER_ATTENTION_MASK not in roles:
+        if not roles & set(_ENCODER_MASKS):
             return "the step graph takes no encoder mask, so slots cannot pad their cross K/V"
-        roles -= {*_CROSS, contract.ENCODER_ATTENTION_MASK}
+        roles -= {*_CROSS, *_ENCODER_MASKS}
     if roles:
         return f"the step graph also takes {', '.join(sorted(roles))} per request"
     if not signature.row_lengths:
@@ -145,7 +148,7 @@ class SlotBatcher:
                 heads, size = port.shape[1], port.shape[3]
                 dtype = self.decoder.session.input_dtype(port.name) or np.float32
                 self.cross[port.name] = np.zeros((self.slots, heads, positions, size), dtype)
-            elif port.role == contract.ENCODER_ATTENTION_MASK:
+            elif port.role in _ENCODER_MASKS:
                 mask = np.zeros((self.slots, positions), np.int64)
                 mask[:, 0] = 1  # a free slot's row attends to something (no NaN in its row)
                 self.cross[port.name] = mask

@@ -255,16 +255,18 @@ def test_encoder_decoder_requests_equal_generate_alone(case, target, artifacts):
 
 def test_an_encoder_decoder_without_an_encoder_mask_gets_one(artifacts):
     """Hugging Face BART as loaded from a directory takes no attention_mask: the cache pass
-    gives its step graph one (role encoder_attention_mask) for the cross-attention alone, so
-    a slot masks the padding of its cross K/V; the encoder file does not take it. The
-    control: cross K/V padded with garbage and the mask's padding opened up changes the
-    logits, so the mask is what keeps the padding out."""
+    gives its step graph one (role encoder_slot_mask) for the cross-attention alone, so a
+    slot masks the padding of its cross K/V; the encoder file does not take it, and
+    ``generate`` feeds it ones (the model as written). The control: cross K/V padded with
+    garbage and the mask's padding opened up changes the logits, so the mask is what keeps
+    the padding out."""
     path = artifacts("hf:bart")
     manifest = json.loads((path / "manifest.json").read_text())
     roles = {p["name"]: p["role"] for p in manifest["graphs"]["model.onnx"]["inputs"]}
-    assert roles.get("attention_mask") == "encoder_attention_mask"
+    assert roles.get("encoder_slot_mask") == "encoder_slot_mask"
+    assert "encoder_attention_mask" not in roles.values()
     encoder = {p["role"] for p in manifest["graphs"]["encoder.onnx"]["inputs"]}
-    assert "encoder_attention_mask" not in encoder
+    assert "encoder_slot_mask" not in encoder
     decoder = CachedDecoder(Session(path))
     assert inflight_support(decoder) is None
     start, extra = seq2seq_prompts(decoder, [[5, 6, 7]], 0, 0)
@@ -273,7 +275,7 @@ def test_an_encoder_decoder_without_an_encoder_mask_gets_one(artifacts):
     masked, _ = decoder.step(np.asarray(start), cache, None, {**extra, **_padded(cross, 2)})
     alone, _ = decoder.step(np.asarray(start), decoder.empty_cache(1, 4), None, {**extra, **cross})
     np.testing.assert_allclose(masked, alone, atol=ATOL, rtol=0)
-    opened = {**extra, **_padded(cross, 2), "attention_mask": np.ones((1, 5), np.int64)}
+    opened = {**extra, **_padded(cross, 2), "encoder_slot_mask": np.ones((1, 5), np.int64)}
     leaked, _ = decoder.step(np.asarray(start), decoder.empty_cache(1, 4), None, opened)
     assert np.abs(leaked - alone).max() > 100 * ATOL
 
@@ -290,7 +292,7 @@ def _padded(cross: dict, extra_positions: int) -> dict:
     length = next(iter(out.values())).shape[2]
     mask = np.zeros((1, length), np.int64)
     mask[:, : length - extra_positions] = 1
-    out["attention_mask"] = mask
+    out["encoder_slot_mask"] = mask
     return out
 
 

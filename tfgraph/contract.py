@@ -12,6 +12,9 @@ role                        layer  meaning
 ``position_ids``                   explicit positions of the tokens
 ``encoder_token_ids``              token ids of a seq2seq encoder
 ``encoder_attention_mask``         padding mask over the encoder positions
+``encoder_slot_mask``              the cross K/V positions a slot holds, 1 for the request's own:
+                                   added at export where the model takes no encoder mask (ones
+                                   outside in-flight batching: the model as written)
 ``input``                          any other data input the user feeds
 ``past_key`` / ``past_value``  i   the cache of self-attention layer i
 ``past_length``                    positions already in a shared cache buffer (the longest row's)
@@ -56,6 +59,7 @@ ATTENTION_MASK = "attention_mask"
 POSITION_IDS = "position_ids"
 ENCODER_TOKEN_IDS = "encoder_token_ids"
 ENCODER_ATTENTION_MASK = "encoder_attention_mask"
+ENCODER_SLOT_MASK = "encoder_slot_mask"  # passes/encoder_mask.py
 INPUT = "input"
 PAST_KEY, PAST_VALUE = "past_key", "past_value"
 PAST_LENGTH = "past_length"

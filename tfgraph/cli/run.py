@@ -111,7 +111,7 @@ def run(args) -> int:
             feeds[port.name] = ids
         elif port.role == contract.ATTENTION_MASK:
             feeds[port.name] = np.ones_like(tokens)
-        elif port.role == contract.ENCODER_ATTENTION_MASK:
+        elif port.role in (contract.ENCODER_ATTENTION_MASK, contract.ENCODER_SLOT_MASK):
             feeds[port.name] = np.ones_like(ids)
         elif port.role == contract.PAST_LENGTH:  # a shared-buffer cached artifact
             feeds[port.name] = np.zeros(1, np.int64)

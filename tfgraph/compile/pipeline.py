@@ -132,7 +132,7 @@ def _index_bound(value: ir.Value) -> int:
     return bound or 2
 
 
-_MASKS = (contract.ATTENTION_MASK, contract.ENCODER_ATTENTION_MASK)
+_MASKS = (contract.ATTENTION_MASK, contract.ENCODER_ATTENTION_MASK, contract.ENCODER_SLOT_MASK)
 
 
 def _probe_feed(value: ir.Value, role: str, rng: np.random.Generator) -> np.ndarray:

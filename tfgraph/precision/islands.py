@@ -356,7 +356,12 @@ def island_feeds(model: ir.Model, source, shapes) -> list[dict]:
     (a left-padded row's leading positions attend to nothing: any value is right there), and
     for a cached graph an empty past (a shared buffer with room for the prompt), length 0."""
     masks = set(
-        contract.names_with_role(model, contract.ATTENTION_MASK, contract.ENCODER_ATTENTION_MASK)
+        contract.names_with_role(
+            model,
+            contract.ATTENTION_MASK,
+            contract.ENCODER_ATTENTION_MASK,
+            contract.ENCODER_SLOT_MASK,
+        )
     )
     shared = bool(contract.names_with_role(model, contract.PAST_LENGTH))
     pasts = set(contract.names_with_role(model, contract.PAST_KEY, contract.PAST_VALUE))
@@ -369,7 +374,7 @@ def island_feeds(model: ir.Model, source, shapes) -> list[dict]:
         for value in model.graph.inputs:
             if value.name in masks:  # no padding: a padded row's leading positions attend
                 like = inputs.get(value.name)  # to nothing, any value
-                if like is None:  # an encoder mask the export added: the encoder tokens'
+                if like is None:  # the slot mask export added: the encoder tokens' shape
                     tokens = contract.names_with_role(model, contract.ENCODER_TOKEN_IDS)
                     like = next(inputs[n] for n in tokens if n in inputs)
                 feed[value.name] = np.ones_like(like)

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 
-from tfgraph import contract
 from tfgraph.runtime import CachedDecoder, open_runner
 from tfgraph.sources import ModelSource
 from tfgraph.verify.parity import (
@@ -48,11 +47,6 @@ def _split(source: ModelSource, decoder: CachedDecoder, inputs: dict) -> tuple:
     arrays = {n: v.numpy() for n, v in inputs.items() if n != decoder.token_input}
     extra = {n: arrays[n] for n in decoder.extra_inputs if n in arrays}
     extra.update(decoder.encode(arrays))
-    for port in decoder._all_inputs():  # an encoder mask the export added (the model had
-        if port.role == contract.ENCODER_ATTENTION_MASK and port.name not in arrays:  # none)
-            ids = next(arrays[p.name] for p in decoder._all_inputs()
-                       if p.role == contract.ENCODER_TOKEN_IDS)  # fmt: skip
-            extra[port.name] = np.ones_like(ids)
     return tokens, extra
 
 
