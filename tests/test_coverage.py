@@ -34,6 +34,34 @@ def test_architectures_are_read_from_transformers():
     assert rows["whisper"][1] == "WhisperForConditionalGeneration"  # not WhisperForCausalLM
 
 
+@pytest.mark.parametrize(
+    "model_type, kind, cls",
+    [
+        ("gemma3", "causal-lm", "Gemma3ForConditionalGeneration"),
+        ("qwen2_audio", "seq2seq-lm", "Qwen2AudioForConditionalGeneration"),
+        ("t5gemma", "seq2seq-lm", "T5GemmaForConditionalGeneration"),
+        ("mllama", "causal-lm", "MllamaForCausalLM"),
+    ],
+)
+def test_composite_configs_are_tiny_in_every_sub_config(model_type, kind, cls):
+    """A multimodal or encoder-decoder config keeps its parts in sub-configs, which the
+    top-level overrides never reached: built from them, gemma3 had 2.7 B parameters and
+    qwen2_audio 12.7 B, and the coverage worker was killed for memory. Each sub-config is
+    now made tiny from its own class (and its special tokens fit the tiny vocabulary)."""
+    import torch
+    import transformers
+
+    config = coverage.tiny_config(model_type, kind)
+    with torch.device("meta"):
+        model = getattr(transformers, cls)._from_config(config)
+    assert sum(p.numel() for p in model.parameters()) < 5_000_000
+    for name in config.sub_configs:
+        sub = getattr(config, name)
+        for key, value in coverage.TINY.items():
+            if key in ("hidden_size", "num_hidden_layers") and hasattr(sub, key):
+                assert getattr(sub, key) == value, (name, key)
+
+
 def test_subset_is_complete(tmp_path, capsys):
     assert (
         main(["coverage", "--out", str(tmp_path), "--only", ",".join(SUBSET), "--jobs", "2"]) == 0

@@ -5,8 +5,11 @@ For each model type in transformers' auto mappings (causal LMs, sequence-to-sequ
 speech encoder-decoders, text encoders, vision and speech encoders):
 
 1. a tiny config (:func:`tiny_config`: 2 layers, width 64, 4 heads, vocabulary 512 …, set only
-   where the default config has the attribute, then rebuilt so derived fields follow), random
-   weights, ``save_pretrained`` into a temporary directory;
+   where the default config has the attribute, then rebuilt so derived fields follow; a
+   composite config's sub-configs — a multimodal model's ``text_config`` and
+   ``vision_config``, T5Gemma's ``encoder``/``decoder`` — made tiny the same way, each
+   rebuilt from its own class), random weights, ``save_pretrained`` into a temporary
+   directory;
 2. ``export`` with the default pipeline: status, attention and norm fused/total with every miss
    reason, parity;
 3. decoders (causal and seq2seq LMs): ``export --kv-cache``, then 32 greedy tokens for two
@@ -110,6 +113,7 @@ TINY = {
     "topk_group": 1,
     "attention_types": [[["global", "local"], 1]],  # GPT-Neo: one global + one local layer
 }
+SPECIAL_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 EAGER_FAILED = "eager failed"  # the tiny model does not run on inputs from its own config
 
 
@@ -140,13 +144,17 @@ def tiny_config(model_type: str, kind: str = ""):
 
     default = transformers.AutoConfig.for_model(model_type)
     overrides = {k: v for k, v in TINY.items() if _has(default, k)}
+    # sub-configs made tiny too: the top-level overrides never reach them, and a multimodal
+    # model built from its default vision/audio/text configs has 2.7-12.7 billion parameters
+    # (measured: gemma3 2.7 B, qwen2_audio 12.7 B), which killed the worker for memory
+    overrides.update(_tiny_sub_configs(default))
     if "kv_lora_rank" in overrides and "num_key_value_heads" in overrides:
         overrides["num_key_value_heads"] = overrides["num_attention_heads"]  # MLA: K/V per head
     if default.is_encoder_decoder:
         overrides.setdefault("decoder_start_token_id", 1)
     if kind == "causal-lm":  # BERT-style decoders (bert-generation) are causal only so
         overrides["is_decoder"] = True
-    overrides.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    overrides.update(SPECIAL_TOKENS)
     for _ in range(len(overrides)):  # drop an override the config refuses, and retry
         try:
             return transformers.AutoConfig.for_model(model_type, **overrides)
@@ -156,6 +164,41 @@ def tiny_config(model_type: str, kind: str = ""):
                 raise
             overrides.pop(refused[0])
     return transformers.AutoConfig.for_model(model_type, **overrides)
+
+
+def _tiny_sub_configs(config, depth: int = 0) -> dict:
+    """``{name: tiny sub-config as a dict}`` for each sub-config of a composite config (its
+    nested ones made tiny too), each rebuilt from its own class with the :data:`TINY` values
+    it has; a sub-config whose class refuses them keeps its default."""
+    from transformers import PretrainedConfig
+
+    out = {}
+    for name in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, name, None)
+        if not isinstance(sub, PretrainedConfig) or depth > 2:
+            continue
+        overrides = {k: v for k, v in TINY.items() if _has(sub, k)}
+        # special tokens inside the tiny vocabulary (mllama's text config pads with 128004)
+        overrides.update({k: v for k, v in SPECIAL_TOKENS.items() if _has(sub, k)})
+        overrides.update(_tiny_sub_configs(sub, depth + 1))
+        built = _build(type(sub), overrides)
+        if built is not None:
+            out[name] = built.to_dict()
+    return out
+
+
+def _build(cls, overrides: dict):
+    """``cls(**overrides)``, dropping an override it refuses and retrying; None if none fits."""
+    overrides = dict(overrides)
+    for _ in range(len(overrides) + 1):
+        try:
+            return cls(**overrides)
+        except Exception as exc:
+            refused = [k for k in overrides if f"'{k}'" in str(exc) or k in str(exc)]
+            if not refused:
+                return None
+            overrides.pop(refused[0])
+    return None
 
 
 def _has(config, name: str) -> bool:
