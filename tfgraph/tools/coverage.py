@@ -112,6 +112,12 @@ TINY = {
     "n_group": 1,  # DeepSeek's grouped routing over the (now 4) experts
     "topk_group": 1,
     "attention_types": [[["global", "local"], 1]],  # GPT-Neo: one global + one local layer
+    # tables sized apart from the vocabulary and width (measured on the meta device: BLT's
+    # hash embeddings 3.0 M x 64, Gemma 4's per-layer embeddings 262 k x 512)
+    "encoder_hash_byte_group_vocab": 512,
+    "hidden_size_global": 64,
+    "vocab_size_per_layer_input": 512,
+    "hidden_size_per_layer_input": 16,
 }
 SPECIAL_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 EAGER_FAILED = "eager failed"  # the tiny model does not run on inputs from its own config

@@ -46,7 +46,9 @@ def greedy_vs_hf(work: Path, model, kind: str) -> dict:
     )
     ours = GenerationConfig(max_new_tokens=NEW_TOKENS, pad_token_id=0)
     reference = "Hugging Face generate"
-    if kind == "causal-lm":
+    # the artifact decides: an audio or vision LM that transformers lists among the seq2seq
+    # models (Qwen2-Audio, Voxtral) traces, from token ids alone, to a decoder-only graph
+    if kind == "causal-lm" or not decoder.seq2seq:
         prompts = [list(p) for p in PROMPTS]
         got = generate(decoder, prompts, ours).tokens
         ids, mask = left_pad(prompts, 0)
