@@ -31,7 +31,6 @@ from tfgraph import contract
 
 from .canonical import DOMAIN, AttentionOp
 from .key_padding_bias import build_key_bias
-from .rewrite_utils import dims_of
 from .split_encoder import CROSS_KV_KEY
 
 logger = logging.getLogger(__name__)
@@ -45,7 +44,9 @@ def add_encoder_mask(model: ir.Model) -> int:
     cross-attention and no such input; the number of layers masked."""
     if contract.names_with_role(model, contract.ENCODER_ATTENTION_MASK):
         return 0
-    if not contract.names_with_role(model, contract.ENCODER_TOKEN_IDS):
+    tokens = contract.names_with_role(model, contract.ENCODER_TOKEN_IDS)
+    encoder = next((v for v in model.graph.inputs if v.name in tokens), None)
+    if encoder is None or encoder.shape is None or len(encoder.shape) != 2:
         return 0
     entries = json.loads(model.metadata_props.get(CROSS_KV_KEY, "[]"))
     cross = {name for name, role, _ in entries if role == contract.CROSS_KEY}
@@ -61,9 +62,10 @@ def add_encoder_mask(model: ir.Model) -> int:
     if name in {v.name for v in model.graph.inputs} or keys.shape is None or len(keys.shape) != 4:
         logger.info("no encoder mask added: no free input name or the keys' shape is unknown")
         return 0
-    batch, _, length, _ = dims_of(keys)
+    # the encoder tokens' shape (its dims named as the graph names them: the keys' length
+    # may carry a name of its own, and a probe would size the two apart)
     mask = ir.Value(
-        name=name, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([batch, length])
+        name=name, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(list(encoder.shape))
     )
     model.graph.inputs.append(mask)
     contract.set_role(model, name, contract.ENCODER_SLOT_MASK)
