@@ -120,6 +120,16 @@ def attention_sink(node: ir.Node) -> ir.Value | None:
     return node.inputs[SINK_SLOT] if len(node.inputs) > SINK_SLOT else None
 
 
+def require_lowered_attention(model: ir.Model, pass_: object, what: str, after: str) -> None:
+    """The precondition of a pass over lowered attention: no ``tfgraph.Attention`` left.
+    ``what`` the pass builds, ``after`` the passes it runs after (both for the message)."""
+    if any(is_canonical(n, AttentionOp.OP) for n in model.graph):
+        raise ir.passes.PreconditionError(
+            f"{what} needs lowered attention, but tfgraph.Attention is still in the graph: "
+            f"run {type(pass_).__name__} after {after}"
+        )
+
+
 def drop_attention_bias(node: ir.Node) -> None:
     """Remove the bias input of a canonical attention, keeping its sink."""
     if attention_sink(node) is not None:

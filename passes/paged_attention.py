@@ -44,7 +44,7 @@ import onnx_ir.passes.common as common
 
 from tfgraph import contract
 
-from .canonical import AttentionOp, is_canonical
+from .canonical import require_lowered_attention
 from .provenance import module_name
 from .rewrite_utils import add_initializer, insert_tape, replace_value
 
@@ -182,12 +182,10 @@ class PagedAttentionPass(ir.passes.InPlacePass):
         self.refused: str | None = None
 
     def requires(self, model: ir.Model) -> None:
-        if any(is_canonical(n, AttentionOp.OP) for n in model.graph):
-            raise ir.passes.PreconditionError(
-                "the paged KV cache needs lowered attention (GroupQueryAttention), but "
-                "tfgraph.Attention is still in the graph: run PagedAttentionPass after "
-                "LowerAttentionPass and ShareKVBufferPass"
-            )
+        require_lowered_attention(
+            model, self, "the paged KV cache (GroupQueryAttention)",
+            "LowerAttentionPass and ShareKVBufferPass",
+        )  # fmt: skip
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.refused = None

@@ -67,7 +67,7 @@ ROW_LENGTHS_FROM_KEY = "tfgraph.row_lengths_from"
 
 # token ops whose machinery operand broadcasts against the other (numpy rules)
 BROADCASTING = {"Add", "Sub", "Mul", "Div", "Where", "Pow", "Max", "Min"}
-BIAS_SLOT = 3  # tfgraph.Attention(Q, K, V, bias)
+BIAS_SLOT = AttentionOp.BIAS  # tfgraph.Attention(Q, K, V, bias)
 # bias kinds measured to be a function of i − j (up to a constant per query row): a row at
 # another past length reads them shifted along the keys
 SHIFTABLE = ("alibi", "relative")

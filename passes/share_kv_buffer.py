@@ -26,7 +26,7 @@ import onnx_ir.passes.common as common
 
 from tfgraph import contract
 
-from .canonical import AttentionOp, is_canonical
+from .canonical import require_lowered_attention
 from .row_lengths import expose_row_lengths
 
 logger = logging.getLogger(__name__)
@@ -54,12 +54,9 @@ def _is_gqa_past(node: ir.Node, index: int) -> bool:
 
 class ShareKVBufferPass(ir.passes.InPlacePass):
     def requires(self, model: ir.Model) -> None:
-        if any(is_canonical(n, AttentionOp.OP) for n in model.graph):
-            raise ir.passes.PreconditionError(
-                "the shared KV buffer needs lowered attention (GroupQueryAttention), but "
-                "tfgraph.Attention is still in the graph: run ShareKVBufferPass after "
-                "LowerAttentionPass"
-            )
+        require_lowered_attention(
+            model, self, "the shared KV buffer (GroupQueryAttention)", "LowerAttentionPass"
+        )
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph

@@ -38,7 +38,7 @@ import onnx_ir.passes.common as common
 
 from tfgraph import contract
 
-from .canonical import AttentionOp, is_canonical
+from .canonical import require_lowered_attention
 from .rewrite_utils import insert_tape, replace_value
 from .row_lengths import expose_row_lengths, row_lengths_value
 
@@ -183,11 +183,7 @@ def _forget_total_lengths(buffers: list[ir.Value], totals: set[str]) -> None:
 
 class StaticKVCachePass(ir.passes.InPlacePass):
     def requires(self, model: ir.Model) -> None:
-        if any(is_canonical(n, AttentionOp.OP) for n in model.graph):
-            raise ir.passes.PreconditionError(
-                "the static KV cache needs lowered attention, but tfgraph.Attention is still in "
-                "the graph: run StaticKVCachePass after LowerAttentionPass"
-            )
+        require_lowered_attention(model, self, "the static KV cache", "LowerAttentionPass")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph

@@ -532,14 +532,29 @@ def two_value_gpt():
     return TwoValueGPT().eval()
 
 
-class AbsoluteBiasLM(nn.Module):
+class LeftPaddedInputs:
+    """The tfgraph input protocol for a module taking ``input_ids`` and ``attention_mask``:
+    random ids below ``vocab``, rows after the first left-padded by a third."""
+
+    input_names = ("input_ids", "attention_mask")
+    output_names = ("logits",)
+    vocab = 64
+
+    def example_inputs(self, batch, seq, generator):
+        ids = torch.randint(1, self.vocab, (batch, seq), generator=generator)
+        mask = torch.ones(batch, seq, dtype=torch.int64)
+        mask[1:, : seq // 3] = 0  # rows after the first are left-padded
+        return {"input_ids": ids, "attention_mask": mask}
+
+    def dynamic_axes(self):
+        return {n: {0: "batch", 1: "sequence"} for n in self.input_names}
+
+
+class AbsoluteBiasLM(LeftPaddedInputs, nn.Module):
     """A bias over absolute (query, key) positions, ``sin(0.3 i) · cos(0.7 j)`` per head, plus
     the causal and padding mask from ``attention_mask``: a padding bias that does not move
     with left padding (not a function of i − j), so rows at their own lengths cannot read it
     shifted."""
-
-    input_names = ("input_ids", "attention_mask")
-    output_names = ("logits",)
 
     def __init__(self, vocab=64, d=32, h=2):
         super().__init__()
@@ -561,15 +576,6 @@ class AbsoluteBiasLM(nn.Module):
         bias = bias[None].masked_fill(~keep, torch.finfo(x.dtype).min)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
         return self.head(x + self.o(y.transpose(1, 2).contiguous().reshape(B, T, -1)))
-
-    def example_inputs(self, batch, seq, generator):
-        ids = torch.randint(1, 64, (batch, seq), generator=generator)
-        mask = torch.ones(batch, seq, dtype=torch.int64)
-        mask[1:, : seq // 3] = 0  # rows after the first are left-padded
-        return {"input_ids": ids, "attention_mask": mask}
-
-    def dynamic_axes(self):
-        return {n: {0: "batch", 1: "sequence"} for n in self.input_names}
 
 
 def absolute_bias_lm():

@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from idiom_models import LeftPaddedInputs
 from test_hf_pipelines import CONFIGS, SMALL
 
 import tfgraph
@@ -70,11 +71,10 @@ def _check(source, tmp_path, target: str = "ort") -> None:
     assert comparison.tokens == comparison.want_tokens
 
 
-class MaskedLM(torch.nn.Module):
+class MaskedLM(LeftPaddedInputs, torch.nn.Module):
     """HF GPT-2 taking ``attention_mask``: left padding is masked (in the cache too)."""
 
-    input_names = ("input_ids", "attention_mask")
-    output_names = ("logits",)
+    vocab = 200
 
     def __init__(self, model) -> None:
         super().__init__()
@@ -82,15 +82,6 @@ class MaskedLM(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask):
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
-
-    def example_inputs(self, batch, seq, generator):
-        ids = torch.randint(1, 200, (batch, seq), generator=generator)
-        mask = torch.ones(batch, seq, dtype=torch.int64)
-        mask[1:, : seq // 3] = 0  # rows after the first are left-padded
-        return {"input_ids": ids, "attention_mask": mask}
-
-    def dynamic_axes(self):
-        return {n: {0: "batch", 1: "sequence"} for n in self.input_names}
 
 
 def _source(case: str, hf_dirs):
