@@ -19,6 +19,21 @@ reads them (``AttentionOp.read(node)``). Nothing else spells their attributes.
 - ``tfgraph.LayerNorm(x[, γ[, β]])`` and ``tfgraph.RMSNorm(x[, γ])`` over the last axis, with
   ``epsilon``.
 - ``tfgraph.Gelu(x)`` with ``approximate`` ``none`` (erf) or ``tanh``.
+- ``tfgraph.LinearAttention(q, k, v[, past_state[, decay[, beta]]]) → (y, present_state)``:
+  a linear-attention recurrence over the T tokens, the inputs packed (B, T, H·d) as ONNX
+  Runtime's ``com.microsoft.LinearAttention`` takes them; state S (B, H, d_k, d_v), zeros
+  when ``past_state`` is absent; ``update_rule`` ``linear`` (S ← S + k⊗v), ``gated``
+  (S ← e^g·S + k⊗v), ``delta`` (S ← S + β·k⊗(v − Sᵀk)), ``gated_delta`` (S ← e^g·S +
+  β·k⊗(v − e^g·Sᵀk)); y_t = scale·Sᵀq_t after the update. ``decay`` g (log space) is
+  (B, T, H) per head or (B, T, H·d_k) per key dimension; ``beta`` (B, T, H). Here q, k and
+  v have the same head count H (grouped heads are repeated before the op).
+  ``present_state`` is the state after the last token; ``cached``: the KV-cache pass gave it
+  a ``past_state`` graph input and made ``present_state`` a graph output.
+- ``tfgraph.CausalConv(x, weight[, bias[, past_state]]) → (y, present_state)``: a causal
+  depthwise convolution along the last axis of x (B, C, T), weight (C, 1, K), as
+  ``com.microsoft.CausalConvWithState``: y_t = act(Σ_j w_j·x_{t−K+1+j} + b) reading
+  ``past_state`` (B, C, K − 1), zeros when absent, before x; ``present_state`` the last
+  K − 1 columns of ``Concat(past_state, x)``; ``activation`` ``none`` or ``silu``.
 """
 
 from __future__ import annotations
@@ -172,3 +187,47 @@ class GeluOp(_Canonical):
     @classmethod
     def read(cls, node: ir.Node) -> GeluOp:
         return cls(approximate=node.attributes.get_string("approximate", "none"))
+
+
+@dataclass(frozen=True)
+class LinearAttentionOp(_Canonical):
+    OP: ClassVar[str] = "LinearAttention"
+    PAST_STATE: ClassVar[int] = 3  # input slot of the carried state
+    RULES: ClassVar[tuple[str, ...]] = ("linear", "gated", "delta", "gated_delta")
+
+    q_num_heads: int
+    kv_num_heads: int
+    update_rule: str
+    scale: float
+    cached: bool = False
+
+    @classmethod
+    def read(cls, node: ir.Node) -> LinearAttentionOp:
+        attrs = node.attributes
+        return cls(
+            q_num_heads=attrs.get_int("q_num_heads"),
+            kv_num_heads=attrs.get_int("kv_num_heads"),
+            update_rule=attrs.get_string("update_rule"),
+            scale=attrs.get_float("scale"),
+            cached=bool(attrs.get_int("cached", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class CausalConvOp(_Canonical):
+    OP: ClassVar[str] = "CausalConv"
+    PAST_STATE: ClassVar[int] = 3  # input slot of the carried state
+
+    activation: str = "none"
+    cached: bool = False
+
+    @classmethod
+    def read(cls, node: ir.Node) -> CausalConvOp:
+        attrs = node.attributes
+        return cls(
+            activation=attrs.get_string("activation", "none"),
+            cached=bool(attrs.get_int("cached", 0)),
+        )
+
+
+RECURRENT_OPS: dict[str, type] = {"LinearAttention": LinearAttentionOp, "CausalConv": CausalConvOp}

@@ -207,8 +207,10 @@ class _Analysis:
                 return f"a product contracting the sequence {outside} (linear attention)"
         return None
 
-    def check(self) -> None:
-        if not self.layers:
+    def check(self, states: bool = False) -> None:
+        """``states``: the graph carries recurrent states (:mod:`.insert_recurrent_state`), so
+        it may have no attention layer at all."""
+        if not self.layers and not states:
             raise KVCacheError(
                 "no fused self-attention over the token sequence: the KV cache needs every "
                 "attention layer fused (see the report's fusions.attention.missed)"
@@ -502,8 +504,11 @@ class InsertKVCachePass(ir.passes.InPlacePass):
         common.ShapeInferencePass()(model)  # shapes of values the fusion passes created
         _shapes_from_tokens(model, seq)
         analysis = _Analysis(model, seq)
-        analysis.check()
+        states = contract.names_with_role(model, *contract.STATE_ROLES)
+        analysis.check(states=bool(states))
         junction_keys = _key_axes(analysis)
+        if not analysis.layers:  # recurrent layers only: the mask still spans past + new
+            return self._states_only(model, analysis, seq, junction_keys)
         pasts = []
         for i, node in enumerate(analysis.layers):
             k, v = node.inputs[1], node.inputs[2]
@@ -521,13 +526,83 @@ class InsertKVCachePass(ir.passes.InPlacePass):
         graph.insert_before(next(iter(graph)), shape_node)
         rewriter = _Rewriter(analysis, shape_node.outputs[0])
         rows = None
-        if self.row_lengths:
+        if self.row_lengths and states:
+            model.metadata_props[ROW_LENGTHS_KEY] = (
+                "recurrent layers carry one state per row: a slot cannot join mid-batch"
+            )
+        elif self.row_lengths:
             tokens = _token_input(model, seq)
             if tokens is None:
                 model.metadata_props[ROW_LENGTHS_KEY] = "no token input with a batch axis"
             else:
                 rows = RowGather(rewriter, tokens, shape_node.outputs[0])
                 graph.insert_after(shape_node, rows.nodes)
+        self._junctions(model, analysis, rewriter, rows, junction_keys, seq)
+        # K and V: the past, then the new tokens; the concatenation is the present.
+        for i, node in enumerate(analysis.layers):
+            # Q and K shared the sequence axis, where both causal alignments coincide; with a
+            # past, the new queries follow it: bottom-right (SDPA's is_causal is top-left)
+            spec = AttentionOp.read(node)
+            spec.replace(cached=True, causal_alignment="bottom_right").write(node)
+            for slot, past, role in (
+                (1, pasts[2 * i], contract.PRESENT_KEY),
+                (2, pasts[2 * i + 1], contract.PRESENT_VALUE),
+            ):
+                present = contract.tensor_name(role, i)
+                contract.set_role(model, present, role, i)
+                new = node.inputs[slot]
+                concat = ir.node("Concat", [past, new], {"axis": 2})
+                out = concat.outputs[0]
+                out.name, out.type = present, new.type
+                out.shape = ir.Shape([TOTAL_DIM if d == seq else d for d in dims_of(new)])
+                concat.metadata_props.update(node.metadata_props)
+                graph.insert_before(node, concat)
+                node.replace_input_with(slot, out)
+                graph.outputs.append(out)
+        _name_cross_kv(model, analysis)
+        if rows is not None:  # slots pad their cross K/V: the step graph masks the padding
+            add_encoder_mask(model)
+        if rows is not None:
+            model.metadata_props[ROW_LENGTHS_KEY] = rows.refused or PER_ROW
+            if not rows.refused:  # for the kernels, should the cleanup remove them
+                graph.metadata_props[ROW_LENGTHS_FROM_KEY] = f"{rows.tokens.name}\n{pasts[0].name}"
+            if rows.refused:
+                logger.info("KV cache without per-row lengths: %s", rows.refused)
+        for mask in analysis.masks:
+            mask.shape = ir.Shape([TOTAL_DIM if d == seq else d for d in dims_of(mask)])
+        logger.info(
+            "KV cache inserted for %d attention layers (%d machinery ops compute only the new "
+            "rows)",
+            len(analysis.layers),
+            rewriter.slicer.pushed,
+        )
+        return ir.passes.PassResult(model, modified=True)
+
+    def _states_only(self, model: ir.Model, analysis: _Analysis, seq: str, junction_keys):
+        """A graph of recurrent layers only: no KV, but the padding mask (which the layers
+        apply to their inputs) spans past + new like any cached graph's; the past length is
+        the mask's length less the new tokens'."""
+        graph = model.graph
+        tokens = _token_input(model, seq)
+        if not analysis.masks or tokens is None:
+            return ir.passes.PassResult(model, modified=False)
+        total = ir.node("Shape", [analysis.masks[0]], {"start": 1, "end": 2})
+        new = ir.node("Shape", [tokens], {"start": 1, "end": 2})
+        past = ir.node("Sub", [total.outputs[0], new.outputs[0]])
+        graph.insert_before(next(iter(graph)), [total, new, past])
+        rewriter = _Rewriter(analysis, past.outputs[0])
+        if self.row_lengths:
+            model.metadata_props[ROW_LENGTHS_KEY] = (
+                "recurrent layers carry one state per row: a slot cannot join mid-batch"
+            )
+        self._junctions(model, analysis, rewriter, None, junction_keys, seq)
+        for mask in analysis.masks:
+            mask.shape = ir.Shape([TOTAL_DIM if d == seq else d for d in dims_of(mask)])
+        logger.info("padding mask over past + new tokens for a recurrent-only graph")
+        return ir.passes.PassResult(model, modified=True)
+
+    def _junctions(self, model, analysis, rewriter, rows, junction_keys, seq) -> None:
+        graph = model.graph
         for value, axes in analysis.key_values.items():  # a token bias now spans L keys
             value.shape = ir.Shape(
                 [TOTAL_DIM if i in axes else d for i, d in enumerate(dims_of(value))]
@@ -597,45 +672,6 @@ class InsertKVCachePass(ir.passes.InPlacePass):
                 for key, prop in node.metadata_props.items():
                     added.metadata_props.setdefault(key, prop)
             node.replace_input_with(index, new)
-        # K and V: the past, then the new tokens; the concatenation is the present.
-        for i, node in enumerate(analysis.layers):
-            # Q and K shared the sequence axis, where both causal alignments coincide; with a
-            # past, the new queries follow it: bottom-right (SDPA's is_causal is top-left)
-            spec = AttentionOp.read(node)
-            spec.replace(cached=True, causal_alignment="bottom_right").write(node)
-            for slot, past, role in (
-                (1, pasts[2 * i], contract.PRESENT_KEY),
-                (2, pasts[2 * i + 1], contract.PRESENT_VALUE),
-            ):
-                present = contract.tensor_name(role, i)
-                contract.set_role(model, present, role, i)
-                new = node.inputs[slot]
-                concat = ir.node("Concat", [past, new], {"axis": 2})
-                out = concat.outputs[0]
-                out.name, out.type = present, new.type
-                out.shape = ir.Shape([TOTAL_DIM if d == seq else d for d in dims_of(new)])
-                concat.metadata_props.update(node.metadata_props)
-                graph.insert_before(node, concat)
-                node.replace_input_with(slot, out)
-                graph.outputs.append(out)
-        _name_cross_kv(model, analysis)
-        if rows is not None:  # slots pad their cross K/V: the step graph masks the padding
-            add_encoder_mask(model)
-        if rows is not None:
-            model.metadata_props[ROW_LENGTHS_KEY] = rows.refused or PER_ROW
-            if not rows.refused:  # for the kernels, should the cleanup remove them
-                graph.metadata_props[ROW_LENGTHS_FROM_KEY] = f"{rows.tokens.name}\n{pasts[0].name}"
-            if rows.refused:
-                logger.info("KV cache without per-row lengths: %s", rows.refused)
-        for mask in analysis.masks:
-            mask.shape = ir.Shape([TOTAL_DIM if d == seq else d for d in dims_of(mask)])
-        logger.info(
-            "KV cache inserted for %d attention layers (%d machinery ops compute only the new "
-            "rows)",
-            len(analysis.layers),
-            rewriter.slicer.pushed,
-        )
-        return ir.passes.PassResult(model, modified=True)
 
 
 def _name_cross_kv(model: ir.Model, analysis: _Analysis) -> None:

@@ -28,9 +28,11 @@ from .fuse_gelu import FuseGeluPass
 from .fuse_norms import FuseNormsPass
 from .gather_after_contraction import GatherAfterContractionPass
 from .insert_kv_cache import InsertKVCachePass
+from .insert_recurrent_state import InsertRecurrentStatePass
 from .lower_attention import LowerAttentionPass
 from .lower_gelu import LowerGeluPass
 from .lower_norms import LowerNormsPass
+from .lower_recurrent import LowerRecurrentPass
 from .target_arg import require_target
 
 
@@ -70,6 +72,7 @@ def _default(target, options: PipelineOptions = PipelineOptions()) -> list[ir.pa
         FuseGeluPass(),
         FuseAttentionPass(),
         ClassifyAttentionBiasPass(),
+        *([InsertRecurrentStatePass()] if options.kv_cache else []),
         *(
             [InsertKVCachePass(row_lengths=target.row_lengths and options.row_lengths)]
             if options.kv_cache
@@ -81,6 +84,7 @@ def _default(target, options: PipelineOptions = PipelineOptions()) -> list[ir.pa
         LowerNormsPass(target),
         LowerGeluPass(target),
         LowerAttentionPass(target),
+        LowerRecurrentPass(target),
         *target.extra_passes(options),
         common.RemoveUnusedNodesPass(),
         common.RemoveUnusedOpsetsPass(),

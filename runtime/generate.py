@@ -30,7 +30,13 @@ from .runner import KVCache, Runner
 logger = logging.getLogger(__name__)
 
 ENCODER_FILE = contract.ENCODER_FILE  # encoder-decoder artifacts: cross-attention K/V, run once
-_CACHE_ROLES = (contract.PAST_KEY, contract.PAST_VALUE, contract.PAST_LENGTH, contract.PAST_LENGTHS)
+_CACHE_ROLES = (
+    contract.PAST_KEY,
+    contract.PAST_VALUE,
+    contract.PAST_LENGTH,
+    contract.PAST_LENGTHS,
+    *contract.STATE_ROLES,
+)
 
 
 @dataclass
@@ -75,7 +81,7 @@ class CachedDecoder:
         signature = session.signature
         token = signature.input(contract.TOKEN_IDS)
         self.layers = signature.cache_layers
-        if token is None or not self.layers:
+        if token is None or not signature.cached:
             names = ", ".join(p.name for p in signature.inputs)
             raise TfgraphError(
                 f"'{session.path}' has no KV cache (inputs: {names}); export it with --kv-cache"

@@ -21,7 +21,7 @@ from tfgraph import contract
 from tfgraph.errors import TfgraphError, first_line
 
 from .runner import RUNNERS, KVCache, RoleKey
-from .session import _PAST_ROLES, _PRESENT_PAST, checked_model
+from .session import _PAST_ROLES, _PRESENT_PAST, checked_model, state_zeros
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +111,10 @@ class ReferenceRunner:
         values = {}
         for port in self.signature.inputs_with(*_PAST_ROLES):
             dims = self._types[port.name].shape.dim
+            if port.role in contract.STATE_ROLES:
+                static = [d.dim_value if d.HasField("dim_value") else None for d in dims]
+                values[port.key] = state_zeros(batch, static, self._dtype(port.name))
+                continue
             shape = (batch, dims[1].dim_value, capacity if buffered else 0, dims[3].dim_value)
             values[port.key] = np.zeros(shape, self._dtype(port.name))
         return KVCache(values, 0, capacity if buffered else None)

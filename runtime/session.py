@@ -132,11 +132,23 @@ def check_external_data(model_file: Path) -> None:
 
 # Named dims that count token positions: checked against the manifest's ``max_positions``.
 SEQUENCE_DIMS = contract.SEQUENCE_DIMS
-_PAST_ROLES = (contract.PAST_KEY, contract.PAST_VALUE)
+# what a cache carries from step to step: KV and the recurrent layers' states (fixed size,
+# zeros before the first step, never written in place)
+_STATE_PAST = {present: past for past, present in contract.STATE_PRESENT_OF.items()}
+_PAST_ROLES = (contract.PAST_KEY, contract.PAST_VALUE, *contract.STATE_ROLES)
 _PRESENT_PAST = {
     contract.PRESENT_KEY: contract.PAST_KEY,
     contract.PRESENT_VALUE: contract.PAST_VALUE,
+    **_STATE_PAST,
 }
+
+
+def state_zeros(batch: int, shape, dtype) -> np.ndarray:
+    """A recurrent state before the first step: zeros of its static dims for ``batch`` rows."""
+    dims = list(shape)[1:]
+    if not all(isinstance(d, int) for d in dims):
+        raise TfgraphError(f"a recurrent state's dims must be static, got {list(shape)}")
+    return np.zeros((batch, *dims), dtype)
 
 
 def _batch_of(feeds: Mapping[RoleKey, object]) -> int:
@@ -306,7 +318,10 @@ class Session:
         for port in self.signature.inputs_with(*_PAST_ROLES):
             shape = self._input_shapes[port.name]
             dtype = _ORT_DTYPES.get(self._input_types[port.name], np.float32)
-            host[port.key] = np.zeros((batch, shape[1], room, shape[3]), dtype)
+            if port.role in contract.STATE_ROLES:
+                host[port.key] = state_zeros(batch, shape, dtype)
+            else:
+                host[port.key] = np.zeros((batch, shape[1], room, shape[3]), dtype)
             # on the CPU the OrtValue shares the array's memory (no copy)
             values[port.key] = ort.OrtValue.ortvalue_from_numpy(host[port.key])
         return KVCache(values, 0, capacity if shared else None, host=host if shared else None)
@@ -357,7 +372,7 @@ class Session:
                 binding.bind_ortvalue_input(port.name, value)
         for port in self.signature.outputs:
             past = (_PRESENT_PAST.get(port.role), port.layer)
-            if shared and past in cache.values:
+            if shared and past in cache.values and port.role not in _STATE_PAST:
                 binding.bind_ortvalue_output(port.name, cache.values[past])  # appended in place
             else:
                 binding.bind_output(port.name, "cpu")
@@ -366,9 +381,15 @@ class Session:
         outputs = {p.key: v for p, v in zip(self.signature.outputs, values, strict=True)}
         if shared:
             lengths = None if cache.lengths is None else np.asarray(cache.lengths) + new_tokens
-            return outputs, KVCache(
-                cache.values, cache.length + new_tokens, cache.capacity, lengths
+            values = dict(cache.values)
+            values.update(
+                {
+                    (_STATE_PAST[p.role], p.layer): outputs[p.key]
+                    for p in self.signature.outputs
+                    if p.role in _STATE_PAST
+                }
             )
+            return outputs, KVCache(values, cache.length + new_tokens, cache.capacity, lengths)
         next_values = {
             (_PRESENT_PAST[p.role], p.layer): outputs[p.key]
             for p in self.signature.outputs

@@ -24,15 +24,11 @@ from tfgraph import contract
 from tfgraph.errors import TfgraphError
 
 from .runner import RUNNERS, KVCache, RoleKey
+from .session import _PAST_ROLES, _PRESENT_PAST  # KV and the recurrent states
 
 logger = logging.getLogger(__name__)
 
 NAME = "tensorrt"
-_PAST_ROLES = (contract.PAST_KEY, contract.PAST_VALUE)
-_PRESENT_PAST = {
-    contract.PRESENT_KEY: contract.PAST_KEY,
-    contract.PRESENT_VALUE: contract.PAST_VALUE,
-}
 
 
 class TensorRTRunner:
@@ -129,6 +125,10 @@ class TensorRTRunner:
         buffered = self.signature.shared_buffer
         values = {}
         for port in self.signature.inputs_with(*_PAST_ROLES):
+            if port.role in contract.STATE_ROLES:  # fixed size, zeros before the first step
+                shape = (batch, *port.shape[1:])
+                values[port.key] = torch.zeros(shape, dtype=self._dtype(port.name), device="cuda")
+                continue
             heads, size = port.shape[1], port.shape[3]
             shape = (batch, heads, capacity if buffered else 0, size)
             values[port.key] = torch.zeros(shape, dtype=self._dtype(port.name), device="cuda")

@@ -23,6 +23,10 @@ role                        layer  meaning
 ``logits``                         next-token scores
 ``hidden_states``                  the last hidden state (encoders)
 ``present_key`` / ``present_value`` i  layer i's cache after this step
+``past_conv_state``            i   the carry of causal convolution i (B, C, K − 1)
+``past_recurrent_state``       i   the state of linear-attention recurrence i (B, H, d_k, d_v)
+``present_conv_state`` /       i   those states after this step (fixed size: the next step
+``present_recurrent_state``        feeds them back as they are)
 ``output``                         any other output
 =========================== ====== ===================================================
 
@@ -72,6 +76,16 @@ HIDDEN_STATES = "hidden_states"
 PRESENT_KEY, PRESENT_VALUE = "present_key", "present_value"
 OUTPUT = "output"
 
+# recurrent layers' carried state (passes/insert_recurrent_state.py): numbered apart from the
+# attention layers, in graph order; zeros before the first step, then the presents
+PAST_CONV_STATE, PRESENT_CONV_STATE = "past_conv_state", "present_conv_state"
+PAST_RECURRENT_STATE, PRESENT_RECURRENT_STATE = "past_recurrent_state", "present_recurrent_state"
+STATE_PRESENT_OF = {
+    PAST_CONV_STATE: PRESENT_CONV_STATE,
+    PAST_RECURRENT_STATE: PRESENT_RECURRENT_STATE,
+}
+STATE_ROLES = tuple(STATE_PRESENT_OF)
+
 GENERIC_ROLES = frozenset({INPUT, OUTPUT})
 PRESENT_OF = {PAST_KEY: PRESENT_KEY, PAST_VALUE: PRESENT_VALUE}
 
@@ -83,6 +97,10 @@ _NAMES = {
     PRESENT_VALUE: "present.{}.value",
     CROSS_KEY: "cross_key_values.{}.key",
     CROSS_VALUE: "cross_key_values.{}.value",
+    PAST_CONV_STATE: "past_conv_state.{}",
+    PRESENT_CONV_STATE: "present_conv_state.{}",
+    PAST_RECURRENT_STATE: "past_recurrent_state.{}",
+    PRESENT_RECURRENT_STATE: "present_recurrent_state.{}",
 }
 PAST_LENGTH_NAME = "past_sequence_length"
 PAST_LENGTHS_NAME = "past_sequence_lengths"
@@ -177,6 +195,16 @@ class Signature:
     @property
     def cache_layers(self) -> list[int]:
         return sorted({p.layer for p in self.inputs if p.role in (PAST_KEY, PAST_VALUE)})
+
+    @property
+    def state_inputs(self) -> list[Port]:
+        """The recurrent layers' carried states (zeros before the first step)."""
+        return self.inputs_with(*STATE_ROLES)
+
+    @property
+    def cached(self) -> bool:
+        """The graph carries something across steps: a KV cache or recurrent states."""
+        return bool(self.cache_layers or self.state_inputs)
 
     @property
     def shared_buffer(self) -> bool:

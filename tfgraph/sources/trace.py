@@ -24,7 +24,7 @@ from tfgraph.errors import TfgraphError, first_line
 from tfgraph.passes.exact_no_op import exact
 from tfgraph.passes.lazy_weights import fold_weight_transposes
 from tfgraph.passes.provenance import module_name  # noqa: F401  (re-exported)
-from tfgraph.sources import replicate_layers
+from tfgraph.sources import recurrent_kernels, replicate_layers
 from tfgraph.sources.model import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -60,12 +60,19 @@ def trace(source: ModelSource, *, opset: int = DEFAULT_OPSET) -> ir.Model:
 
 def _export(source: ModelSource, module, args, dynamic, opset: int):
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(io.StringIO()),
+            recurrent_kernels.substituted(module) as taken,
+        ):
             warnings.simplefilter("ignore")
+            if taken:
+                source.info["recurrent_kernels"] = dict(taken)
             return torch.onnx.export(
                 module,
                 args,
                 dynamo=True,
+                custom_translation_table=recurrent_kernels.translation_table(),
                 dynamic_shapes=dynamic,
                 input_names=list(source.input_names),
                 output_names=list(source.output_names),

@@ -19,13 +19,26 @@ CANONICAL_FUSED = {
     "attention": frozenset({("tfgraph", "Attention")}),
     "norm": frozenset({("tfgraph", "LayerNorm"), ("tfgraph", "RMSNorm")}),
     "gelu": frozenset({("tfgraph", "Gelu")}),
+    "recurrent": frozenset({("tfgraph", "LinearAttention"), ("tfgraph", "CausalConv")}),
 }
 FUSION_KINDS = tuple(CANONICAL_FUSED)
 STANDARD_FUSED = {  # standard ONNX ops that are fused kernels wherever they run
     "attention": frozenset({("", "Attention")}),
     "norm": frozenset({("", "LayerNormalization"), ("", "RMSNormalization")}),
     "gelu": frozenset({("", "Gelu")}),
+    "recurrent": frozenset(),
 }
+# standard ONNX has no linear-attention or stateful-convolution op
+STANDARD_RECURRENT = (
+    "standard ONNX has no recurrent kernel: a Scan over the tokens (Conv for the convolution)"
+)
+
+
+def standard_recurrent(tape, node):
+    """The default lowering of the canonical recurrent ops: standard ONNX, reported."""
+    from tfgraph.passes.lower_recurrent import standard_ops
+
+    return standard_ops(tape, node, STANDARD_RECURRENT)
 
 
 @dataclass(frozen=True)
@@ -46,6 +59,9 @@ class Target:
       ``lower_gelu(op, x, spec, opset) -> value``: how each canonical op lowers, built with
       the builders of :mod:`tfgraph.passes.lower_attention`, :mod:`~tfgraph.passes.lower_norms`
       and :mod:`~tfgraph.passes.lower_gelu`.
+    - ``lower_recurrent(tape, node) -> LoweredRecurrence``: how ``tfgraph.LinearAttention``
+      and ``tfgraph.CausalConv`` lower (:mod:`tfgraph.passes.lower_recurrent`); standard ops
+      unless the target has kernels.
     - ``extra_passes(options)``: passes that run after lowering (workarounds, the shared KV
       buffer), with the pipeline's options.
     - ``fused_ops``: per fusion kind (``attention``, ``norm``, ``gelu``), the ``(domain, op)``
@@ -73,6 +89,7 @@ class Target:
     lower_gelu: Callable[..., ir.Value]
     fused_ops: Mapping[str, frozenset] = field(default_factory=dict)
     extra_passes: Callable[[PipelineOptions], list] = lambda options: []
+    lower_recurrent: Callable = standard_recurrent
     nonstandard_default_ops: frozenset = frozenset()
     session: SessionSettings = SessionSettings()
     runner: str = "onnxruntime"

@@ -43,6 +43,7 @@ from tfgraph.passes.kernel_layouts import KernelLayoutsPass
 from tfgraph.passes.lower_attention import AttentionCase, Lowered
 from tfgraph.passes.lower_gelu import ms_gelu
 from tfgraph.passes.lower_norms import NormCase
+from tfgraph.passes.lower_recurrent import contrib_kernel
 from tfgraph.passes.pack_qkv import PackQKVPass
 from tfgraph.passes.share_kv_buffer import ShareKVBufferPass
 
@@ -61,6 +62,10 @@ ORT_FUSED = {
         ("com.microsoft", "SimplifiedLayerNormalization"),
         ("com.microsoft", "SkipLayerNormalization"),
         ("com.microsoft", "SkipSimplifiedLayerNormalization"),
+    },
+    "recurrent": {
+        ("com.microsoft", "LinearAttention"),
+        ("com.microsoft", "CausalConvWithState"),
     },
     "gelu": {
         ("com.microsoft", "Gelu"),
@@ -147,6 +152,7 @@ ORT = register(
         lower_gelu=ms_gelu,
         fused_ops=fused_ops(ORT_FUSED),
         extra_passes=extra_passes,
+        lower_recurrent=contrib_kernel,
         nonstandard_default_ops=frozenset({"SimplifiedLayerNormalization"}),
         session=SessionSettings(providers=("cpu",)),
         runner="onnxruntime",
@@ -161,6 +167,7 @@ ORT = register(
             "GroupQueryAttention: flash path on the CPU (O(n) memory) with present_* declared",
             "head size must be a multiple of 8 for GroupQueryAttention; else MultiHeadAttention",
             "KV cache: one preallocated buffer per layer shared by past and present",
+            "LinearAttention (4 update rules) and CausalConvWithState: CPU kernels in ORT 1.32",
         ),
     )
 )

@@ -118,6 +118,19 @@ TINY = {
     "hidden_size_global": 64,
     "vocab_size_per_layer_input": 512,
     "hidden_size_per_layer_input": 16,
+    # linear-attention and state-space layers (Gated DeltaNet, Mamba, Mamba-2)
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "state_size": 16,
+    "ssm_state_size": 16,
+    "mamba_d_state": 16,
+    "mamba_n_heads": 8,
+    "mamba_d_head": 16,
+    "mamba_n_groups": 1,
+    "time_step_rank": 8,
+    "mamba_dt_rank": 8,
 }
 SPECIAL_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 EAGER_FAILED = "eager failed"  # the tiny model does not run on inputs from its own config
@@ -154,6 +167,7 @@ def tiny_config(model_type: str, kind: str = ""):
     # model built from its default vision/audio/text configs has 2.7-12.7 billion parameters
     # (measured: gemma3 2.7 B, qwen2_audio 12.7 B), which killed the worker for memory
     overrides.update(_tiny_sub_configs(default))
+    overrides.update(_tiny_layer_types(default))
     if "kv_lora_rank" in overrides and "num_key_value_heads" in overrides:
         overrides["num_key_value_heads"] = overrides["num_attention_heads"]  # MLA: K/V per head
     if default.is_encoder_decoder:
@@ -170,6 +184,23 @@ def tiny_config(model_type: str, kind: str = ""):
                 raise
             overrides.pop(refused[0])
     return transformers.AutoConfig.for_model(model_type, **overrides)
+
+
+def _tiny_layer_types(config) -> dict:
+    """A hybrid's layer pattern made tiny: each kind of layer once, in the order the default
+    pattern first uses it (Qwen3-Next's three linear-attention layers to one full-attention
+    layer become one of each), so that the tiny model has every kind; at least 2 layers."""
+    types = getattr(config, "layer_types", None)
+    if not isinstance(types, (list, tuple)) or not types or not isinstance(types[0], str):
+        return {}
+    kinds = list(dict.fromkeys(types))
+    if len(kinds) == 1:
+        return {}
+    out = {"layer_types": kinds}
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        if _has(config, key):
+            out[key] = len(kinds)
+    return out
 
 
 def _tiny_sub_configs(config, depth: int = 0) -> dict:
