@@ -119,6 +119,8 @@ def run(args) -> int:
             feeds[port.name] = np.zeros(batch, np.int64)
         elif port.role in (contract.PAST_KEY, contract.PAST_VALUE):  # start from no past
             feeds[port.name] = np.zeros((batch, port.shape[1], 0, port.shape[3]), np.float32)
+        elif port.role in contract.STATE_ROLES:  # a recurrent state before the first step
+            feeds[port.name] = np.zeros((batch, *port.shape[1:]), np.float32)
         else:
             raise TfgraphError(
                 f"the model takes input '{port.name}', which `run` cannot fill: give it with "

@@ -13,6 +13,9 @@ target's fact, :attr:`tfgraph.targets.Target.fused_ops`):
   square of RMSNorm; one per norm).
 - ``gelu``: every GELU op, plus every hand-written GELU left (its ``Erf``, or a ``Tanh`` fed by
   a cube; :func:`tfgraph.passes.fuse_gelu.unfused_gelu_candidates`).
+- ``recurrent``: every linear-attention recurrence and causal convolution traced as a canonical
+  op (:mod:`tfgraph.sources.recurrent_kernels`), fused when a kernel runs it, missed when
+  lowered to standard ops (a ``Scan``, a ``Conv``).
 
 A miss is never silent: each unfused candidate is listed with its PyTorch module name and a
 reason. Passes that try and fail record their reason in the node's metadata under
@@ -27,10 +30,16 @@ from collections import Counter
 
 import onnx_ir as ir
 
+from tfgraph.passes.canonical import RECURRENT_OPS
 from tfgraph.passes.fuse_attention import is_gating_softmax
 from tfgraph.passes.fuse_norms import is_norm_candidate
 from tfgraph.passes.provenance import module_name
-from tfgraph.passes.rewrite_utils import EXCLUDED_KEY, FUSED_AS_KEY, MISS_REASON_KEY
+from tfgraph.passes.rewrite_utils import (
+    EXCLUDED_KEY,
+    FUSED_AS_KEY,
+    LOWERED_FROM_KEY,
+    MISS_REASON_KEY,
+)
 from tfgraph.targets import FUSION_KINDS, Target, all_fused_ops, get_target
 
 
@@ -49,6 +58,13 @@ def _unfused_candidates(kind: str, model: ir.Model) -> set[int]:
         from tfgraph.passes.fuse_gelu import unfused_gelu_candidates
 
         return {id(n) for n in unfused_gelu_candidates(model)}
+    if kind == "recurrent":  # lowered to standard ops: the Scan / Conv carries the reason
+        return {
+            id(n)
+            for n in model.graph
+            if n.metadata_props.get(LOWERED_FROM_KEY) in RECURRENT_OPS
+            and MISS_REASON_KEY in n.metadata_props
+        }
     return {id(n) for n in model.graph if is_norm_candidate(n)}
 
 

@@ -56,7 +56,12 @@ TRITON_TYPES = {
     "uint8": "TYPE_UINT8",
     "bool": "TYPE_BOOL",
 }
-_PAST = {contract.PAST_KEY: contract.PRESENT_KEY, contract.PAST_VALUE: contract.PRESENT_VALUE}
+# past input → present output held as Triton state: KV and the recurrent layers' states
+_PAST = {
+    contract.PAST_KEY: contract.PRESENT_KEY,
+    contract.PAST_VALUE: contract.PRESENT_VALUE,
+    **contract.STATE_PRESENT_OF,
+}
 
 
 @dataclass

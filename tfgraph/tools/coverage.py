@@ -131,6 +131,8 @@ TINY = {
     "mamba_n_groups": 1,
     "time_step_rank": 8,
     "mamba_dt_rank": 8,
+    "mamba_d_ssm": 128,  # = 2 × 64: Falcon-H1's Mamba width
+    "n_groups": 1,
 }
 SPECIAL_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 EAGER_FAILED = "eager failed"  # the tiny model does not run on inputs from its own config
@@ -168,6 +170,9 @@ def tiny_config(model_type: str, kind: str = ""):
     # (measured: gemma3 2.7 B, qwen2_audio 12.7 B), which killed the worker for memory
     overrides.update(_tiny_sub_configs(default))
     overrides.update(_tiny_layer_types(default))
+    if _has(default, "expand") and {"head_dim", "num_heads", "hidden_size"} <= set(overrides):
+        # Mamba-2: heads × head size is the expanded width
+        overrides["head_dim"] = overrides["hidden_size"] * default.expand // overrides["num_heads"]
     if "kv_lora_rank" in overrides and "num_key_value_heads" in overrides:
         overrides["num_key_value_heads"] = overrides["num_attention_heads"]  # MLA: K/V per head
     if default.is_encoder_decoder:
@@ -285,8 +290,10 @@ def measure(model_type: str, kind: str, cls_name: str, work: Path) -> dict:
             row["parity_without_passes"] = bool(raw.report["parity"]["passed"])
         except Exception as exc:  # noqa: BLE001 - the diagnostic only
             row["parity_without_passes_error"] = first_line(exc, named=True)
-    row["status"] = "exported" if row["attention"][1] else NO_ATTENTION
-    if kind not in DECODER_KINDS or not row["attention"][1]:
+    # a recurrent layer (linear attention, a state-space scan) mixes tokens as attention does
+    mixes = row["attention"][1] + row["recurrent"][1]
+    row["status"] = "exported" if mixes else NO_ATTENTION
+    if kind not in DECODER_KINDS or not mixes:
         return row
     try:
         cached = tfgraph.export(
@@ -315,7 +322,7 @@ def _failure(exc: Exception) -> str:
 
 def _fill(row: dict, report: dict) -> None:
     fusions = report["fusions"]
-    for family in ("attention", "norm"):
+    for family in ("attention", "norm", "recurrent"):
         entry = fusions.get(family, {})
         row[family] = [entry.get("fused", 0), entry.get("total", 0)]
         missed = entry.get("missed", [])

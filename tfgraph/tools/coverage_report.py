@@ -77,9 +77,10 @@ def complete(row: dict) -> bool:
     """Exported, every attention layer fused, parity, and (decoders) cached with tokens equal."""
     if row.get("status") != "exported" or not row.get("parity"):
         return False
-    fused, total = row.get("attention", [0, 0])
-    if fused != total:
-        return False
+    for family in ("attention", "recurrent"):
+        fused, total = row.get(family, [0, 0])
+        if fused != total:
+            return False
     if row["kind"] in DECODER_KINDS:
         return bool(row.get("kv_cache") and row.get("kv_parity") and row.get("tokens_equal"))
     return True
@@ -145,15 +146,16 @@ def markdown(data: dict) -> str:
         f"{summary.get('tokens_equal', 0)} of {summary.get('decoders_traced', 0)}",
         f"- by status: {statuses}",
         "",
-        "| model type | kind | class | status | attention | norm | parity | KV cache "
-        "| tokens = HF | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model type | kind | class | status | attention | recurrent | norm | parity "
+        "| KV cache | tokens = HF | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         decoder = r["kind"] in DECODER_KINDS
         notes = [
             r.get("reason"),
             *(r.get("attention_missed") or []),
+            *(r.get("recurrent_missed") or []),
             r.get("kv_reason"),
             r.get("tokens_reason"),
         ]
@@ -169,12 +171,13 @@ def markdown(data: dict) -> str:
         if str(r.get("tokens_reference", "")).startswith("eager greedy ("):
             notes.append(f"tokens compared with {r['tokens_reference']}")
         lines.append(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
                 r["model_type"],
                 r["kind"],
                 r.get("class", ""),
                 r.get("status", "?"),
                 _frac(r.get("attention")),
+                _frac(r.get("recurrent")) if r.get("recurrent", [0, 0])[1] else "",
                 _frac(r.get("norm")),
                 _yes(r.get("parity")) if r.get("status") == "exported" else "",
                 _yes(r.get("kv_parity")) if decoder and "kv_cache" in r else "",
