@@ -68,8 +68,13 @@ def test_pipeline_is_built_for_target_and_options():
     plain = pass_names(build_pipeline(get_target("ort")))
     cached = pass_names(build_pipeline(get_target("ort"), PipelineOptions(kv_cache=True)))
     assert "InsertKVCachePass" not in plain and "ShareKVBufferPass" not in plain
-    assert cached.index("InsertKVCachePass") == cached.index("ClassifyAttentionBiasPass") + 1
-    assert cached.index("ShareKVBufferPass") == cached.index("LowerAttentionPass") + 1
+    # the recurrent layers' states first, then the KV cache; lowering: attention, recurrences
+    classify = cached.index("ClassifyAttentionBiasPass")
+    assert cached.index("InsertRecurrentStatePass") == classify + 1
+    assert cached.index("InsertKVCachePass") == classify + 2
+    assert "InsertRecurrentStatePass" not in plain
+    assert cached.index("LowerRecurrentPass") == cached.index("LowerAttentionPass") + 1
+    assert cached.index("ShareKVBufferPass") == cached.index("LowerRecurrentPass") + 1
     onnx_cached = pass_names(build_pipeline(get_target("onnx"), PipelineOptions(kv_cache=True)))
     assert "InsertKVCachePass" in onnx_cached and "ShareKVBufferPass" not in onnx_cached
     assert onnx_cached.index("StaticKVCachePass") > onnx_cached.index("LowerAttentionPass")

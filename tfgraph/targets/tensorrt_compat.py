@@ -38,7 +38,8 @@ PARSED = frozenset(
     Mean Min Mod Mul Neg Not Or Pad Pow Range Reciprocal ReduceMax ReduceMean ReduceMin
     ReduceSum Relu Reshape ScatterElements ScatterND Shape Sigmoid Sign Sin Size Slice Softmax
     Softplus Split Sqrt Squeeze Sub Sum Tanh Tile TopK Transpose Trilu Unsqueeze Where Xor
-    Attention RMSNormalization QuantizeLinear DequantizeLinear""".split()
+    Attention RMSNormalization QuantizeLinear DequantizeLinear
+    Conv Scan""".split()
 )
 FIRST_VERSION = {"Attention": (10, 14), "RMSNormalization": (10, 15)}
 SINGLE_OUTPUT_ATTENTION_UNTIL = (11,)  # TensorRT issue 4738
