@@ -64,10 +64,42 @@ CONFIGS = {
             "sliding_window": 4,
         },
     ),
+    # a hybrid: one Gated DeltaNet layer (causal conv + gated delta rule), one gated attention
+    "qwen3_next": (
+        "Qwen3NextForCausalLM",
+        "Qwen3NextConfig",
+        {
+            "num_hidden_layers": 2,
+            "layer_types": ["linear_attention", "full_attention"],
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "intermediate_size": 128,
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64,
+        },
+    ),
+    # recurrent only: Mamba-1 (causal conv + per-channel selective scan)
+    "mamba": (
+        "MambaForCausalLM",
+        "MambaConfig",
+        {"num_hidden_layers": 2, "hidden_size": 64, "state_size": 16, "time_step_rank": 8},
+    ),
 }
 # Norms each model has: per layer, plus embedding/final norms.
 NORMS = {"gpt2": 5, "bert": 5, "llama": 5, "t5": 12, "bart": 12, "bloom": 6, "mistral": 5}
+NORMS.update(qwen3_next=8, mamba=3)
 ATTENTION = {"gpt2": 2, "bert": 2, "llama": 2, "t5": 6, "bart": 6, "bloom": 2, "mistral": 2}
+ATTENTION.update(qwen3_next=1, mamba=0)
+# convolutions + recurrences traced as canonical ops: kernels on ort, a Scan and a Conv elsewhere
+RECURRENT = {"qwen3_next": 2, "mamba": 4}
 # (model, attn_implementation): eager everywhere, and the library default (sdpa) where it
 # traces; T5's sdpa does not trace with dynamic shapes in transformers 5 (export falls back).
 CASES = [(name, "eager") for name in CONFIGS] + [
@@ -103,5 +135,8 @@ def test_hf_model_all_profiles(name, attn, hf_dirs, tmp_path):
                 profile,
                 attention["missed"],
             )
+            recurrent = result["fusions"]["recurrent"]
+            assert recurrent["total"] == RECURRENT.get(name, 0), recurrent
+            assert recurrent["fused"] == (recurrent["total"] if profile == "ort" else 0)
             if profile != "ort":
                 assert not any(op.startswith("com.microsoft") for op in result["ops"])

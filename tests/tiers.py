@@ -71,7 +71,7 @@ SWEEPS: dict[str, tuple[set[str], str]] = {
     ),
     "test_precision.py::test_hugging_face_fp16": ({"gpt2"}, "HF architectures in fp16"),
     "test_hf_pipelines.py::test_hf_model_all_profiles": (
-        {"gpt2-eager", "t5-eager"},
+        {"gpt2-eager", "t5-eager", "qwen3_next-eager", "mamba-eager"},
         "HF architectures x attention implementations x targets",
     ),
     "test_fuzz.py::test_campaign_passes": (set(), "a fuzz campaign over the whole model space"),

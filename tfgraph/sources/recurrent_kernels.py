@@ -20,6 +20,8 @@ entry point (kernel name)           as
 ``causal_conv1d_fn``                ``CausalConv`` (activation ``silu`` or none)
 ``chunk_gated_delta_rule``,         ``LinearAttention`` ``gated_delta``, decay per head
 ``fused_recurrent_gated_delta_rule``
+``chunk_kda``,                      ``LinearAttention`` ``gated_delta``, decay per key
+``fused_recurrent_kda``             dimension (Kimi Delta Attention)
 ``mamba_chunk_scan_combined``       ``LinearAttention`` ``gated`` (Mamba-2's SSD: q = C,
                                     k = B, v = Δ·x, decay Δ·A per head), then D·x, z gate
 ``selective_scan_fn``               ``LinearAttention`` ``gated`` per channel (Mamba-1:
@@ -256,7 +258,9 @@ def gated_delta_rule(
     **kwargs,
 ):
     """fla's ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule``: q, k
-    (B, T, Hk, dk), v (B, T, Hv, dv), g and beta (B, T, Hv); state (B, Hv, dk, dv)."""
+    (B, T, Hk, dk), v (B, T, Hv, dv), g and beta (B, T, Hv); state (B, Hv, dk, dv). Also
+    ``chunk_kda`` / ``fused_recurrent_kda`` (Kimi Delta Attention), whose decay g is
+    (B, T, H, dk): one per key dimension."""
     _no_packing(kwargs)
     dtype = query.dtype
     heads, dv = value.shape[-2:]
@@ -271,7 +275,7 @@ def gated_delta_rule(
         _packed(key),
         _packed(value),
         None if initial_state is None else initial_state.float(),
-        g.float(),
+        _packed(g.float()) if g.dim() == 4 else g.float(),
         beta.float(),
         heads,
         "gated_delta",
@@ -397,6 +401,8 @@ WRAPPERS: dict[str, Callable] = {
     "causal_conv1d_fn": causal_conv1d_fn,
     "chunk_gated_delta_rule": gated_delta_rule,
     "fused_recurrent_gated_delta_rule": gated_delta_rule,
+    "chunk_kda": gated_delta_rule,
+    "fused_recurrent_kda": gated_delta_rule,
     "mamba_chunk_scan_combined": mamba_chunk_scan_combined,
     "selective_scan_fn": selective_scan_fn,
 }
