@@ -73,3 +73,24 @@ def test_convbert_dynamic_convolution_kernel_is_a_gate(tmp_path):
     assert result.passed
     model = ir.load(tmp_path / "art" / "model.onnx")
     assert sum(n.op_type == "Softmax" for n in model.graph) == 2
+
+
+@pytest.mark.parametrize(
+    ("model_type", "shapes"),
+    [
+        # mel bins stated by the encoder's sub-config: both layouts, channels first first
+        ("parakeet_ctc", {(2, 80, 64), (2, 64, 80)}),
+        # features per frame under another name (Wav2Vec2-BERT's feature projection)
+        ("wav2vec2-bert", {(2, 64, 160)}),
+    ],
+)
+def test_speech_feature_sizes_from_sub_configs_and_other_names(model_type, shapes):
+    import torch
+    import transformers
+
+    from tfgraph.sources.hf_layouts import candidates
+
+    config = transformers.AutoConfig.for_model(model_type)
+    made = candidates(torch.nn.Identity(), config, "input_features")
+    got = {tuple(make(2, base, None).shape) for make, _axis, base in made if base == 64}
+    assert shapes <= got, got

@@ -33,6 +33,19 @@ def _image_size(config) -> tuple[int, int] | None:
     return None
 
 
+def _stated(config, *names: str):
+    """The first of ``names`` the config states, or one of its sub-configs (an ASR model's
+    ``encoder_config``) does; None if none."""
+    configs = [config]
+    configs += [getattr(config, n, None) for n in getattr(config, "sub_configs", None) or {}]
+    for cfg in configs:
+        for name in names:
+            value = getattr(cfg, name, None) if cfg is not None else None
+            if value:
+                return value
+    return None
+
+
 def candidates(model: nn.Module, config, main: str) -> list[tuple[_Make, int | None, int]]:
     """(make, length axis, base length) layouts to try for a non-token main input, the most
     specific first."""
@@ -47,7 +60,7 @@ def candidates(model: nn.Module, config, main: str) -> list[tuple[_Make, int | N
         return [(_float_maker(lambda b, n: (b, n)), 1, base) for base in (1600, 4000, 16000)]
     if main == "input_features":
         found = []
-        mel = getattr(config, "num_mel_bins", None)
+        mel = _stated(config, "num_mel_bins")
         fixed = getattr(config, "max_source_positions", None)
         if mel:
             if fixed:  # Whisper: frames = 2 × max_source_positions exactly
@@ -57,10 +70,12 @@ def candidates(model: nn.Module, config, main: str) -> list[tuple[_Make, int | N
         features = (
             per_channel * (getattr(config, "input_channels", 1) or 1)
             if per_channel
-            else getattr(config, "feature_size", None)
+            else _stated(config, "feature_size", "feature_projection_input_dim")
         )
         if features:  # Speech2Text and the like: (batch, frames, features)
             found += [(_float_maker(lambda b, n: (b, n, features)), 1, base) for base in (64, 200)]
+        if mel:  # mel frames last (Parakeet, LASR, Cohere ASR: (batch, frames, mel bins))
+            found += [(_float_maker(lambda b, n: (b, n, mel)), 1, base) for base in (64, 200)]
         if found:
             return found
         raise TfgraphError(
