@@ -118,64 +118,55 @@ def _(x, weight, bias, past_state, activation):
 # -- their ONNX translations and schemas ------------------------------------------------------
 
 
+# op → (inputs, the optional ones trailing after ``required``, attributes: name → (kind, required))
+_SCHEMAS = {
+    "LinearAttention": (
+        ("query", "key", "value", "past_state", "decay", "beta"),
+        3,
+        {
+            "q_num_heads": ("INT", True),
+            "kv_num_heads": ("INT", True),
+            "update_rule": ("STRING", True),
+            "scale": ("FLOAT", True),
+            "cached": ("INT", False),
+        },
+    ),
+    "CausalConv": (
+        ("input", "weight", "bias", "past_state"),
+        2,
+        {"activation": ("STRING", True), "cached": ("INT", False)},
+    ),
+}
+
+
 def _register_schemas() -> None:
-    """The ``tfgraph`` domain's recurrent ops, known to ONNX so the exporter can emit them."""
+    """The ``tfgraph`` domain's recurrent ops (:data:`_SCHEMAS`), known to ONNX so the
+    exporter can emit them; outputs (output, present_state) for both."""
     import onnx
     from onnx.defs import OpSchema
 
-    if onnx.defs.has("LinearAttention", DOMAIN):
-        return
     param, optional = OpSchema.FormalParameter, OpSchema.FormalParameterOption.Optional
     floats = [("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "float types")]
-
-    def attr(name, kind, required=True):
-        return OpSchema.Attribute(name, kind, name, required=required)
-
-    onnx.defs.register_schema(
-        OpSchema(
-            "LinearAttention",
+    for op, (inputs, required, attributes) in _SCHEMAS.items():
+        if onnx.defs.has(op, DOMAIN):
+            continue
+        schema = OpSchema(
+            op,
             DOMAIN,
             1,
-            doc="tfgraph.passes.canonical.LinearAttentionOp",
+            doc=f"tfgraph.passes.canonical ({op})",
             inputs=[
-                param("query", "T"),
-                param("key", "T"),
-                param("value", "T"),
-                param("past_state", "T", param_option=optional),
-                param("decay", "T", param_option=optional),
-                param("beta", "T", param_option=optional),
+                param(name, "T") if i < required else param(name, "T", param_option=optional)
+                for i, name in enumerate(inputs)
             ],
             outputs=[param("output", "T"), param("present_state", "T")],
             type_constraints=floats,
             attributes=[
-                attr("q_num_heads", OpSchema.AttrType.INT),
-                attr("kv_num_heads", OpSchema.AttrType.INT),
-                attr("update_rule", OpSchema.AttrType.STRING),
-                attr("scale", OpSchema.AttrType.FLOAT),
-                attr("cached", OpSchema.AttrType.INT, required=False),
+                OpSchema.Attribute(name, getattr(OpSchema.AttrType, kind), name, required=req)
+                for name, (kind, req) in attributes.items()
             ],
         )
-    )
-    onnx.defs.register_schema(
-        OpSchema(
-            "CausalConv",
-            DOMAIN,
-            1,
-            doc="tfgraph.passes.canonical.CausalConvOp",
-            inputs=[
-                param("input", "T"),
-                param("weight", "T"),
-                param("bias", "T", param_option=optional),
-                param("past_state", "T", param_option=optional),
-            ],
-            outputs=[param("output", "T"), param("present_state", "T")],
-            type_constraints=floats,
-            attributes=[
-                attr("activation", OpSchema.AttrType.STRING),
-                attr("cached", OpSchema.AttrType.INT, required=False),
-            ],
-        )
-    )
+        onnx.defs.register_schema(schema)
 
 
 def translation_table() -> dict:
