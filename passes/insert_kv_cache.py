@@ -31,7 +31,10 @@ tokens' positions P … L − 1. An attention bias keeps its key axis at L, bott
 with the keys ``Concat(past, new)``. Shape arguments of token ops (``Reshape`` targets and the
 like) keep T. A bias computed from the tokens (Shaw's ``q·r``, through ``Einsum``/``MatMul``
 and elementwise ops) is followed back from the attention's key axis: the machinery it reads
-keeps L along the axes that become keys. A layer that cannot be cached (not causal, an op the
+keeps L along the axes that become keys. Positions counted from the token ids (M2M100's
+``cumsum(input_ids != pad)``, a cumulative sum of an indicator of the ids) continue from the
+past length, as Hugging Face's own cached forward counts them (``+ past_key_values_length``).
+A layer that cannot be cached (not causal, an op the
 walk cannot follow, unknown shapes) raises :class:`KVCacheError` naming the layer and the
 reason (``export`` then writes nothing).
 """
@@ -79,6 +82,8 @@ SHAPE_SLOTS = {
     ("Range", 2),
 }
 BIAS_SLOT = 3  # tfgraph.Attention(Q, K, V, bias)
+# ops between the token ids and an indicator of them (``input_ids != pad``, as an integer)
+_INDICATOR_OPS = {"Equal", "Not", "Cast", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "And"}
 
 
 class KVCacheError(ValueError):
@@ -152,6 +157,32 @@ class _Analysis:
                 self.machinery.update(node.outputs)
         self.layers = [n for n in graph if _is_attention(n) and _has(n.inputs[1], seq)]
         self.key_values: dict[ir.Value, list[int]] = {}  # token values with an L key axis
+        self.id_counts: list[ir.Node] = []  # CumSum of an indicator of the token ids
+        self.ids = set(contract.names_with_role(model, contract.TOKEN_IDS))
+
+    def _counts_ids(self, node: ir.Node) -> bool:
+        """Whether CumSum ``node`` counts positions from the token ids: forward, inclusive,
+        over an indicator computed from a token-id input and constants only."""
+        if node.attributes.get_int("exclusive", 0) or node.attributes.get_int("reverse", 0):
+            return False
+        stack, seen, ids = [node.inputs[0]], set(), False
+        while stack:
+            value = stack.pop()
+            if value is None or value in seen or value.const_value is not None:
+                continue
+            seen.add(value)
+            producer = value.producer()
+            if producer is None:
+                if value.name not in self.ids:
+                    return False
+                ids = True
+                continue
+            if producer.op_type == "Constant":
+                continue
+            if producer.op_type not in _INDICATOR_OPS or producer.domain not in ("", "ai.onnx"):
+                return False
+            stack.extend(producer.inputs)
+        return ids
 
     def _shape_has_seq(self, node: ir.Node) -> bool:
         src = node.inputs[0]
@@ -190,6 +221,11 @@ class _Analysis:
             )
         if node.op_type == "CumSum":
             axes = int_list(node.inputs[1])
+            if axes is not None and all(a % len(dims) == axis for a in axes):
+                if self._counts_ids(node):  # positions from the ids: they continue
+                    if node not in self.id_counts:
+                        self.id_counts.append(node)
+                    return None
             if axes is None or any(a % len(dims) == axis for a in axes):
                 return (
                     "a cumulative sum over the tokens (positions counted from the token ids, "
@@ -603,6 +639,13 @@ class InsertKVCachePass(ir.passes.InPlacePass):
 
     def _junctions(self, model, analysis, rewriter, rows, junction_keys, seq) -> None:
         graph = model.graph
+        if analysis.id_counts and rows is not None:
+            rows.refuse(
+                f"{_module(analysis.id_counts[0])}: positions counted from the token ids "
+                "continue from one past length for the whole batch"
+            )
+        for node in analysis.id_counts:
+            _continue_count(graph, node, rewriter.past_len)
         for value, axes in analysis.key_values.items():  # a token bias now spans L keys
             value.shape = ir.Shape(
                 [TOTAL_DIM if i in axes else d for i, d in enumerate(dims_of(value))]
@@ -672,6 +715,24 @@ class InsertKVCachePass(ir.passes.InPlacePass):
                 for key, prop in node.metadata_props.items():
                     added.metadata_props.setdefault(key, prop)
             node.replace_input_with(index, new)
+
+
+def _continue_count(graph: ir.Graph, node: ir.Node, past_len: ir.Value) -> None:
+    """``CumSum(indicator of the ids)`` + the past length: the count continues past the
+    cached tokens, as Hugging Face's ``create_position_ids_from_input_ids(…,
+    past_key_values_length)`` counts them (every cached token counted, padded or not)."""
+    out = node.outputs[0]
+    uses = list(out.uses())  # before the Add below reads it too
+    cast = ir.node("Cast", [past_len], {"to": out.dtype or ir.DataType.INT64})
+    add = ir.node("Add", [out, cast.outputs[0]])
+    add.outputs[0].type, add.outputs[0].shape = out.type, out.shape
+    for added in (cast, add):
+        added.metadata_props.update(node.metadata_props)
+    graph.insert_after(node, [cast, add])
+    for use in uses:
+        use.node.replace_input_with(use.idx, add.outputs[0])
+    if out.is_graph_output():
+        raise KVCacheError(f"{_module(node)}: a position count is a graph output")
 
 
 def _name_cross_kv(model: ir.Model, analysis: _Analysis) -> None:

@@ -581,3 +581,31 @@ class AbsoluteBiasLM(LeftPaddedInputs, nn.Module):
 def absolute_bias_lm():
     torch.manual_seed(0)
     return AbsoluteBiasLM().eval()
+
+
+# --- positions counted from the token ids (fairseq / M2M100 / RoBERTa) ------------------------
+class CountedPosGPT(GPT):
+    """``cumsum(idx != pad) * (idx != pad) + pad``: a pad token keeps position ``pad`` and does
+    not advance the count, as M2M100's ``create_position_ids_from_input_ids`` does."""
+
+    def __init__(self, vocab=64, d=32, h=4, layers=2, n_pos=64, pad=1):
+        super().__init__(vocab, d, h, layers, None, n_pos + pad + 1)
+        self.pad = pad
+
+    def forward(self, idx):
+        mask = idx.ne(self.pad).int()
+        pos = (torch.cumsum(mask, dim=1).type_as(mask) * mask).long() + self.pad
+        x = self.wte(idx) + self.wpe(pos)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln_f(x))
+
+
+def counted_pos_gpt():
+    """Its head never picks the pad id (a generated pad would not advance the count in a full
+    recompute, but does in a cached step, in Hugging Face's models as here)."""
+    torch.manual_seed(0)
+    model = CountedPosGPT().eval()
+    with torch.no_grad():
+        model.head.bias[model.pad] = -100.0
+    return model
