@@ -24,7 +24,7 @@ from tfgraph.errors import TfgraphError, first_line
 from tfgraph.passes.exact_no_op import exact
 from tfgraph.passes.lazy_weights import fold_weight_transposes
 from tfgraph.passes.provenance import module_name  # noqa: F401  (re-exported)
-from tfgraph.sources import recurrent_kernels, replicate_layers
+from tfgraph.sources import complex_rotary, recurrent_kernels, replicate_layers
 from tfgraph.sources.model import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -64,10 +64,13 @@ def _export(source: ModelSource, module, args, dynamic, opset: int):
             warnings.catch_warnings(),
             contextlib.redirect_stdout(io.StringIO()),
             recurrent_kernels.substituted(module) as taken,
+            complex_rotary.substituted(module) as paired,
         ):
             warnings.simplefilter("ignore")
             if taken:
                 source.info["recurrent_kernels"] = dict(taken)
+            if paired:
+                source.info["complex_rotary"] = paired
             return torch.onnx.export(
                 module,
                 args,
