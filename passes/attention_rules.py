@@ -29,6 +29,8 @@ into the heads, keeping S and d.
 
 from __future__ import annotations
 
+import ml_dtypes
+import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
@@ -316,6 +318,97 @@ class BmmAttentionRule(pattern.RewriteRuleClassBase):
         )
 
 
+class ViewedBmmAttentionRule(pattern.RewriteRuleClassBase):
+    """DeBERTa-v2's layout (SEW-D, DeBERTa): ``bmm`` on (B·H, ·, ·), the scores viewed as
+    (B, H, T, S) for the mask and the softmax, the probabilities viewed back for the second
+    ``bmm``, with the disentangled relative terms (c2p + p2c, computed from Q and the
+    position embeddings) added to the scaled scores before the view::
+
+        s3 = MatMul(q3 [·c_q], kᵀ3 [/c | ·c]) [+ rel3]            (B·H, T, S)
+        s = Reshape(s3, (B, H, T, S)) [+ mask]
+        y = Reshape(MatMul(Reshape(Softmax(s), (B·H, T, S)), v3), (B, H, T, d))
+
+    becomes ``tfgraph.Attention`` on 4-D views of q3, k3, v3 with ``bias = view(rel3) + mask``
+    (the relative term stays an activation-dependent additive bias, Shaw-style). Rejections:
+    Q, Kᵀ, V or the scores not 3-D; views without a static head count, or splitting different
+    ones; a view that is not the merge of (B, H); a scale that is not a constant scalar; a
+    softmax over another axis.
+    """
+
+    def __init__(self, has_extra: bool, masked: bool) -> None:
+        super().__init__(
+            f"ViewedBmmAttention{'Extra' if has_extra else ''}{'Masked' if masked else ''}"
+        )
+        self._has_extra, self._masked = has_extra, masked
+
+    def pattern(self, op, q3, c_q, kt3, c, extra3, s4, mask, s3, v3, so):
+        qs = pattern.OrValue(
+            [op.Mul(q3, c_q), op.Div(q3, c_q), q3],
+            tag_var="q_scale",
+            tag_values=["mul", "div", "none"],
+        )
+        kts = pattern.OrValue(
+            [op.Mul(kt3, c), op.Div(kt3, c), kt3],
+            tag_var="k_scale",
+            tag_values=["mul", "div", "none"],
+        )
+        scores3 = op.MatMul(qs, kts, _outputs=["bmm"])
+        if self._has_extra:
+            scores3 = op.Add(scores3, extra3, _outputs=["scores3"])
+        scores = op.Reshape(scores3, s4, _outputs=["scores4"])
+        if self._masked:
+            scores = op.Add(scores, mask)
+        probs3 = op.Reshape(op.Softmax(scores, _outputs=["probs"]), s3, _outputs=["probs3"])
+        return op.Reshape(op.MatMul(probs3, v3, _outputs=["y3"]), so, _outputs=["y4"])
+
+    def check(
+        self, context, q3, kt3, v3, bmm, scores4, probs, probs3, y3, y4, q_scale, k_scale, **kw
+    ):
+        result = pattern.MatchResult()
+        if probs.producer().attributes.get_int("axis", -1) not in (-1, 3):
+            return result.fail("softmax is not over the key axis", probs)
+        scale = 1.0
+        for how, name in ((q_scale, "c_q"), (k_scale, "c")):
+            if how == "none":
+                continue
+            factor = scalar(kw[name])
+            if factor is None or factor == 0:
+                return result.fail("the score scale is not a constant scalar", kw[name])
+            scale *= factor if how == "mul" else 1.0 / factor
+        for value in (q3, kt3, v3, bmm, probs3, y3):
+            if value.shape is None or len(value.shape) != 3:
+                return result.fail("Q, Kᵀ, V or the scores are not 3-D (batch·heads, ·, ·)", value)
+        for value in (scores4, probs, y4):
+            if value.shape is None or len(value.shape) != 4 or not isinstance(value.shape[1], int):
+                return result.fail("the 4-D views have no static head count", value)
+        heads = scores4.shape[1]
+        if probs.shape[1] != heads or y4.shape[1] != heads:
+            return result.fail("the 4-D views split different head counts", y4)
+        extra = kw.get("extra3")
+        if extra is not None and (
+            extra.shape is None
+            or len(extra.shape) != 3
+            or not same_dims(extra.shape[:1], bmm.shape[:1])
+        ):
+            return result.fail(
+                "the relative term is not (batch·heads, T, S) like the scores", extra
+            )
+        merges = ((bmm, scores4), (probs3, probs), (y3, y4))
+        if not all(same_dims(a.shape[1:], b.shape[2:]) for a, b in merges):
+            return result.fail("a 3-D view is not the merge of (B, H) of its 4-D view", probs3)
+        self._heads, self._scale = heads, scale
+        return result
+
+    def rewrite(self, op, q3, kt3, v3, scores4, extra3=None, mask=None, **_):
+        def bias(view):
+            extra = view(extra3, extra3.shape[1:]) if extra3 is not None else None
+            if extra is None or mask is None:
+                return extra if extra is not None else mask
+            return op.Add(extra, mask)
+
+        return _batched_heads(op, q3, kt3, v3, scores4, self._heads, self._scale, bias)
+
+
 class DoubleTransposeRule(pattern.RewriteRuleClassBase):
     """``Transpose(Transpose(x, p1), p2)`` → ``x`` when the permutations cancel. The inner
     node may have other uses (two attentions on one K): it is left for dead-code removal."""
@@ -506,6 +599,117 @@ class SelectionMaskRule(pattern.RewriteRuleClassBase):
         return op.Softmax(scores, axis=axis)
 
 
+_VIEWS = frozenset(
+    {"Slice", "Reshape", "Cast", "Unsqueeze", "Squeeze", "Expand", "Transpose", "Identity"}
+)
+
+
+def _zero_one_constant(value: ir.Value, depth: int = 8) -> bool:
+    """Whether ``value`` is a view (slices, reshapes, casts) of a constant whose entries are
+    all 0 or 1: a registered mask buffer such as GPT-1's ``bias = tril(ones)``."""
+    for _ in range(depth):
+        array = constant(value)
+        if array is not None:
+            return array.size > 0 and bool(np.isin(array, (0, 1)).all())
+        node = value.producer()
+        if node is None or node.op_type not in _VIEWS or node.domain not in ("", "ai.onnx"):
+            return False
+        value = node.inputs[0]
+    return False
+
+
+class MultiplicativeMaskRule(pattern.RewriteRuleClassBase):
+    """Scores kept by a 0/1 mask and filled by a large negative constant elsewhere become
+    scores plus an additive mask::
+
+        Add(Mul(s, keep), Mul(Sub(1, keep), fill))  →  Add(s, Mul(Sub(1, keep), lowest))
+
+    (GPT-1's ``w * b + -1e4 * (1 - b)``, ``b`` a slice of its ``tril(ones)`` buffer), in either
+    operand order of the ``Mul`` by ``fill``. Where ``keep`` is 1 both give ``s``; where it is
+    0 the masked score becomes the dtype's lowest value instead of ``fill``: both vanish in the
+    softmax (``exp(fill − max)`` underflows once the row has a visible score above
+    ``fill + 104``), and the bias classifier then sees the mask it is (causal, dropped).
+    Rejections: ``keep`` not a view of a constant of 0s and 1s; ``fill`` not a constant scalar
+    ≤ −1e4; ``s`` not computed from Q·Kᵀ; an unknown dtype.
+    """
+
+    def __init__(self, fill_first: bool) -> None:
+        super().__init__(f"MultiplicativeMask{'FillFirst' if fill_first else ''}")
+        self._fill_first = fill_first
+
+    def pattern(self, op, s, keep, one, fill):
+        drop = op.Sub(one, keep)
+        filled = op.Mul(fill, drop) if self._fill_first else op.Mul(drop, fill)
+        return op.Add(op.Mul(s, keep), filled)
+
+    def check(self, context, s, keep, one, fill, **_):
+        result = pattern.MatchResult()
+        if scalar(one) != 1.0:
+            return result.fail("the complement of the mask is not 1 - keep", one)
+        value = scalar(fill)
+        if value is None or not value <= -1e4:
+            return result.fail("the fill of the dropped scores is not a constant ≤ -1e4", fill)
+        if s.dtype is None or not s.dtype.is_floating_point():
+            return result.fail("the scores' type is unknown", s)
+        if not _zero_one_constant(keep):
+            return result.fail("the keep mask is not a constant of 0s and 1s", keep)
+        if not _from_scores(s):
+            return result.fail("the kept value is not computed from Q·Kᵀ scores", s)
+        return result
+
+    def rewrite(self, op, s, keep, one, **_):
+        lowest = float(ml_dtypes.finfo(s.dtype.numpy()).min)
+        mask = op.Mul(op.Sub(one, keep), op.Constant(value=ir.tensor(lowest, dtype=s.dtype)))
+        return op.Add(s, mask)
+
+
+def _selects_with(value: ir.Value, cond: ir.Value, fill_first: bool, depth: int = 4) -> bool:
+    """Whether ``value`` is, or sums, a selection on ``cond`` that writes a fill (−inf or the
+    lowest value) where ``cond`` drops keys: ``Where(cond, fill, ·)`` (``fill_first``) or
+    ``Where(cond, ·, fill)``, before or after :class:`SelectionMaskRule` rewrote it."""
+    node = value.producer()
+    if node is None or node.domain not in ("", "ai.onnx") or depth == 0:
+        return False
+    if node.op_type == "Where" and node.inputs[0] is cond:
+        return _is_fill(scalar(node.inputs[1 if fill_first else 2]))
+    if node.op_type == "Add":
+        return any(_selects_with(i, cond, fill_first, depth - 1) for i in node.inputs)
+    return False
+
+
+class ZeroMaskedProbsRule(pattern.RewriteRuleClassBase):
+    """Probabilities zeroed where the scores were masked (DeBERTa's ``XSoftmax``:
+    ``softmax(s.masked_fill(drop, lowest)).masked_fill(drop, 0)``) become the softmax alone::
+
+        Where(drop, 0, Softmax(x))  →  Softmax(x)    x selects Where(drop, fill, ·) (or sums it)
+        Where(keep, Softmax(x), 0)  →  Softmax(x)    x selects Where(keep, ·, fill)
+
+    A masked key's probability is ``exp(fill − max) / Σ``, exactly 0 once its row has a visible
+    key; a row with every key masked (a sample that is all padding) gets the mean of V instead
+    of 0, a value no output token reads. Rejections: a written value other than 0; a condition
+    that is not the one the scores were masked with (fill −inf or the dtype's lowest).
+    """
+
+    def __init__(self, fill_first: bool) -> None:
+        super().__init__(f"ZeroMaskedProbs{'FillFirst' if fill_first else ''}")
+        self._fill_first = fill_first
+
+    def pattern(self, op, cond, x, zero):
+        probs = op.Softmax(x, _outputs=["probs"])
+        return op.Where(cond, zero, probs) if self._fill_first else op.Where(cond, probs, zero)
+
+    def check(self, context, cond, x, zero, **_):
+        result = pattern.MatchResult()
+        if scalar(zero) != 0.0:
+            return result.fail("the masked probabilities are not set to 0", zero)
+        if not _selects_with(x, cond, self._fill_first):
+            return result.fail("the scores were not masked on the same condition", cond)
+        return result
+
+    def rewrite(self, op, x, probs, **_):
+        return op.Softmax(x, axis=probs.producer().attributes.get_int("axis", -1))
+
+
 class StackedBiasRule(pattern.RewriteRuleClassBase):
     """Two biases added to the scores one after the other become one bias::
 
@@ -567,6 +771,8 @@ class MaxShiftRule(pattern.RewriteRuleClassBase):
 
 MASK_RULES = [
     MaxShiftRule.rule(),
+    *(MultiplicativeMaskRule.rule(f) for f in (False, True)),
+    *(ZeroMaskedProbsRule.rule(f) for f in (False, True)),
     *(SelectionMaskRule.rule(f, b) for f in (False, True) for b in ("", "right", "left")),
 ]
 BIAS_RULES = [StackedBiasRule.rule(i, o) for i in (True, False) for o in (True, False)]
@@ -575,6 +781,7 @@ CORE_RULES = [
     *(AttentionRule.rule(b, False, sink=True) for b in (True, False)),
     BatchedHeadsAttentionRule.rule(),
     BatchedScoresAttentionRule.rule(),
+    *(ViewedBmmAttentionRule.rule(e, m) for e in (True, False) for m in (True, False)),
     *(BmmAttentionRule.rule(True, c, r) for c in (True, False) for r in (True, False)),
     *(BmmAttentionRule.rule(False, False, r) for r in (True, False)),
 ]

@@ -9,7 +9,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 from onnxscript.rewriter import RewriteRuleSet
 
-from . import attention_rules, onnx_attention_rules, sink_rules
+from . import attention_rules, einsum_rules, onnx_attention_rules, sink_rules
 from .rewrite_utils import apply_rules, constant, diagnose, mark_missed
 
 logger = logging.getLogger(__name__)
@@ -148,11 +148,15 @@ def _looks_like_sinks(softmax: ir.Node) -> bool:
 class FuseAttentionPass(ir.passes.InPlacePass):
     """Fuse every attention core into one ``tfgraph.Attention``.
 
-    0. Scores masked by selection (``Where(keep, s, −inf)``, ``masked_fill``) become scores
-       plus an additive mask (:class:`.attention_rules.SelectionMaskRule`); two biases added
-       one after the other become one (:class:`.attention_rules.StackedBiasRule`); a softmax with
-       attention sinks becomes ``tfgraph.SinkSoftmax`` (:mod:`.sink_rules`); a softmax feeding
-       several ``MatMul(probs, V_i)`` gets one copy of its chain per V (:func:`unshare_softmax`).
+    0. Einsum contractions around a softmax become ``MatMul`` (:mod:`.einsum_rules`); scores
+       masked by a 0/1 buffer (:class:`.attention_rules.MultiplicativeMaskRule`) or by
+       selection (``Where(keep, s, −inf)``, ``masked_fill``) become scores plus an additive
+       mask (:class:`.attention_rules.SelectionMaskRule`), and probabilities zeroed again on
+       the same condition lose that zeroing (:class:`.attention_rules.ZeroMaskedProbsRule`);
+       two biases added one after the other become one
+       (:class:`.attention_rules.StackedBiasRule`); a softmax with attention sinks becomes
+       ``tfgraph.SinkSoftmax`` (:mod:`.sink_rules`); a softmax feeding several
+       ``MatMul(probs, V_i)`` gets one copy of its chain per V (:func:`unshare_softmax`).
     1. ``MatMul(Softmax(scale·Q·Kᵀ [+ bias]), V)`` in any of its exported forms becomes
        ``tfgraph.Attention(Q, Transpose(Kᵀ), V[, bias])``; so does a standard ONNX
        ``Attention`` (SDPA exported at opset ≥ 23), to be lowered for the profile like the rest.
@@ -167,7 +171,8 @@ class FuseAttentionPass(ir.passes.InPlacePass):
     """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        masked = apply_rules(model, RewriteRuleSet(attention_rules.MASK_RULES))  # → additive
+        masked = apply_rules(model, RewriteRuleSet(einsum_rules.EINSUM_RULES))  # → MatMul
+        masked += apply_rules(model, RewriteRuleSet(attention_rules.MASK_RULES))  # → additive
         masked += apply_rules(model, RewriteRuleSet(attention_rules.BIAS_RULES))  # one bias
         masked += apply_rules(model, RewriteRuleSet(sink_rules.SINK_RULES))  # → SinkSoftmax
         masked += unshare_softmax(model)  # one softmax, several V: one chain per V
