@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
+SAMPLES_PER_FRAME = 400  # 25 ms of 16 kHz audio: more than any HF audio encoder's stride
+
 
 def probe_feeds(graph: onnx.GraphProto, size: int, pad: bool, masks, token=0, batch=2) -> dict:
     dims: dict[str, int] = {}
@@ -16,7 +18,11 @@ def probe_feeds(graph: onnx.GraphProto, size: int, pad: bool, masks, token=0, ba
         for d in inp.type.tensor_type.shape.dim:
             if d.dim_param:
                 if d.dim_param not in dims:
-                    dims[d.dim_param] = batch if d.dim_param == "batch" else size + 2 * len(dims)
+                    n = size + 2 * len(dims)
+                    # raw audio: a feature extractor's strided convolutions (Moonshine's: 384
+                    # samples a frame) leave nothing of a dozen samples
+                    n = n * SAMPLES_PER_FRAME if d.dim_param == "samples" else n
+                    dims[d.dim_param] = batch if d.dim_param == "batch" else n
                 shape.append(dims[d.dim_param])
             else:
                 shape.append(d.dim_value)

@@ -56,8 +56,11 @@ def candidates(model: nn.Module, config, main: str) -> list[tuple[_Make, int | N
             size = (224, 224)
         channels = getattr(config, "num_channels", 3) or 3
         return [(_float_maker(lambda b, _n: (b, channels, *size)), None, 0)]
-    if main == "input_values":  # raw audio (batch, samples)
-        return [(_float_maker(lambda b, n: (b, n)), 1, base) for base in (1600, 4000, 16000)]
+    if main == "input_values":  # raw audio (batch, samples), else (batch, 1, samples): OmniASR
+        bases = (1600, 4000, 16000)
+        flat = [(_float_maker(lambda b, n: (b, n)), 1, base) for base in bases]
+        mono = [(_float_maker(lambda b, n: (b, 1, n)), 2, base) for base in bases]
+        return flat + mono
     if main == "input_features":
         found = []
         mel = _stated(config, "num_mel_bins")

@@ -103,6 +103,13 @@ class _HFSpeechSeq2Seq(_HFWrapper):
         return self._run(input_features=input_features, decoder_input_ids=decoder_input_ids)
 
 
+class _HFAudioSeq2Seq(_HFWrapper):
+    input_names = ("input_values", "decoder_input_ids")
+
+    def forward(self, input_values: torch.Tensor, decoder_input_ids: torch.Tensor) -> torch.Tensor:
+        return self._run(input_values=input_values, decoder_input_ids=decoder_input_ids)
+
+
 class _HFFeatures(_HFWrapper):
     input_names = ("input_features",)
 
@@ -130,7 +137,11 @@ _ENCODER_ONLY = {
     "input_values": _HFAudio,
     "pixel_values": _HFPixels,
 }
-_SEQ2SEQ = {"input_ids": _HFSeq2Seq, "input_features": _HFSpeechSeq2Seq}
+_SEQ2SEQ = {
+    "input_ids": _HFSeq2Seq,
+    "input_features": _HFSpeechSeq2Seq,
+    "input_values": _HFAudioSeq2Seq,
+}
 
 
 # --- the main input -------------------------------------------------------------------------
@@ -290,6 +301,18 @@ class _StreamFailed(TfgraphError):
     """The streamed model does not run (a module reads weights outside its own forward)."""
 
 
+def _without_pad(ids: torch.Tensor, config, vocab: int) -> torch.Tensor:
+    """Random token ids with the pad id moved to the next id: a token the mask calls real is
+    never the pad token. Models that count positions from the ids (M2M100, RoBERTa) skip a pad
+    token in a full pass but not in a cached step, so a pad id amid real tokens would make
+    their cached and uncached forwards disagree by design, not by error."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    pad = getattr(text, "pad_token_id", None)
+    if not isinstance(pad, int) or not 0 <= pad < vocab or vocab < 2:
+        return ids
+    return torch.where(ids == pad, (pad + 1) % vocab, ids)
+
+
 def hf_source(
     model: nn.Module, *, origin: str, trace_model: nn.Module | None = None
 ) -> ModelSource:
@@ -297,13 +320,13 @@ def hf_source(
     ``trace_model``: the same model built without weights, for torch.export."""
     model = model.eval()
     config = model.config
-    main = getattr(model, "main_input_name", "input_ids") or "input_ids"
+    main = _main_input(model)
     seq2seq = bool(getattr(config, "is_encoder_decoder", False))
     params = inspect.signature(model.forward).parameters
     if seq2seq and main not in _SEQ2SEQ:
         raise TfgraphError(
             f"{type(model).__name__}: an encoder-decoder whose encoder takes '{main}' is not "
-            "supported (input_ids, input_features are)"
+            "supported (input_ids, input_features, input_values are)"
         )
     tokens = main == "input_ids" or seq2seq
     token_vocab = vocabulary(model, config, decoder=seq2seq) if tokens else 0
@@ -311,7 +334,8 @@ def hf_source(
         encoder_vocab = vocabulary(model, config) if seq2seq else token_vocab
 
         def make_ids(batch, length, generator):
-            return torch.randint(0, encoder_vocab, (batch, length), generator=generator)
+            ids = torch.randint(0, encoder_vocab, (batch, length), generator=generator)
+            return _without_pad(ids, config, encoder_vocab)
 
         main_input = _MainInput(main, make_ids, 1, 0, "sequence")
     else:
@@ -341,9 +365,8 @@ def hf_source(
             out["attention_mask"] = mask
         if seq2seq:
             length = max(1, seq - 2)
-            out["decoder_input_ids"] = torch.randint(
-                0, token_vocab, (batch, length), generator=generator
-            )
+            ids = torch.randint(0, token_vocab, (batch, length), generator=generator)
+            out["decoder_input_ids"] = _without_pad(ids, config, token_vocab)
         return out
 
     wrapper = wrapper_cls(model, output).eval()
@@ -361,6 +384,21 @@ def hf_source(
     if limit is not None:
         source.info["max_positions"] = limit
     return source
+
+
+def _main_input(model) -> str:
+    """The model's ``main_input_name``; a generic ``inputs`` is named as the model's forward
+    also takes it: as its encoder names it (SpeechEncoderDecoder: raw audio or features,
+    whichever its encoder takes), else ``input_ids`` (Perceiver's masked LM)."""
+    main = getattr(model, "main_input_name", "input_ids") or "input_ids"
+    if main != "inputs":
+        return main
+    params = inspect.signature(model.forward).parameters
+    named = getattr(getattr(model, "encoder", None), "main_input_name", None)
+    for name in (named, "input_ids"):
+        if name and name != "inputs" and name in params:
+            return name
+    return main
 
 
 def _probe_layout(model, config, main: str, seq2seq: bool, vocab: int) -> _MainInput:
@@ -455,9 +493,12 @@ def _refuse_remote_code(path: Path, trust_remote_code: bool) -> None:
 
 
 def _has_experts(config) -> bool:
-    """A mixture-of-experts config whose experts implementation can be chosen."""
+    """A mixture-of-experts config whose experts implementation can be chosen; the experts
+    may be in its text config (Nemotron 3.5 Transcribe's language model)."""
+    configs = [config, _text_config(config)]
     return hasattr(config, "_experts_implementation") and any(
-        getattr(config, a, None)
+        getattr(cfg, a, None)
+        for cfg in configs
         for a in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
     )
 

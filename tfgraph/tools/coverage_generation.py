@@ -14,6 +14,9 @@ from pathlib import Path
 
 NEW_TOKENS = 32
 PROMPTS = ([5, 17, 42], [7, 3, 99, 150, 23, 11, 64])
+# the encoder input's dynamic axes: 40 frames of features; a second of 16 kHz raw audio,
+# which a feature extractor's strided convolutions (Moonshine's: 384 samples a frame) need
+_PROBE_LENGTHS = {"batch": 2, "samples": 16000}
 
 
 def greedy_vs_hf(work: Path, model, kind: str) -> dict:
@@ -70,7 +73,7 @@ def greedy_vs_hf(work: Path, model, kind: str) -> dict:
         takes_features = dtype is not None and dtype.kind == "f"
         if takes_features:
             port = next(p for p in decoder.encoder.signature.inputs if p.name == main)
-            dims = [2 if d == "batch" else (d if isinstance(d, int) else 40) for d in port.shape]
+            dims = [d if isinstance(d, int) else _PROBE_LENGTHS.get(d, 40) for d in port.shape]
             features = np.random.default_rng(0).standard_normal(dims).astype(np.float32)
             extra = {main: features}
             hf_inputs = {main: torch.from_numpy(features)}
