@@ -84,6 +84,7 @@ SHAPE_SLOTS = {
 BIAS_SLOT = 3  # tfgraph.Attention(Q, K, V, bias)
 # ops between the token ids and an indicator of them (``input_ids != pad``, as an integer)
 _INDICATOR_OPS = {"Equal", "Not", "Cast", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "And"}
+_VIEW_OPS = {"Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity"}  # data in slot 0 only
 
 
 class KVCacheError(ValueError):
@@ -179,9 +180,14 @@ class _Analysis:
                 continue
             if producer.op_type == "Constant":
                 continue
-            if producer.op_type not in _INDICATOR_OPS or producer.domain not in ("", "ai.onnx"):
+            if producer.domain not in ("", "ai.onnx"):
                 return False
-            stack.extend(producer.inputs)
+            if producer.op_type in _VIEW_OPS:  # SpeechT5's input_ids.view(-1, T)
+                stack.append(producer.inputs[0])
+            elif producer.op_type in _INDICATOR_OPS:
+                stack.extend(producer.inputs)
+            else:
+                return False
         return ids
 
     def _shape_has_seq(self, node: ir.Node) -> bool:
