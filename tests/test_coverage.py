@@ -162,3 +162,88 @@ def test_start_token_falls_back_to_the_decoder_config_then_bos():
     assert coverage_generation._start_token(bart) == 7
     gpt2 = transformers.GPT2Config(bos_token_id=5)
     assert coverage_generation._start_token(gpt2) == 5
+
+
+@pytest.mark.parametrize(
+    "model_type, cls, kinds",
+    [
+        # default pattern cut to one layer of each kind
+        ("lfm3", "Lfm3ForCausalLM", {"conv", "full_attention", "sliding_attention"}),
+        ("qwen4_exp_text", "Qwen4ExpForCausalLM", {"linear_attention", "indexed_attention"}),
+        # the same inside a composite config's text config
+        ("qwen3_5", "Qwen3_5ForCausalLM", {"linear_attention", "full_attention"}),
+        ("qwen3_5_moe", "Qwen3_5MoeForCausalLM", {"linear_attention", "full_attention"}),
+        # a pattern derived from indices or periods, or missing from the default config
+        ("jamba", "JambaForCausalLM", {"linear_attention", "full_attention"}),
+        ("bamba", "BambaForCausalLM", {"linear_attention", "full_attention"}),
+        ("granitemoehybrid", "GraniteMoeHybridForCausalLM", {"linear_attention", "full_attention"}),
+        ("lfm2_moe", "Lfm2MoeForCausalLM", {"conv", "full_attention"}),
+        ("zamba", "ZambaForCausalLM", {"linear_attention", "hybrid"}),
+        ("zamba2", "Zamba2ForCausalLM", {"linear_attention", "hybrid"}),
+    ],
+)
+def test_tiny_hybrids_keep_every_kind_of_layer_and_run(model_type, cls, kinds):
+    """A tiny hybrid with its attention layers dropped exports as 'no attention' (lfm3 and
+    Qwen4-Exp once did), or fails in Hugging Face's own cached forward (GraniteMoeHybrid's
+    Mamba-only default: get_mask_sizes). Each kind stays, and the model runs eagerly."""
+    import torch
+    import transformers
+
+    model_cls = getattr(transformers, cls)
+    config = coverage.config_for(model_cls, coverage.tiny_config(model_type, "causal-lm"))
+    assert isinstance(config, model_cls.config_class)
+    types = config.layers_block_type if model_type in ("zamba", "zamba2") else config.layer_types
+    assert set(types) == kinds and len(types) == config.num_hidden_layers
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    assert sum(p.numel() for p in model.parameters()) < 2_000_000
+    with torch.no_grad():
+        logits = model(torch.tensor([[3, 4, 5, 6, 7, 8]])).logits
+    assert logits.shape == (1, 6, config.vocab_size)
+
+
+@pytest.mark.parametrize(
+    "model_type, cls",
+    [
+        ("convnext", "ConvNextForImageClassification"),
+        ("convnextv2", "ConvNextV2ForImageClassification"),
+        ("efficientnet", "EfficientNetForImageClassification"),
+        ("levit", "LevitForImageClassification"),
+        ("mobilevitv2", "MobileViTV2ForImageClassification"),
+    ],
+)
+def test_tiny_vision_models_run_on_their_image_size(model_type, cls):
+    """Per-stage lists cut with the stage count, widths that follow their multipliers: each
+    tiny vision model runs on an image of its config's size (they once raised shape errors)."""
+    import torch
+    import transformers
+
+    config = coverage.tiny_config(model_type, "vision")
+    model = getattr(transformers, cls)(config).eval()
+    assert sum(p.numel() for p in model.parameters()) < 5_000_000
+    size = config.image_size
+    with torch.no_grad():
+        logits = model(torch.randn(2, config.num_channels, size, size)).logits
+    assert logits.shape == (2, config.num_labels)
+
+
+def test_the_acceptance_figure_leaves_out_unbuilt_rows_and_convnets():
+    rows = [
+        {"model_type": "a", "kind": "causal-lm", "status": "not built"},
+        {"model_type": "b", "kind": "causal-lm", "status": "eager failed"},
+        {"model_type": "c", "kind": "vision", "status": "no attention", "parity": True},
+        {"model_type": "d", "kind": "encoder", "status": "no attention", "parity": True},
+        {
+            "model_type": "e",
+            "kind": "encoder",
+            "status": "exported",
+            "parity": True,
+            "attention": [2, 2],
+        },
+        {"model_type": "f", "kind": "causal-lm", "status": "trace failed"},
+    ]
+    summary = coverage_report.summarize(rows)
+    assert [coverage_report.eligible(r) for r in rows] == [False, False, False, True, True, True]
+    assert summary["eligible"] == 3 and summary["complete"] == 1
+    text = coverage_report.markdown({"meta": {}, "summary": summary, "rows": rows})
+    assert "of the 3 that build tiny and run eagerly" in text and "**33%**" in text

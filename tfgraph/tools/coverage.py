@@ -133,6 +133,39 @@ TINY = {
     "mamba_dt_rank": 8,
     "mamba_d_ssm": 128,  # = 2 × 64: Falcon-H1's Mamba width
     "n_groups": 1,
+    # hybrids whose pattern is derived from indices (one attention layer after one recurrent)
+    "attn_layer_period": 2,  # Jamba: attention where i % period == offset
+    "attn_layer_offset": 1,
+    "attn_layer_indices": [1],  # Bamba (default: none, Mamba-2 layers only)
+    # Qwen4-Exp's QSA indexer: every indexed-attention layer builds one, and the default
+    # config leaves its sizes None (the model then fails: None // None)
+    "indexer_n_heads": 4,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 16,
+    "indexer_budget": 16,
+    "indexer_compress_ratio": 4,
+}
+# Per model type: hybrids whose default config does not show every kind of layer its model
+# has, given each kind once (as :func:`_tiny_layer_types` does for a default pattern).
+TINY_BY_MODEL = {
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},  # Mamba only
+    # no default pattern (the model indexes None); one dense layer, then a MoE one
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    # two hybrid layers: with one, the shared transformer Zamba ties to the first hybrid layer
+    # has nothing to tie and from_config raises ("issue with your definition of
+    # `tie_weights_keys`")
+    "zamba": {"layer_types": ["linear_attention", "hybrid", "hybrid"]},
+    # vision: per-stage lists cut with the stage count (num_stages is an alias of
+    # num_hidden_layers: 2 stages of a 4-stage list ended in a 768-wide norm on 192 channels)
+    "convnext": {"hidden_sizes": [16, 32], "depths": [1, 1]},
+    "convnextv2": {"hidden_sizes": [16, 32], "depths": [1, 1]},
+    # the top conv is round_filters(1280) x width_coefficient wide, and hidden_dim must equal
+    # it: 0.1 makes it 128 (= TINY hidden_dim)
+    "efficientnet": {"width_coefficient": 0.1, "depth_coefficient": 0.5},
+    # the stem downsamples by 16 whatever patch_size says; 64 pixels leave 4 x 4 tokens
+    "levit": {"patch_size": 16, "image_size": 64, "depths": [1, 1, 1]},
+    # patch_size is the unfold window over a map already downsampled by 8-32
+    "mobilevitv2": {"patch_size": 2, "image_size": 64, "width_multiplier": 0.25},
 }
 SPECIAL_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 EAGER_FAILED = "eager failed"  # the tiny model does not run on inputs from its own config
@@ -169,7 +202,9 @@ def tiny_config(model_type: str, kind: str = ""):
     # model built from its default vision/audio/text configs has 2.7-12.7 billion parameters
     # (measured: gemma3 2.7 B, qwen2_audio 12.7 B), which killed the worker for memory
     overrides.update(_tiny_sub_configs(default))
-    overrides.update(_tiny_layer_types(default))
+    by_model = dict(TINY_BY_MODEL.get(model_type, {}))
+    overrides.update(_tiny_layer_types(default, by_model.pop("layer_types", None)))
+    overrides.update(by_model)
     if _has(default, "expand") and {"head_dim", "num_heads", "hidden_size"} <= set(overrides):
         # Mamba-2: heads × head size is the expanded width
         overrides["head_dim"] = overrides["hidden_size"] * default.expand // overrides["num_heads"]
@@ -185,31 +220,51 @@ def tiny_config(model_type: str, kind: str = ""):
             return transformers.AutoConfig.for_model(model_type, **overrides)
         except Exception as exc:
             refused = [k for k in overrides if f"'{k}'" in str(exc)]
-            if not refused and "layer_types" in overrides:
+            if not refused and _pattern_key(default) in overrides:
                 # a pattern the config derives itself (RecurrentGemma's read-only
                 # layers_block_type): its own, cut to the tiny depth
-                refused = ["layer_types"]
+                refused = [_pattern_key(default)]
             if not refused:
                 raise
             overrides.pop(refused[0])
     return transformers.AutoConfig.for_model(model_type, **overrides)
 
 
-def _tiny_layer_types(config) -> dict:
+def _tiny_layer_types(config, kinds: list[str] | None = None) -> dict:
     """A hybrid's layer pattern made tiny: each kind of layer once, in the order the default
     pattern first uses it (Qwen3-Next's three linear-attention layers to one full-attention
-    layer become one of each), so that the tiny model has every kind; at least 2 layers."""
-    types = getattr(config, "layer_types", None)
-    if not isinstance(types, (list, tuple)) or not types or not isinstance(types[0], str):
-        return {}
-    kinds = list(dict.fromkeys(types))
-    if len(kinds) == 1:
-        return {}
-    out = {"layer_types": kinds}
+    layer become one of each), so that the tiny model has every kind; at least 2 layers.
+    ``kinds`` (from :data:`TINY_BY_MODEL`) replaces a default pattern that lacks a kind."""
+    if kinds is None:
+        types = getattr(config, "layer_types", None)
+        if not isinstance(types, (list, tuple)) or not types or not isinstance(types[0], str):
+            return {}
+        kinds = list(dict.fromkeys(types))
+        if len(kinds) == 1:
+            return {}
+    out: dict = {_pattern_key(config): list(kinds)}
     for key in ("num_hidden_layers", "n_layer", "num_layers"):
         if _has(config, key):
             out[key] = len(kinds)
     return out
+
+
+def config_for(cls, config):
+    """The config ``cls`` is built from: a composite config's text config where ``cls`` takes
+    only that (Qwen3.5's ``Qwen3_5ForCausalLM`` under the ``qwen3_5`` model type, which has no
+    ``vocab_size`` of its own), as ``AutoModelForCausalLM.from_config`` does."""
+    wanted = getattr(cls, "config_class", None)
+    if wanted is None or isinstance(config, wanted):
+        return config
+    text = config.get_text_config()
+    return text if isinstance(text, wanted) else config
+
+
+def _pattern_key(config) -> str:
+    """The field that holds the layer pattern: Zamba's ``layer_types`` is an alias of
+    ``layers_block_type``, set only after the config derived ``hybrid_layer_ids`` from its
+    default pattern (Zamba2 then looks up layers that do not exist: KeyError)."""
+    return getattr(type(config), "attribute_map", {}).get("layer_types", "layer_types")
 
 
 def _tiny_sub_configs(config, depth: int = 0) -> dict:
@@ -224,9 +279,18 @@ def _tiny_sub_configs(config, depth: int = 0) -> dict:
         if not isinstance(sub, PretrainedConfig) or depth > 2:
             continue
         overrides = {k: v for k, v in TINY.items() if _has(sub, k)}
+        heads = ("num_attention_heads", "num_key_value_heads")
+        if all(_has(sub, k) for k in heads) and len({getattr(sub, k) for k in heads}) == 1:
+            # an MHA sub-config stays MHA: NeMo's ASR encoders save q/k/v fused and split them
+            # in three equal parts on load, which a GQA tiny config would not survive
+            overrides["num_key_value_heads"] = overrides.get("num_attention_heads")
         # special tokens inside the tiny vocabulary (mllama's text config pads with 128004)
         overrides.update({k: v for k, v in SPECIAL_TOKENS.items() if _has(sub, k)})
+        # its role in the composite (SpeechEncoderDecoder's BERT decodes: causal, cross-attending)
+        roles = ("is_decoder", "add_cross_attention")
+        overrides.update({k: True for k in roles if _has(sub, k) and getattr(sub, k)})
         overrides.update(_tiny_sub_configs(sub, depth + 1))
+        overrides.update(_tiny_layer_types(sub))  # Qwen3.5's text config keeps its attention
         built = _build(type(sub), overrides)
         if built is not None:
             out[name] = built.to_dict()
@@ -268,9 +332,11 @@ def measure(model_type: str, kind: str, cls_name: str, work: Path) -> dict:
 
     row: dict = {"model_type": model_type, "kind": kind, "class": cls_name}
     try:
-        config = tiny_config(model_type, kind)
+        cls = getattr(transformers, cls_name)
+        config = config_for(cls, tiny_config(model_type, kind))
         torch.manual_seed(0)
-        model = getattr(transformers, cls_name)(config).eval()
+        model = cls(config).eval()
+        _untie_zero_weights(model)
         model.save_pretrained(work / "hf")
     except Exception as exc:  # the architecture cannot be built tiny from its config
         row.update(status="not built", reason=first_line(exc, named=True))
@@ -313,6 +379,18 @@ def measure(model_type: str, kind: str, cls_name: str, work: Path) -> dict:
     except Exception as exc:
         row.update(tokens_equal=False, tokens_reason=first_line(exc, named=True))
     return row
+
+
+def _untie_zero_weights(model) -> None:
+    """Matrices initialized to exactly zero drawn at random (std 0.02). AFMoE zero-inits its
+    router: every expert then ties, and each runtime's top-k breaks the tie its own way, so
+    eager and ONNX Runtime route differently on a model no checkpoint looks like."""
+    import torch
+
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2 and param.numel() and not param.any():
+                param.normal_(0.0, 0.02)
 
 
 def _failure(exc: Exception) -> str:
