@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import re
 import warnings
 
@@ -24,7 +25,7 @@ from tfgraph.errors import TfgraphError, first_line
 from tfgraph.passes.exact_no_op import exact
 from tfgraph.passes.lazy_weights import fold_weight_transposes
 from tfgraph.passes.provenance import module_name  # noqa: F401  (re-exported)
-from tfgraph.sources import complex_rotary, recurrent_kernels, replicate_layers
+from tfgraph.sources import complex_rotary, recurrent_kernels, recurrent_layers, replicate_layers
 from tfgraph.sources.model import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -65,12 +66,16 @@ def _export(source: ModelSource, module, args, dynamic, opset: int):
             contextlib.redirect_stdout(io.StringIO()),
             recurrent_kernels.substituted(module) as taken,
             complex_rotary.substituted(module) as paired,
+            recurrent_layers.substituted(module) as layers,
+            _without_value_checks(),
         ):
             warnings.simplefilter("ignore")
             if taken:
                 source.info["recurrent_kernels"] = dict(taken)
             if paired:
                 source.info["complex_rotary"] = paired
+            if layers:
+                source.info["recurrent_layers"] = layers
             return torch.onnx.export(
                 module,
                 args,
@@ -88,6 +93,28 @@ def _export(source: ModelSource, module, args, dynamic, opset: int):
         raise TfgraphError(
             f"tracing {source.origin} failed: {first_line(exc, named=True, root=True)}"
         ) from exc
+
+
+@contextlib.contextmanager
+def _without_value_checks():
+    """Checks on tensor values off while tracing, each with its library's own switch: Hugging
+    Face's ``torch_compilable_check`` (SigLIP 2's "spatial shapes are positive"; traced, an
+    ``aten._is_all_true`` assert, which has no ONNX translation and no place in a graph) and
+    the argument validation of ``torch.distributions`` (BLT's ``Categorical(logits=…)``
+    branches on whether the logits are finite: data-dependent)."""
+    key = "TRANSFORMERS_DISABLE_TORCH_CHECK"
+    before = os.environ.get(key)
+    os.environ[key] = "1"
+    validate = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(validate)
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
 
 
 def _shortened_trace(source: ModelSource, module, args, dynamic, opset: int) -> ir.Model | None:
