@@ -47,10 +47,13 @@ class AttentionRule(pattern.RewriteRuleClassBase):
     """One instance per (bias, NaN guard): onnxscript's matcher cannot make the root or an
     optional input an alternative."""
 
-    def __init__(self, with_bias: bool, nan_guard: bool, sink: bool = False) -> None:
+    def __init__(
+        self, with_bias: bool, nan_guard: bool, sink: bool = False, flat: bool = False
+    ) -> None:
         name = f"Attention{'Bias' if with_bias else ''}{'NanGuard' if nan_guard else ''}"
-        super().__init__(name + ("Sink" if sink else ""))
+        super().__init__(name + ("Sink" if sink else "") + ("Flat" if flat else ""))
         self._with_bias, self._nan_guard, self._sink = with_bias, nan_guard, sink
+        self._flat = flat
 
     def pattern(self, op, q, c_q, kt, c_k, extra, c, cap_in, cap_out, bias, v, zero, sink):
         qs = pattern.OrValue([op.Mul(q, c_q), q], tag_var="q_scaled", tag_values=[True, False])
@@ -104,8 +107,9 @@ class AttentionRule(pattern.RewriteRuleClassBase):
                 )
         if has_extra and (q_scaled or k_scaled):
             return result.fail("an extra score term with Q or K pre-scaled", q)
+        rank = len(probs.shape) if probs.shape is not None else 4
         axis = probs.producer().attributes.get_int("axis", -1)
-        if axis not in (-1, 3):
+        if axis not in (-1, rank - 1):
             return result.fail(f"softmax over axis {axis}, not the key axis", probs)
         scale = 1.0
         for used, name in ((q_scaled, "c_q"), (k_scaled, "c_k"), (scale_op != "none", "c")):
@@ -115,6 +119,16 @@ class AttentionRule(pattern.RewriteRuleClassBase):
             if factor is None:
                 return result.fail("the score scale is not a constant scalar", kw[name])
             scale *= 1.0 / factor if (name == "c" and scale_op == "div") else factor
+        if self._nan_guard and scalar(kw["zero"]) != 0.0:
+            return result.fail("the softmax NaN guard does not write 0", kw["zero"])
+        if self._flat:
+            if not _flat_batches(q, kt, v):
+                return result.fail(
+                    "Q, Kᵀ and V are not (…, seq, d) with the same leading dims, other than 4-D",
+                    q,
+                )
+            self._scale = scale
+            return result
         for value, what in ((q, "Q"), (kt, "Kᵀ"), (v, "V")):
             if not _rank4_static_heads(value):
                 return result.fail(f"{what} is not 4-D (B, heads, seq, d) with static heads", value)
@@ -123,20 +137,20 @@ class AttentionRule(pattern.RewriteRuleClassBase):
             return result.fail(
                 f"Q's head count {hq} is not a positive multiple of K's and V's ({hk}, {hv})", q
             )
-        if self._nan_guard and scalar(kw["zero"]) != 0.0:
-            return result.fail("the softmax NaN guard does not write 0", kw["zero"])
         self._scale = scale
         return result
 
     def rewrite(self, op, q, kt, v, has_extra, bias=None, extra=None, sink=None, **_):
-        k = op.Transpose(kt, perm=[0, 1, 3, 2])
-        b, h, d, s = kt.shape
-        k.shape = ir.Shape([b, h, s, d])  # lowering proves S == T from these symbols
-        k.type = kt.type
         if has_extra:  # an activation-dependent score term (Shaw) becomes part of the bias
             scale = op.Constant(value=ir.tensor(self._scale, dtype=q.dtype))
             scaled = op.Mul(extra, scale)
             bias = scaled if bias is None else op.Add(scaled, bias)
+        if self._flat:
+            return _flat_attention(op, q, kt, v, bias, self._scale, self._softcap)
+        k = op.Transpose(kt, perm=[0, 1, 3, 2])
+        b, h, d, s = kt.shape
+        k.shape = ir.Shape([b, h, s, d])  # lowering proves S == T from these symbols
+        k.type = kt.type
         inputs = [q, k, v] + ([bias] if bias is not None else [])
         if sink is not None:
             inputs = [q, k, v, bias, sink]  # an empty bias slot when there is no bias
@@ -148,6 +162,63 @@ class AttentionRule(pattern.RewriteRuleClassBase):
             softcap=self._softcap,
         )
         return spec.make(op, *inputs)
+
+
+def _flat_batches(q: ir.Value, kt: ir.Value, v: ir.Value) -> bool:
+    """Q (…, T, d), Kᵀ (…, d, S), V (…, S, dv): one rank other than 4, at least 3, and the
+    same leading dims (no broadcasting between them)."""
+    shapes = [x.shape for x in (q, kt, v)]
+    if any(shape is None for shape in shapes):
+        return False
+    rank = len(shapes[0])
+    if rank < 3 or rank == 4 or any(len(shape) != rank for shape in shapes):
+        return False
+    return all(same_dims(shapes[0][:-2], shape[:-2]) for shape in shapes[1:])
+
+
+def _flat_attention(op, q, kt, v, bias, scale: float, softcap: float):
+    """``tfgraph.Attention`` on one-head 4-D views (N, 1, ·, ·) of Q, K, V whose leading dims
+    (heads folded into the batch: ``F.multi_head_attention_forward``'s (B·H, T, d); or a
+    window axis beside the heads: Hiera's (B, H, W, T, d)) flatten into N; the bias is
+    expanded to the scores' shape first, so it flattens the same way; Y is viewed back."""
+    i64 = ir.DataType.INT64
+    lead = q.shape[:-2]
+    rows = lead[0] if len(lead) == 1 else None
+    if all(isinstance(dim, int) for dim in lead):
+        rows = int(np.prod(lead))
+    batch = rows if rows is not None else ir.SymbolicDim(f"{q.name}_rows")
+    minus_one_one = op.Constant(value=ir.tensor([-1, 1], dtype=i64))
+
+    def view(x, last2):  # (…, a, b) → (N, 1, a, b)
+        shape = op.Concat(minus_one_one, op.Shape(x, start=-2), axis=0)
+        y = op.Reshape(x, shape)
+        y.shape, y.type = ir.Shape([batch, 1, *last2]), x.type
+        return y
+
+    t, d = q.shape[-2:]
+    dk, s = kt.shape[-2:]
+    q4, v4 = view(q, [t, d]), view(v, v.shape[-2:])
+    k = op.Transpose(view(kt, [dk, s]), perm=[0, 1, 3, 2])
+    k.shape, k.type = ir.Shape([batch, 1, s, dk]), kt.type
+    inputs = [q4, k, v4]
+    if bias is not None:
+        scores_shape = op.Concat(op.Shape(q, end=-1), op.Shape(kt, start=-1), axis=0)
+        full = op.Expand(bias, scores_shape)
+        full.shape, full.type = ir.Shape([*lead, t, s]), bias.type
+        inputs.append(view(full, [t, s]))
+    spec = AttentionOp(
+        num_heads=1,
+        kv_num_heads=1,
+        scale=float(scale),
+        bias_kind="additive" if bias is not None else "none",
+        softcap=softcap,
+    )
+    y4 = spec.make(op, *inputs)
+    y4.shape, y4.type = ir.Shape([batch, 1, t, v.shape[-1]]), q.type
+    out_shape = op.Concat(op.Shape(q, end=-1), op.Shape(v, start=-1), axis=0)
+    y = op.Reshape(y4, out_shape)
+    y.shape, y.type = ir.Shape([*lead, t, v.shape[-1]]), q.type
+    return y
 
 
 class BatchedHeadsAttentionRule(pattern.RewriteRuleClassBase):
@@ -262,12 +333,15 @@ class BmmAttentionRule(pattern.RewriteRuleClassBase):
         s = Reshape(Reshape(MatMul(q3, kᵀ3), (B, H, T, S)) + mask [Max(·, lowest)], (B·H, T, S))
         y = Reshape(MatMul(Softmax(s), v3), (B, H, T, d))
 
-    becomes ``tfgraph.Attention`` (scale 1: the scale is in q3) with ``bias = mask``. XGLM's
+    becomes ``tfgraph.Attention`` (scale 1: the scale is in q3) with ``bias = mask``; a term
+    added to the bmm before the view (SpeechT5's relative position bias, ``q·rᵀ``) joins the
+    bias as its (B, H, T, S) view, an activation-dependent additive bias (Shaw). XGLM's
     ``Max(·, lowest)`` clamp is dropped: it only turns −inf into the lowest value, and the
     masks it guards are made of the lowest value (never −inf). Without a mask the scores stay
     3-D: ``Reshape(MatMul(Softmax(MatMul(q3, kᵀ3)), v3), (B, H, T, d))``. A round trip of the
     probabilities through a 4-D view and back (XGLM's head mask slot) is taken too.
-    Rejections: a clamp at any other value; views with unknown or non-static heads, or
+    Rejections: a clamp at any other value; an extra term not shaped like the bmm; views
+    with unknown or non-static heads, or
     splits that disagree; a softmax over another axis.
     """
 
@@ -276,8 +350,13 @@ class BmmAttentionRule(pattern.RewriteRuleClassBase):
         super().__init__(name + ("RoundTrip" if round_trip else ""))
         self._masked, self._clamp, self._round_trip = masked, clamp, round_trip
 
-    def pattern(self, op, q3, kt3, s4, mask, lowest, s3, v3, so, r4, r3):
+    def pattern(self, op, q3, kt3, extra3, s4, mask, lowest, s3, v3, so, r4, r3):
         scores = op.MatMul(q3, kt3, _outputs=["bmm"])
+        scores = pattern.OrValue(  # SpeechT5: + Shaw's q·r term, (B·H, T, S) like the scores
+            [op.Add(scores, extra3, _outputs=["summed"]), scores],
+            tag_var="has_extra",
+            tag_values=[True, False],
+        )
         if self._masked:
             scores = op.Add(op.Reshape(scores, s4, _outputs=["scores4"]), mask)
             if self._clamp:
@@ -288,9 +367,19 @@ class BmmAttentionRule(pattern.RewriteRuleClassBase):
             probs3 = op.Reshape(op.Reshape(probs3, r4, _outputs=["probs4"]), r3, _outputs=["back"])
         return op.Reshape(op.MatMul(probs3, v3), so, _outputs=["y4"])
 
-    def check(self, context, q3, kt3, v3, bmm, y4, probs, scores3=None, **kw):
+    def check(self, context, q3, kt3, v3, bmm, y4, probs, has_extra, scores3=None, **kw):
         result = pattern.MatchResult()
         scores3 = scores3 if scores3 is not None else bmm
+        extra = kw.get("extra3") if has_extra else None
+        if extra is not None and (
+            extra.shape is None
+            or len(extra.shape) != 3
+            or bmm.shape is None
+            or not same_dims(extra.shape, bmm.shape)
+        ):
+            return result.fail(
+                "the extra score term is not (batch·heads, T, S) like the scores", extra
+            )
         if probs.producer().attributes.get_int("axis", -1) not in (-1, 2):
             return result.fail("softmax is not over the key axis", probs)
         if self._clamp and not _is_fill(scalar(kw["lowest"])):
@@ -312,10 +401,14 @@ class BmmAttentionRule(pattern.RewriteRuleClassBase):
         self._heads, self._batch_view = y4.shape[1], kw.get("scores4") or y4
         return result
 
-    def rewrite(self, op, q3, kt3, v3, mask=None, **_):
-        return _batched_heads(
-            op, q3, kt3, v3, self._batch_view, self._heads, 1.0, lambda view: mask
-        )
+    def rewrite(self, op, q3, kt3, v3, has_extra, extra3=None, mask=None, **_):
+        def bias(view):
+            if not has_extra:
+                return mask
+            extra = view(extra3, extra3.shape[1:])
+            return extra if mask is None else op.Add(extra, mask)
+
+        return _batched_heads(op, q3, kt3, v3, self._batch_view, self._heads, 1.0, bias)
 
 
 class ViewedBmmAttentionRule(pattern.RewriteRuleClassBase):
@@ -785,6 +878,9 @@ CORE_RULES = [
     *(BmmAttentionRule.rule(True, c, r) for c in (True, False) for r in (True, False)),
     *(BmmAttentionRule.rule(False, False, r) for r in (True, False)),
 ]
+# Tried only where CORE_RULES left a core unfused: a view that recovers the heads
+# (:class:`BmmAttentionRule`) must win over folding them into the batch.
+FLAT_RULES = [AttentionRule.rule(b, g, flat=True) for b in (True, False) for g in (True, False)]
 LAYOUT_RULES = [
     DoubleTransposeRule.rule(),
     SdpaKeyLayoutRule.rule(),

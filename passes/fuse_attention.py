@@ -160,6 +160,9 @@ class FuseAttentionPass(ir.passes.InPlacePass):
     1. ``MatMul(Softmax(scale·Q·Kᵀ [+ bias]), V)`` in any of its exported forms becomes
        ``tfgraph.Attention(Q, Transpose(Kᵀ), V[, bias])``; so does a standard ONNX
        ``Attention`` (SDPA exported at opset ≥ 23), to be lowered for the profile like the rest.
+       What is left with Q, Kᵀ, V of one rank other than 4 and the same leading dims
+       (heads folded into the batch, or a window axis) fuses on one-head (N, 1, ·, ·) views
+       (:data:`.attention_rules.FLAT_RULES`).
     2. Layout cleanup: the transpose of Kᵀ cancels against the ones that built it (plain or
        SDPA's 3-D view), and a ``repeat_interleave`` of K and V (GQA/MQA) is absorbed into
        ``kv_num_heads``.
@@ -180,6 +183,7 @@ class FuseAttentionPass(ir.passes.InPlacePass):
             common.RemoveUnusedNodesPass()(model)
         count = apply_rules(model, RewriteRuleSet(attention_rules.CORE_RULES))
         count += apply_rules(model, RewriteRuleSet(onnx_attention_rules.RULES))
+        count += apply_rules(model, RewriteRuleSet(attention_rules.FLAT_RULES))  # heads in N
         if count:
             for _ in range(2):  # cancel transposes, drop the Identity, then absorb repeat_kv
                 apply_rules(model, RewriteRuleSet(attention_rules.LAYOUT_RULES))

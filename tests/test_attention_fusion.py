@@ -114,13 +114,20 @@ def test_rejections_name_their_reason(kwargs, reason):
     assert reason in attention["missed"][0]["reason"], attention["missed"]
 
 
-def test_three_d_scores_are_reported():
-    class Flat(nn.Module):  # heads folded into the batch, no 4-D view: not recognizable
+def test_three_d_scores_fuse_on_one_head_or_are_reported():
+    class Flat(nn.Module):  # heads folded into the batch, no 4-D view: one head per row
         def forward(self, q, k, v):
             return torch.softmax(q @ k.transpose(-2, -1) / 8, dim=-1) @ v
 
     g = torch.Generator().manual_seed(0)
     example = tuple(torch.randn(8, 6, 8, generator=g) for _ in range(3))
+    model = trace(from_module(Flat(), example))
+    run_pipeline(model, "cleanup")
+    FuseAttentionPass()(model)
+    (node,) = [n for n in model.graph if n.domain == "tfgraph" and n.op_type == "Attention"]
+    assert node.attributes["num_heads"].value == 1
+    # K and V (S, d) broadcast over Q's batch: no one-head view of all three
+    example = (example[0], example[1][0], example[2][0])
     model = trace(from_module(Flat(), example))
     run_pipeline(model, "cleanup")
     FuseAttentionPass()(model)

@@ -11,14 +11,20 @@ Attention:
 2. self, causal: ``GroupQueryAttention`` (``causal=1``; KV heads native;
    ``local_window_size = window``; the bias, if any, as ``attention_bias`` with its query axis
    expanded to T). It takes its flash path only with ``present_*`` declared (done).
-3. self, not causal, with a bias or a window: ``GroupQueryAttention`` with ``causal=0``, the
-   window folded into ``attention_bias``.
+3. self, not causal, with a bias, a window or a softcap: ``GroupQueryAttention`` with
+   ``causal=0``, the window folded into ``attention_bias`` (measured: ``softcap`` with
+   ``causal=0`` and no bias is exact too).
 4. not causal, no bias, no window (self or cross): ``MultiHeadAttention`` (its flash path on the
    CPU), K/V heads expanded by repeat-interleave when Hkv < Hq.
 5. S ≠ T (or not provable) with causal, window or bias, or a head size GQA's CPU kernel refuses
    (not a multiple of 8): ``MultiHeadAttention`` with the masks folded into
    ``attention_bias`` (GQA rejects S ≠ T without a past; ``MultiHeadAttention(unidirectional=1)``
    is wrong for 1 < T < S; ``Attention``-23 with a mask measured no better).
+6. a softcap where ``GroupQueryAttention`` does not apply (S ≠ T: it refuses a key length
+   other than the query's without a past, and a past with T > 1 unless B = 1; or a head
+   size it refuses): ONNX ``Attention``-23 at opset ≥ 23 (its CPU kernel applies the tanh
+   before ``attn_mask``, as canonical: measured); below opset 23 the standard ops, reported
+   (``MultiHeadAttention`` has no softcap).
 
 Norms: ``LayerNormalization``; RMSNorm as ``SkipSimplifiedLayerNormalization`` where it reads a
 residual ``Add`` (else ``SimplifiedLayerNormalization``): on a ~120M Llama (2 threads) the
@@ -75,6 +81,9 @@ ORT_FUSED = {
 }
 
 
+ATTENTION23_OPSET = 23  # ONNX Attention, which ORT 1.32 runs on the CPU
+
+
 def lower_attention(case: AttentionCase) -> Lowered:
     spec, build = case.spec, case.build
     # GroupQueryAttention's CPU kernel needs head_size % 8 == 0 (measured: it refuses
@@ -91,13 +100,24 @@ def lower_attention(case: AttentionCase) -> Lowered:
     if cached is not None:
         y = build.gqa_past(cached, case.bias, spec, sink)
         return Lowered(y, "GroupQueryAttention (past)")
-    masked = spec.causal or spec.window or case.bias is not None or sink is not None
-    if gqa_ok and case.self_attention and masked:
+    # what MultiHeadAttention cannot do: a mask it would need as a bias, a softcap, a sink
+    needs_gqa = spec.causal or spec.window or case.bias is not None or sink is not None
+    if gqa_ok and case.self_attention and (needs_gqa or spec.softcap):
         return Lowered(build.gqa(case.v, case.bias, spec, sink), "GroupQueryAttention")
+    if spec.softcap and sink is None and case.opset >= ATTENTION23_OPSET:
+        # measured on ORT 1.32's CPU kernel: its tanh comes before attn_mask, as canonical
+        return Lowered(build.attention23(case.v, case.bias, spec), "Attention")
     for present, what in ((spec.softcap, "softcap"), (sink is not None, "attention-sink input")):
         if present:  # MultiHeadAttention has neither: the standard ops, reported
             reason = (
                 f"MultiHeadAttention has no {what}, and GroupQueryAttention does not apply here"
+                + (
+                    f" (S ≠ T{'' if gqa_ok else ' or a head size it refuses'}; ONNX "
+                    f"Attention-{ATTENTION23_OPSET} takes a softcap: --opset "
+                    f"{ATTENTION23_OPSET})"
+                    if what == "softcap"
+                    else ""
+                )
             )
             return Lowered(build.decomposed(case.v, case.bias, spec, sink), "decomposed", reason)
     mask = build.full_mask(case.bias, spec, causal=spec.causal, window=spec.window)
