@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
+import math
 from collections.abc import Callable
 
 import torch
@@ -44,6 +46,37 @@ def _stated(config, *names: str):
             if value:
                 return value
     return None
+
+
+NAFLEX_INPUTS = ("pixel_attention_mask", "spatial_shapes")
+
+
+def naflex(model: nn.Module, config) -> tuple[_Make, Callable[[int], dict]] | None:
+    """SigLIP 2's NaFlex images, when the model's forward takes ``NAFLEX_INPUTS``: (make of
+    ``pixel_values`` already cut into patches, (batch, patches, channels × patch × patch), make
+    of the companion inputs for a batch), else None. ``spatial_shapes`` (batch, 2) is each
+    image's grid of patches (rows, columns), ``pixel_attention_mask`` (batch, patches) which
+    patches are real: the first image fills a square grid, the others one row fewer, the
+    patches left over are padding (the processor pads every image to ``num_patches``)."""
+    params = inspect.signature(model.forward).parameters
+    patches, size = _stated(config, "num_patches"), _stated(config, "patch_size")
+    if not all(n in params for n in NAFLEX_INPUTS) or not isinstance(patches, int):
+        return None
+    if not isinstance(size, int):
+        return None
+    channels = _stated(config, "num_channels") or 3
+    side = math.isqrt(patches)
+
+    def make(batch, _length, generator):
+        return torch.randn(batch, patches, channels * size * size, generator=generator)
+
+    def companions(batch):
+        grids = [[side, side]] + [[max(side - 1, 1), side]] * (batch - 1)
+        shapes = torch.tensor(grids, dtype=torch.int64)  # (B, 2)
+        real = torch.arange(patches)[None, :] < shapes.prod(-1)[:, None]  # (B, patches)
+        return {"pixel_attention_mask": real.long(), "spatial_shapes": shapes}
+
+    return make, companions
 
 
 def candidates(model: nn.Module, config, main: str) -> list[tuple[_Make, int | None, int]]:

@@ -30,7 +30,7 @@ from torch import nn
 
 from tfgraph.errors import TfgraphError, first_line
 from tfgraph.sources.checkpoint import Checkpoint, MissingTensor, whole_load_info
-from tfgraph.sources.hf_layouts import candidates
+from tfgraph.sources.hf_layouts import NAFLEX_INPUTS, candidates, naflex
 from tfgraph.sources.model import ModelSource, max_positions
 from tfgraph.sources.streamed import Streamed, empty_model, prepare_trace
 
@@ -56,6 +56,7 @@ class _HFWrapper(nn.Module):
         params = inspect.signature(model.forward).parameters
         self._no_cache = {"use_cache": False} if "use_cache" in params else {}
         self._positions = "position_ids" in params
+        self._masks = "attention_mask" in params
 
     def _run(self, **kwargs: torch.Tensor):
         return getattr(self.model(**kwargs, **self._no_cache, return_dict=True), self._output)
@@ -88,10 +89,15 @@ class _HFCausalLM(_HFWrapper):
 
 
 class _HFSeq2Seq(_HFWrapper):
+    """The encoder's mask is stated, all ones: without one, LongT5 and SwitchTransformers
+    build their default mask only outside torch.export (``not is_torchdynamo_compiling()``)
+    and then fail on ``None``; in eager the two calls are the same."""
+
     input_names = ("input_ids", "decoder_input_ids")
 
     def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor) -> torch.Tensor:
-        return self._run(input_ids=input_ids, decoder_input_ids=decoder_input_ids)
+        mask = {"attention_mask": torch.ones_like(input_ids)} if self._masks else {}
+        return self._run(input_ids=input_ids, decoder_input_ids=decoder_input_ids, **mask)
 
 
 class _HFSpeechSeq2Seq(_HFWrapper):
@@ -131,6 +137,24 @@ class _HFPixels(_HFWrapper):
         return self._run(pixel_values=pixel_values)
 
 
+class _HFPatches(_HFWrapper):
+    """Images cut into patches, with their grids and padding (SigLIP 2's NaFlex)."""
+
+    input_names = ("pixel_values", *NAFLEX_INPUTS)
+
+    def forward(
+        self,
+        pixel_values: torch.Tensor,
+        pixel_attention_mask: torch.Tensor,
+        spatial_shapes: torch.Tensor,
+    ) -> torch.Tensor:
+        return self._run(
+            pixel_values=pixel_values,
+            pixel_attention_mask=pixel_attention_mask,
+            spatial_shapes=spatial_shapes,
+        )
+
+
 _ENCODER_ONLY = {
     "input_ids": None,  # _HFTokens or _HFTokensMask
     "input_features": _HFFeatures,
@@ -154,8 +178,17 @@ class _MainInput:
     """How to build the main input: ``make(batch, seq, generator)``, its dynamic axes, and
     how a parity sequence length maps onto its length axis."""
 
-    def __init__(self, name: str, make: _Make, axis: int | None, base: int, symbol: str):
+    def __init__(
+        self,
+        name: str,
+        make: _Make,
+        axis: int | None,
+        base: int,
+        symbol: str,
+        companions: Callable[[int], dict] | None = None,
+    ):
         self.name, self._make, self.axis, self.base, self.symbol = name, make, axis, base, symbol
+        self.companions = companions  # batch → the inputs that go with it (NaFlex's grids)
 
     def length(self, seq: int) -> int:
         return seq if self.name == "input_ids" else self.base + (seq if self.axis else 0)
@@ -165,6 +198,11 @@ class _MainInput:
 
     def axes(self) -> dict[int, str]:
         return {0: "batch", **({self.axis: self.symbol} if self.axis is not None else {})}
+
+    def inputs(self, batch: int, seq: int, generator: torch.Generator) -> dict:
+        """The main input and its companions."""
+        made = {self.name: self.make(batch, seq, generator)}
+        return {**made, **(self.companions(batch) if self.companions else {})}
 
 
 def vocabulary(model: nn.Module, config, *, decoder: bool = False) -> int:
@@ -343,6 +381,8 @@ def hf_source(
     output, causal_lm = _output_kind(model, main_input, seq2seq, token_vocab, params)
     if seq2seq:
         wrapper_cls = _SEQ2SEQ[main]
+    elif main_input.companions is not None:
+        wrapper_cls = _HFPatches
     elif causal_lm and "attention_mask" in params:
         wrapper_cls = _HFCausalLM
     elif main == "input_ids":
@@ -351,13 +391,14 @@ def hf_source(
         wrapper_cls = _ENCODER_ONLY[main]
     names = wrapper_cls.input_names
     axes = {main: main_input.axes()}
+    axes.update({n: {0: "batch"} for n in names if n in NAFLEX_INPUTS})
     if "attention_mask" in names:
         axes["attention_mask"] = {0: "batch", 1: "sequence"}
     if seq2seq:
         axes["decoder_input_ids"] = {0: "batch", 1: "decoder_sequence"}
 
     def make(batch, seq, generator):
-        out = {main: main_input.make(batch, seq, generator)}
+        out = main_input.inputs(batch, seq, generator)
         if "attention_mask" in names:
             mask = torch.ones(batch, seq, dtype=torch.int64)
             if causal_lm:  # rows after the first are left-padded: the padding path is proven
@@ -406,6 +447,9 @@ def _probe_layout(model, config, main: str, seq2seq: bool, vocab: int) -> _MainI
     also runs at a longer length."""
     errors = []
     generator = torch.Generator().manual_seed(0)
+    patches = naflex(model, config) if main == "pixel_values" else None
+    if patches is not None:
+        return _MainInput(main, patches[0], None, 0, "patches", companions=patches[1])
     for make, axis, base in candidates(model, config, main):
         try:
             _forward(model, {main: make(2, base, generator)}, seq2seq, vocab)
@@ -445,8 +489,7 @@ def _output_kind(model, main_input: _MainInput, seq2seq, vocab, params) -> tuple
     batch, seq = AXIS_PROBES
     generator = torch.Generator().manual_seed(0)
     try:
-        probe = {main_input.name: main_input.make(batch, seq, generator)}
-        out = _forward(model, probe, seq2seq, vocab)
+        out = _forward(model, main_input.inputs(batch, seq, generator), seq2seq, vocab)
     except Exception as exc:
         error = _StreamFailed if getattr(model, "tfgraph_streamed", False) else TfgraphError
         raise error(
