@@ -99,7 +99,9 @@ def _cone(value: ir.Value, *, cut_shapes: bool) -> list[ir.Value] | None:
     it. With ``cut_shapes``, a value read only by ``Shape`` (a mask built from the shape of
     Q or K, as SDPA's decomposition builds its causal mask) is not walked through: it is
     returned, to be fed as a stand-in of its (symbolic) shape, whose values the bias cannot
-    read."""
+    read. A value whose Shape is read and which is also read as data (``attention_mask``
+    sizes GIT's mask and pads it; its embeddings' shape comes out of a fused norm) is walked
+    through, not stood in for."""
     seen: set[int] = set()
     shape_only: dict[int, ir.Value] = {}
     data: set[int] = set()
@@ -119,9 +121,9 @@ def _cone(value: ir.Value, *, cut_shapes: bool) -> list[ir.Value] | None:
             if i is not None:
                 data.add(id(i))
                 stack.append(i)
-    if any(k in data for k in shape_only):  # also read as data: walked through already
-        return None if cut_shapes else []
-    return list(shape_only.values())
+    # a value also read as data (``attention_mask``: its Shape sizes the mask, its values pad
+    # it) was walked through as data, through standard ops only: it needs no stand-in
+    return [v for k, v in shape_only.items() if k not in data]
 
 
 def evaluate_biases(
