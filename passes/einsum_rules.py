@@ -5,16 +5,16 @@ contractions around a softmax become ``MatMul`` so that the core rules of
     Einsum("bhlk,bhtk->bhlt", q, k)  →  MatMul(q, Transpose(k, (0, 1, 3, 2)))
     Einsum("bhlt,bhtv->bhlv", p, v)  →  MatMul(p, v)
 
-1. For any ``y = Einsum(eq, a, b)`` whose equation is a batched matrix product (both operands
-   and the output of one rank r ≥ 3, the same r − 2 batch letters leading all three in the same
-   order, one contracted letter in the last two of each operand, and the output ending in the
-   free letter of ``a`` then that of ``b``), and which is next to a softmax (its output reaches
-   a ``Softmax`` through at most three elementwise ops, or one operand is a ``Softmax``'s
-   output), ``y`` becomes ``MatMul(a', b')`` with ``a'``/``b'`` transposed on their last two
-   axes where the contracted letter is not last in ``a`` / first of the two in ``b``.
+1. For any ``y = Einsum(eq, a, b)`` whose equation is a batched matrix product (batch letters
+   in both operands and the output, one free letter of each operand, one contracted letter, in
+   any order, the batch letters in one order in all three; ``...`` written out from the operands' ranks: LongT5's
+   ``"...qhd,...khd->...hqk"``), and which is next to a softmax (its output reaches a
+   ``Softmax`` through at most three elementwise ops, or one operand is a ``Softmax``'s
+   output), ``y`` becomes ``MatMul(a', b')`` with ``a'`` = a transposed to (batch…, m, k),
+   ``b'`` to (batch…, k, n), and the product transposed to the output's order where it differs.
 
-Other einsums (a contraction over several letters, a permuted output, a broadcast operand,
-Shaw's relative terms: :mod:`.gather_after_contraction`) are left alone.
+Other einsums (a contraction over several letters, a broadcast operand, Shaw's relative
+terms: :mod:`.gather_after_contraction`) are left alone.
 """
 
 from __future__ import annotations
@@ -25,27 +25,65 @@ from onnxscript.rewriter import pattern
 _ELEMENTWISE = frozenset({"Mul", "Div", "Add", "Sub", "Where", "Cast"})
 
 
-def parse_batched_matmul(equation: str) -> tuple[bool, bool] | None:
-    """``(transpose_a, transpose_b)`` when ``equation`` is a batched matrix product (case 1
-    of the module doc), else None."""
-    if "..." in equation or "->" not in equation:
+def _expanded(equation: str, ranks: tuple[int, int] | None) -> str | None:
+    """``equation`` with ``...`` written out as letters of its own (ranks of the operands
+    needed; both operands must cover the same ``...`` axes), else the equation unchanged."""
+    if "..." not in equation:
+        return equation
+    if ranks is None:
         return None
-    lhs, out = equation.replace(" ", "").split("->")
+    lhs, out = equation.split("->")
+    terms = lhs.split(",")
+    counts = {r - (len(t) - 3) for t, r in zip(terms, ranks, strict=True) if "..." in t}
+    if len(counts) != 1 or not all("..." in t for t in (*terms, out)):
+        return None
+    (count,) = counts
+    free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in equation][:count]
+    if count < 0 or len(free) < count:
+        return None
+    letters = "".join(free)
+    return equation.replace("...", letters)
+
+
+def parse_batched_matmul(
+    equation: str, ranks: tuple[int, int] | None = None
+) -> tuple[list[int], list[int], list[int]] | None:
+    """``(perm_a, perm_b, perm_out)`` when ``equation`` is a batched matrix product: the
+    letters of both operands and the output are batch letters (in all three), one free letter
+    of ``a`` and one of ``b`` (in the output), and one contracted letter (in both operands, not
+    the output), each once per term, in any order. ``a`` transposed by ``perm_a`` is
+    (batch…, m, k), ``b`` by ``perm_b`` (batch…, k, n) with the batch letters in the output's
+    order, and ``MatMul`` of the two transposed by ``perm_out`` is the output. ``...`` needs
+    ``ranks``, the operands' ranks. Else None."""
+    if "->" not in equation:
+        return None
+    equation = _expanded(equation.replace(" ", ""), ranks)
+    if equation is None:
+        return None
+    lhs, out = equation.split("->")
     terms = lhs.split(",")
     if len(terms) != 2:
         return None
     a, b = terms
-    r = len(out)
-    if r < 3 or len(a) != r or len(b) != r or any(len(set(t)) != r for t in (a, b, out)):
+    if any(len(set(t)) != len(t) for t in (a, b, out)) or len(a) != len(b) or len(a) < 3:
         return None
-    batch, m, n = out[:-2], out[-2], out[-1]
-    if a[:-2] != batch or b[:-2] != batch:
+    batch = [c for c in out if c in a and c in b]
+    free_a = [c for c in a if c not in b]
+    free_b = [c for c in b if c not in a]
+    contracted = [c for c in a if c in b and c not in out]
+    if len(free_a) != 1 or len(free_b) != 1 or len(contracted) != 1:
         return None
-    ka, kb = set(a[-2:]) - {m}, set(b[-2:]) - {n}
-    if m not in a[-2:] or n not in b[-2:] or len(ka) != 1 or ka != kb or ka & set(out):
+    (m,), (n,), (k,) = free_a, free_b, contracted
+    if [c for c in a if c in batch] != batch or [c for c in b if c in batch] != batch:
+        return None  # batch axes reordered between the terms (Shaw's "bhud,uvhd->bhuv")
+    if m not in out or n not in out or len(out) != len(batch) + 2 or len(a) != len(batch) + 2:
         return None
-    (k,) = ka
-    return a[-1] != k, b[-2] != k
+    product = [*batch, m, n]
+    return (
+        [a.index(c) for c in (*batch, m, k)],
+        [b.index(c) for c in (*batch, k, n)],
+        [product.index(c) for c in out],
+    )
 
 
 def _near_softmax(y: ir.Value, operands: tuple[ir.Value, ...]) -> bool:
@@ -70,26 +108,32 @@ class EinsumMatMulRule(pattern.RewriteRuleClassBase):
     def check(self, context, a, b, y, **_):
         result = pattern.MatchResult()
         equation = y.producer().attributes.get_string("equation", "")
-        layout = parse_batched_matmul(equation)
+        ranks = None
+        if a.shape is not None and b.shape is not None:
+            ranks = (len(a.shape), len(b.shape))
+        layout = parse_batched_matmul(equation, ranks)
         if layout is None:
             return result.fail(f"the einsum {equation!r} is not a batched matrix product", y)
         if not _near_softmax(y, (a, b)):
             return result.fail("the einsum is not next to a softmax", y)
-        self._layout, self._rank = layout, len(equation.split("->")[1].strip())
+        self._layout = layout
         return result
 
     def rewrite(self, op, a, b, y, **_):
-        swapped = []
-        for value, transpose in zip((a, b), self._layout, strict=True):
-            if transpose:
-                perm = [*range(self._rank - 2), self._rank - 1, self._rank - 2]
-                t = op.Transpose(value, perm=perm)
+        perm_a, perm_b, perm_out = self._layout
+        operands = []
+        for value, perm in ((a, perm_a), (b, perm_b)):
+            if perm != sorted(perm):
+                moved = op.Transpose(value, perm=perm)
                 if value.shape is not None:
-                    t.shape = ir.Shape([*value.shape[:-2], value.shape[-1], value.shape[-2]])
-                t.type = value.type
-                value = t
-            swapped.append(value)
-        return op.MatMul(*swapped)
+                    moved.shape = ir.Shape([value.shape[i] for i in perm])
+                moved.type = value.type
+                value = moved
+            operands.append(value)
+        product = op.MatMul(*operands)
+        if perm_out == sorted(perm_out):
+            return product
+        return op.Transpose(product, perm=perm_out)
 
 
 EINSUM_RULES = [EinsumMatMulRule.rule()]

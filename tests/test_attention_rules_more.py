@@ -180,23 +180,33 @@ def test_einsum_attention_fuses(tmp_path):
     assert "Einsum" not in result["ops"]
 
 
-def test_einsum_with_a_permuted_output_is_left_alone():
-    model = _fuse(EinsumAttention(bad=True))
-    assert not _attention(model)
-    assert sum(n.op_type == "Einsum" for n in model.graph) == 1  # the scores' one converted
+def test_einsum_with_a_permuted_output_fuses(tmp_path):
+    """The product written straight into (b, l, h, v): a MatMul, then a Transpose."""
+    assert len(_attention(_fuse(EinsumAttention(bad=True)))) == 1
+    result = _proven(EinsumAttention(bad=True), tmp_path)
+    assert "Einsum" not in result["ops"]
 
 
 @pytest.mark.parametrize(
     "equation, layout",
     [
-        ("bhlk,bhtk->bhlt", (False, True)),
-        ("bhlt,bhtv->bhlv", (False, False)),
-        ("bhkl,bhkt->bhlt", (True, False)),
-        ("bhlt,bhtv->blhv", None),  # permuted output
-        ("bhud,uvhd->bhuv", None),  # Shaw's relative term: no shared batch
-        ("bhlk,bhtk->bhtl", None),  # output ends in b's free letter first
-        ("...lk,...tk->...lt", None),
+        ("bhlk,bhtk->bhlt", ([0, 1, 2, 3], [0, 1, 3, 2], [0, 1, 2, 3])),
+        ("bhlt,bhtv->bhlv", ([0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3])),
+        ("bhkl,bhkt->bhlt", ([0, 1, 3, 2], [0, 1, 2, 3], [0, 1, 2, 3])),
+        ("bhlt,bhtv->blhv", ([0, 1, 2, 3], [0, 1, 2, 3], [0, 2, 1, 3])),  # permuted output
+        ("bhud,uvhd->bhuv", None),  # Shaw's relative term: batch axes reordered
+        ("bhlk,bhtk->bhtl", ([0, 1, 2, 3], [0, 1, 3, 2], [0, 1, 3, 2])),
+        ("bhlk,bhlk->bhl", None),  # no free letter on either side
+        ("bhlk,bhtk,bhtk->bhlt", None),  # three operands
+        ("...lk,...tk->...lt", None),  # ``...`` without the ranks
     ],
 )
 def test_batched_matmul_equations(equation, layout):
     assert parse_batched_matmul(equation) == layout
+
+
+def test_ellipsis_is_written_out_from_the_ranks():
+    """LongT5's local attention: (batch, blocks, q, heads, d) by (batch, blocks, k, heads, d)."""
+    perm_a, perm_b, perm_out = parse_batched_matmul("...qhd,...khd->...hqk", (5, 5))
+    assert perm_a == [0, 1, 3, 2, 4] and perm_b == [0, 1, 3, 4, 2] and perm_out == [0, 1, 2, 3, 4]
+    assert parse_batched_matmul("...qhd,...khd->...hqk", (5, 4)) is None

@@ -166,6 +166,8 @@ TINY_BY_MODEL = {
     "levit": {"patch_size": 16, "image_size": 64, "depths": [1, 1, 1]},
     # patch_size is the unfold window over a map already downsampled by 8-32
     "mobilevitv2": {"patch_size": 2, "image_size": 64, "width_multiplier": 0.25},
+    # the adaptor's width must be the text model's hidden size / 4 (TINY hidden_size 64)
+    "fun_asr_nano": {"adaptor_config": {"intermediate_size": 16}},
 }
 SPECIAL_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 EAGER_FAILED = "eager failed"  # the tiny model does not run on inputs from its own config
@@ -204,7 +206,10 @@ def tiny_config(model_type: str, kind: str = ""):
     overrides.update(_tiny_sub_configs(default))
     by_model = dict(TINY_BY_MODEL.get(model_type, {}))
     overrides.update(_tiny_layer_types(default, by_model.pop("layer_types", None)))
-    overrides.update(by_model)
+    for key, value in by_model.items():  # a sub-config's entries merge into its tiny dict
+        if isinstance(value, dict) and isinstance(overrides.get(key), dict):
+            value = {**overrides[key], **value}
+        overrides[key] = value
     if _has(default, "expand") and {"head_dim", "num_heads", "hidden_size"} <= set(overrides):
         # Mamba-2: heads × head size is the expanded width
         overrides["head_dim"] = overrides["hidden_size"] * default.expand // overrides["num_heads"]
