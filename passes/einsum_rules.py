@@ -6,12 +6,13 @@ contractions around a softmax become ``MatMul`` so that the core rules of
     Einsum("bhlt,bhtv->bhlv", p, v)  →  MatMul(p, v)
 
 1. For any ``y = Einsum(eq, a, b)`` whose equation is a batched matrix product (batch letters
-   in both operands and the output, one free letter of each operand, one contracted letter, in
-   any order, the batch letters in one order in all three; ``...`` written out from the operands' ranks: LongT5's
+   in both operands and the output, in one order in all three; one free letter of each operand;
+   one contracted letter; ``...`` written out from the operands' ranks: LongT5's
    ``"...qhd,...khd->...hqk"``), and which is next to a softmax (its output reaches a
    ``Softmax`` through at most three elementwise ops, or one operand is a ``Softmax``'s
    output), ``y`` becomes ``MatMul(a', b')`` with ``a'`` = a transposed to (batch…, m, k),
-   ``b'`` to (batch…, k, n), and the product transposed to the output's order where it differs.
+   ``b'`` to (batch…, k, n), and the product transposed to the output's order where it
+   differs.
 
 Other einsums (a contraction over several letters, a broadcast operand, Shaw's relative
 terms: :mod:`.gather_after_contraction`) are left alone.
