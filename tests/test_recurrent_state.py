@@ -23,7 +23,7 @@ from tfgraph.tools.coverage_generation import greedy_vs_hf  # noqa: E402
 MODELS = {
     "qwen3_next": (1, 1, 1),  # Gated DeltaNet (gated_delta) + gated full attention
     "mamba": (2, 2, 0),  # Mamba-1: per-channel scan, no attention at all
-    "bamba": (2, 2, 0),  # Mamba-2's SSD as a gated rule
+    "bamba": (1, 1, 1),  # Mamba-2's SSD as a gated rule, and its one attention layer
 }
 
 
