@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx_ir as ir
 
 from .canonical import NORM_OPS, is_canonical
@@ -111,6 +112,11 @@ class NormCase:
         add = _residual_add(self.graph, self.x)
         if add is None:
             return None
+        ones = self.scale.producer()
+        if ones is not None and any(
+            v is self.x for n in (ones, *_producers(ones)) for v in n.inputs
+        ):
+            return None  # ones read off the sum's shape: the fused sum would feed itself
         a, b = add.inputs
         inputs = [a, b, self.scale] + ([self.bias] if self.bias is not None else [])
         op = "SkipSimplifiedLayerNormalization" if self.rms else "SkipLayerNormalization"
@@ -154,7 +160,7 @@ class LowerNormsPass(ir.passes.InPlacePass):
         spec = NORM_OPS[node.op_type].read(node)
         case = NormCase(graph, node, x, scale, bias, spec.epsilon, node.op_type == "RMSNorm", opset)
         if scale is None:
-            case.scale = _ones_like_last_dim(case.tape, x)
+            case.scale = _ones_like_last_dim(case.tape, x, node.name or f"norm{id(node)}")
         result = self.target.lower_norm(case)
         _keep_type(node.outputs[0], result.value)
         insert_tape(graph, node, case.tape)
@@ -173,6 +179,10 @@ def _keep_type(old: ir.Value, new: ir.Value) -> None:
     new.type = old.type
 
 
+def _producers(node: ir.Node) -> list[ir.Node]:
+    return [v.producer() for v in node.inputs if v is not None and v.producer() is not None]
+
+
 def _residual_add(graph: ir.Graph, x: ir.Value) -> ir.Node | None:
     add = x.producer()
     if add is None or add.op_type != "Add" or add.domain not in ("", "ai.onnx"):
@@ -187,8 +197,16 @@ def _residual_add(graph: ir.Graph, x: ir.Value) -> ir.Node | None:
     return add
 
 
-def _ones_like_last_dim(tape: ir.tape.Tape, x: ir.Value) -> ir.Value:
+def _ones_like_last_dim(tape: ir.tape.Tape, x: ir.Value, prefix: str) -> ir.Value:
+    """A norm without a weight (nanochat's ``F.rms_norm(x, (x.size(-1),))``): ones, a constant
+    where the last axis is static. Read off ``Shape(x)`` it would make a cycle once the skip
+    kernel replaces the ``Add`` that computes ``x`` (:meth:`NormCase.skip` then declines)."""
     dtype = x.dtype or ir.DataType.FLOAT
+    size = x.shape[-1] if x.shape is not None and len(x.shape) else None
+    if isinstance(size, int):
+        return tape.initializer(
+            ir.tensor(np.ones(size, dtype=dtype.numpy())), name=f"{prefix}_ones"
+        )
     last = tape.op("Shape", [x], {"start": -1})
     one = ir.tensor([1], dtype=dtype)
     return tape.op("ConstantOfShape", [last], {"value": one})

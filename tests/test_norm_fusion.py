@@ -217,6 +217,30 @@ def test_residual_add_folds_into_skip_norm(fn, op, target):
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=2e-6)
 
 
+def rms_no_weight(x, w, b):
+    """nanochat's norm: no weight at all."""
+    return F.rms_norm(x, (x.size(-1),), eps=EPS)
+
+
+def test_weightless_norm_after_a_residual_folds_without_a_cycle():
+    """Its ones are a constant of the static width: read off ``Shape(sum)`` they made the skip
+    kernel's sum feed its own scale (a cycle; nanochat's export failed in the final sort)."""
+    example = (torch.randn(2, 5, C), torch.randn(2, 5, C))
+    model = trace(from_module(Residual(rms_no_weight), example))
+    run_pipeline(model, "cleanup")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    feeds = {"a": X, "b": X[::-1].copy()}
+    want = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options).run(None, feeds)
+    FuseNormsPass()(model)
+    LowerNormsPass(get_target("ort"))(model)
+    model.graph.sort()  # raised "Graph contains a cycle"
+    check_model(model, "skip lowering")
+    assert op_histogram(model)["com.microsoft::SkipSimplifiedLayerNormalization"] == 1
+    got = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options).run(None, feeds)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=2e-6)
+
+
 def test_tensorrt_before_10_15_keeps_rmsnorm_decomposed():
     model = _traced(rms_div, 23)
     run_pipeline(model, "cleanup")

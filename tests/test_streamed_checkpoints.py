@@ -457,6 +457,26 @@ def test_a_persistent_buffer_is_read_from_the_checkpoint(tmp_path, no_whole_load
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_a_head_saved_under_its_old_name_is_read_not_tied(tmp_path, no_whole_load):
+    """GPT-NeoX saves its untied head as ``embed_out.weight``; transformers 5 names it
+    ``lm_head`` and renames it on load. The streamed model reads it by that renaming reversed,
+    not through the tied-weights fallback (which gave the input embedding: the reference and the
+    graph agreed with each other, and both differed from ``from_pretrained`` by ~1.0)."""
+    from tfgraph.sources import load_source
+
+    config = tiny_config("gpt_neox", "causal-lm")
+    assert not config.tie_word_embeddings
+    torch.manual_seed(0)
+    model = transformers.GPTNeoXForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "ck")
+    source = load_source(str(tmp_path / "ck"))
+    inputs = source.inputs(2, 6)
+    got = source.eager(inputs)["logits"]
+    with torch.no_grad():
+        want = model(**inputs, use_cache=False).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_a_block_reading_its_childrens_weights_streams(tmp_path, no_whole_load):
     """JetMoE's attention experts add ``experts.bias`` in a method of their own, which no
     accelerate hook sees ("Tensor on device meta is not on the expected device cpu!", and the

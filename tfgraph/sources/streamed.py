@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import warnings
 
 import onnx_ir as ir
@@ -82,6 +83,7 @@ def _key_candidates(model: nn.Module):
     prefix = getattr(model, "base_model_prefix", "") or ""
     tied = getattr(model, "_tied_weights_keys", None)
     tied = tied if isinstance(tied, dict) else {}
+    renamed = _saved_names(model)
 
     def candidates(name: str):
         yield name
@@ -89,10 +91,46 @@ def _key_candidates(model: nn.Module):
             yield name[len(prefix) + 1 :]  # a base model's checkpoint under its head class
         elif prefix:
             yield f"{prefix}.{name}"
+        yield from renamed(name)  # before a tied weight: an untied head has its own tensor
         if name in tied:
             yield from candidates(tied[name])
 
     return candidates
+
+
+_LITERAL = re.compile(r"^\^?(?:[\w]|\\\.)+\.?$")  # ``^embed_out\.``: a name prefix, no regex
+
+
+def _saved_names(model: nn.Module):
+    """``names(name)``: the names ``name`` has in a checkpoint saved under an older layout, by
+    transformers' own renamings of the model's weights on load (GPT-NeoX's ``embed_out`` is
+    ``lm_head`` in transformers 5), reversed; only plain renamings of a literal name part."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        mapping = get_model_conversion_mapping(model)
+    except Exception:  # noqa: BLE001 - an older transformers, or a model it cannot map
+        mapping = []
+    pairs = []
+    for rule in mapping:
+        if type(rule).__name__ != "WeightRenaming":
+            continue
+        sources = getattr(rule, "source_patterns", None) or []
+        targets = getattr(rule, "target_patterns", None) or []
+        if len(sources) != 1 or len(targets) != 1 or not _LITERAL.match(sources[0]):
+            continue
+        anchored = sources[0].startswith("^")
+        old = sources[0].lstrip("^").replace("\\.", ".")
+        pairs.append((anchored, targets[0], old))
+
+    def names(name: str):
+        for anchored, new, old in pairs:
+            if anchored and name.startswith(new):
+                yield old + name[len(new) :]
+            elif not anchored and new in name:
+                yield name.replace(new, old)
+
+    return names
 
 
 def load_buffers(model: nn.Module, checkpoint: Checkpoint) -> list[str]:
