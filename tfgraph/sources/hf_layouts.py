@@ -27,7 +27,9 @@ def _float_maker(shape_at: Callable[[int, int], tuple[int, ...]]) -> _Make:
 
 
 def _image_size(config) -> tuple[int, int] | None:
-    size = getattr(config, "image_size", None)
+    """The image size the config states, or its vision sub-config does (CLIP's and SigLIP's
+    image classifiers take a composite config whose ``vision_config`` holds it)."""
+    size = _stated(config, "image_size")
     if isinstance(size, int) and size > 0:
         return size, size
     if isinstance(size, (list, tuple)) and len(size) == 2:

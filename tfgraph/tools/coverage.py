@@ -153,14 +153,17 @@ def measure(model_type: str, kind: str, cls_name: str, work: Path) -> dict:
 
 
 def _untie_zero_weights(model) -> None:
-    """Matrices initialized to exactly zero drawn at random (std 0.02). AFMoE zero-inits its
-    router: every expert then ties, and each runtime's top-k breaks the tie its own way, so
-    eager and ONNX Runtime route differently on a model no checkpoint looks like."""
+    """Router matrices initialized to exactly zero drawn at random (std 0.02). AFMoE
+    zero-inits its router: every expert then ties, and each runtime's top-k breaks the tie its
+    own way, so eager and ONNX Runtime route differently on a model no checkpoint looks like.
+    Only routers: other zero-initialized projections (NeoMME's o_proj and down_proj) are part
+    of a model's design, and drawn at random its activations overflow."""
     import torch
 
     with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2 and param.numel() and not param.any():
+        for name, param in model.named_parameters():
+            router = "router" in name or name.endswith("gate.weight")
+            if router and param.dim() >= 2 and param.numel() and not param.any():
                 param.normal_(0.0, 0.02)
 
 
