@@ -7,6 +7,7 @@ import onnx_ir as ir
 import pytest
 import torch
 from pipeline_check import compile_and_prove
+from test_attention_rules_more import D, H, _attention, _Heads, _proven  # noqa: E402
 from torch import nn
 
 from tfgraph import from_module
@@ -16,18 +17,7 @@ from tfgraph.passes.fuse_attention import FuseAttentionPass
 from tfgraph.passes.rewrite_utils import diagnose
 from tfgraph.sources.trace import trace
 
-H, D, MAX = 4, 8, 64  # MAX: longer than any sequence parity tries
-
-
-class _Heads(nn.Module):
-    input_names = ("q", "k", "v")
-    output_names = ("y",)
-
-    def example_inputs(self, batch, seq, generator):
-        return {n: torch.randn(batch, H, seq, D, generator=generator) for n in "qkv"}
-
-    def dynamic_axes(self):
-        return {n: {0: "batch", 2: "sequence"} for n in self.input_names}
+MAX = 64  # longer than any sequence parity tries
 
 
 class SpeechT5(_Heads):
@@ -64,19 +54,6 @@ class SpeechT5(_Heads):
 
     def dynamic_axes(self):
         return {**super().dynamic_axes(), "attention_mask": {0: "batch", 1: "sequence"}}
-
-
-def _attention(model):
-    return [n for n in model.graph if n.domain == "tfgraph" and n.op_type == "Attention"]
-
-
-def _proven(module, tmp_path):
-    source = from_module(module)
-    result = compile_and_prove(source, trace(source), "default", "ort", tmp_path)
-    assert result["parity"]["passed"], result["parity"]["outputs"]
-    attention = result["fusions"]["attention"]
-    assert attention["fused"] == attention["total"] == 1, attention
-    return result
 
 
 def test_speecht5_relative_term_joins_the_bias(tmp_path):

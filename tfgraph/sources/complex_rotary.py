@@ -161,7 +161,7 @@ def substituted(module: torch.nn.Module) -> Iterator[int]:
             if isinstance(value, types.FunctionType) and _uses_complex(value):
                 patched.append((namespace, attr, value))
                 setattr(namespace, attr, _with_pairs(value))
-    forwards = 0
+    forwards = []
     for sub in module.modules():
         forward = inspect.unwrap(type(sub).forward)
         if not _uses_complex(forward):
@@ -169,8 +169,8 @@ def substituted(module: torch.nn.Module) -> Iterator[int]:
         if "dynamic" in str(getattr(sub, "rope_type", "default")):
             continue  # its rope update wraps the forward: left as is (the trace then fails)
         sub.forward = types.MethodType(_with_pairs(forward), sub)
-        forwards += 1
-    taken = len(patched) + forwards
+        forwards.append(sub)
+    taken = len(patched) + len(forwards)
     if taken:
         logger.info("complex rotary code traced as real pairs: %d functions", taken)
     try:
@@ -178,7 +178,5 @@ def substituted(module: torch.nn.Module) -> Iterator[int]:
     finally:
         for namespace, attr, value in reversed(patched):
             setattr(namespace, attr, value)
-        for sub in module.modules():
-            if "forward" in vars(sub) and isinstance(vars(sub)["forward"], types.MethodType):
-                if getattr(vars(sub)["forward"].__func__, "__globals__", {}).get("torch") is _TORCH:
-                    del sub.forward
+        for sub in forwards:
+            del sub.forward

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import types
 from collections.abc import Iterator
 
@@ -30,19 +31,21 @@ LIGHTNING_PARTS = ("slope_rate", "qkv_proj", "output_gate", "norm", "out_proj", 
 
 
 def _is_lightning(module: torch.nn.Module) -> bool:
-    return all(hasattr(module, p) for p in LIGHTNING_PARTS) and hasattr(module, "act_fn")
+    own = sys.modules.get(type(module).__module__)
+    parts = all(hasattr(module, p) for p in (*LIGHTNING_PARTS, "act_fn"))
+    return parts and hasattr(own, "apply_mask_to_padding_states")
 
 
 def _lightning_forward(original):
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
         if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
             return original(hidden_states, position_embeddings, attention_mask, **kwargs)
-        from transformers.models.minimax import modeling_minimax
+        own = sys.modules[type(self).__module__]  # the layer's modeling module
 
         batch, length, _ = hidden_states.shape
         heads, size = self.num_attention_heads, self.head_dim
         qkv = self.act_fn(self.qkv_proj(hidden_states))
-        qkv = modeling_minimax.apply_mask_to_padding_states(qkv, attention_mask)
+        qkv = own.apply_mask_to_padding_states(qkv, attention_mask)
         qkv = qkv.reshape(batch, length, heads, 3 * size)
         q, k, v = (t.reshape(batch, length, heads * size) for t in torch.split(qkv, size, dim=3))
         decay = (-self.slope_rate.view(1, 1, heads)).to(q.dtype).expand(batch, length, heads)
