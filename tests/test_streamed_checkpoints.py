@@ -493,6 +493,27 @@ def test_a_block_reading_its_childrens_weights_streams(tmp_path, no_whole_load):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_a_weight_read_outside_its_modules_forward_streams(tmp_path, no_whole_load):
+    """NeoMME's masked-LM head multiplies by ``unembedding_projection.weight`` (tied to the
+    embedding projection) and never calls the module, so no offload hook loaded it: the weight
+    was still on the meta device, and torch multiplies a CPU tensor by a meta one without an
+    error, as uninitialized memory (logits of 1e17 to 1e33, the coverage row's parity at
+    1.4e25). The streamed reference reads such a weight from the checkpoint as an op gets it."""
+    from tfgraph.sources import load_source
+
+    config = tiny_config("neomme", "encoder")
+    torch.manual_seed(0)
+    model = transformers.NeoMMEForMaskedLM(config).eval()
+    model.save_pretrained(tmp_path / "ck")
+    source = load_source(str(tmp_path / "ck"))
+    assert source.info["eager_reference"].startswith("streamed")
+    inputs = source.inputs(2, 6)
+    got = source.eager(inputs)["logits"]
+    with torch.no_grad():
+        want = model(**inputs).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_artifact_too_big_for_memory_is_refused_first(checkpoints, tmp_path, capsys, monkeypatch):
     from tfgraph.exporters import budget
 

@@ -27,6 +27,7 @@ import warnings
 import onnx_ir as ir
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from tfgraph.errors import TfgraphError, first_line
 from tfgraph.progress import tick
@@ -265,8 +266,61 @@ class Streamed:
                 preload_module_classes=_blocks(model),
             )
         _tick_blocks(model, [n for n, d in units.items() if d == "disk"])
+        _read_outside_forward(model, keys, self.checkpoint, overrides)
         model.tfgraph_streamed = True
         return model.eval()
+
+
+class _OffloadedReads(TorchFunctionMode):
+    """Reads a parameter that is still on the meta device, where an op gets one, from the
+    checkpoint for that op alone. A model may read a child's weight outside the child's
+    forward, where no offload hook loads it (NeoMME's head multiplies by
+    ``unembedding_projection.weight`` and never calls the module); torch computes a CPU tensor
+    times a meta tensor without an error, as uninitialized memory (measured: logits of 1e25)."""
+
+    def __init__(self, model: nn.Module, load) -> None:
+        super().__init__()
+        self.model, self.load = model, load
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") != "__get__":  # .shape, .device: no weight read
+            args = tuple(self._real(a) for a in args)
+            kwargs = {k: self._real(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+    def _real(self, value):
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._real(v) for v in value)
+        if not isinstance(value, nn.Parameter) or not value.is_meta:
+            return value
+        name = next(
+            (n for n, p in self.model.named_parameters(remove_duplicate=False) if p is value),
+            None,
+        )
+        return value if name is None else self.load(name)
+
+
+def _read_outside_forward(model: nn.Module, keys: dict, checkpoint, overrides) -> None:
+    """Each forward pass of the streamed ``model`` runs under :class:`_OffloadedReads`."""
+
+    def load(name: str) -> torch.Tensor:
+        if overrides is not None and name in overrides:
+            return overrides[name].to(torch.float32)
+        return checkpoint.tensor(keys[name], torch.float32)
+
+    modes: list[_OffloadedReads] = []
+
+    def enter(_module, _args):
+        modes.append(_OffloadedReads(model, load))
+        modes[-1].__enter__()
+
+    def leave(_module, _args, _out):
+        if modes:
+            modes.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)
 
 
 @contextlib.contextmanager
