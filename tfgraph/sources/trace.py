@@ -25,7 +25,14 @@ from tfgraph.errors import TfgraphError, first_line
 from tfgraph.passes.exact_no_op import exact
 from tfgraph.passes.lazy_weights import fold_weight_transposes
 from tfgraph.passes.provenance import module_name  # noqa: F401  (re-exported)
-from tfgraph.sources import complex_rotary, recurrent_kernels, recurrent_layers, replicate_layers
+from tfgraph.sources import (
+    complex_rotary,
+    host_ranges,
+    recurrent_kernels,
+    recurrent_layers,
+    replicate_layers,
+    rg_lru,
+)
 from tfgraph.sources.model import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -67,6 +74,8 @@ def _export(source: ModelSource, module, args, dynamic, opset: int):
             recurrent_kernels.substituted(module) as taken,
             complex_rotary.substituted(module) as paired,
             recurrent_layers.substituted(module) as layers,
+            host_ranges.substituted(module) as ranges,
+            rg_lru.substituted(module) as scans,
             _without_value_checks(),
         ):
             warnings.simplefilter("ignore")
@@ -76,6 +85,10 @@ def _export(source: ModelSource, module, args, dynamic, opset: int):
                 source.info["complex_rotary"] = paired
             if layers:
                 source.info["recurrent_layers"] = layers
+            if ranges:
+                source.info["host_ranges"] = ranges
+            if scans:
+                source.info["rg_lru"] = scans
             return torch.onnx.export(
                 module,
                 args,
