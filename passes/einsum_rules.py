@@ -14,8 +14,15 @@ contractions around a softmax become ``MatMul`` so that the core rules of
    ``b'`` to (batch…, k, n), and the product transposed to the output's order where it
    differs.
 
-Other einsums (a contraction over several letters, a broadcast operand, Shaw's relative
-terms: :mod:`.gather_after_contraction`) are left alone.
+2. An operand without some of the batch letters (PEGASUS-X's local-to-global scores
+   ``"BHNKF,BHGF->BHNKG"``: the global keys shared by every block ``N``) is unsqueezed first,
+   a size-1 axis per missing letter, so ``MatMul`` broadcasts it over them
+   (:func:`broadcast_batched_matmul`). Scores reach the softmax through a ``Concat`` too, and
+   probabilities may be a ``Slice`` of its output (keys concatenated before the softmax and
+   split after it: :mod:`.concat_keys_rules`).
+
+Other einsums (a contraction over several letters, Shaw's relative terms:
+:mod:`.gather_after_contraction`) are left alone.
 """
 
 from __future__ import annotations
@@ -87,20 +94,78 @@ def parse_batched_matmul(
     )
 
 
+def broadcast_batched_matmul(
+    equation: str, ranks: tuple[int, int] | None = None
+) -> tuple[list[int], list[int], tuple[list[int], list[int], list[int]]] | None:
+    """``(axes_a, axes_b, layout)`` when ``equation`` is a batched matrix product once the
+    batch letters one operand lacks are inserted into it as size-1 axes (``Unsqueeze`` at
+    ``axes_a`` of ``a``, ``axes_b`` of ``b``), each right after the batch letter before it in
+    the output; ``layout`` as :func:`parse_batched_matmul` gives it for the completed
+    equation. An operand's letters shared with the output and not with the other operand are
+    its free letter (the last of them in the output) and the other's missing batch letters,
+    which must come before the free letter in the operand. None when no letter is missing or
+    the completed equation is no batched matrix product."""
+    if "->" not in equation:
+        return None
+    equation = _expanded(equation.replace(" ", ""), ranks)
+    if equation is None:
+        return None
+    lhs, out = equation.split("->")
+    terms = lhs.split(",")
+    if len(terms) != 2:
+        return None
+    a, b = terms
+
+    def missing_from_other(x: str, y: str) -> list[str] | None:
+        only = [c for c in out if c in x and c not in y]
+        if not only:
+            return None
+        *batch, free = only
+        if any(x.index(c) > x.index(free) for c in batch):
+            return None
+        return batch
+
+    def completed(term: str, missing: list[str]) -> tuple[str, list[int]]:
+        for letter in missing:  # after the output's batch letter before it, if term has it
+            before = [c for c in out[: out.index(letter)] if c in term]
+            at = term.index(before[-1]) + 1 if before else 0
+            term = term[:at] + letter + term[at:]
+        return term, [term.index(c) for c in missing]
+
+    add_b, add_a = missing_from_other(a, b), missing_from_other(b, a)
+    if add_a is None or add_b is None or not (add_a or add_b):
+        return None
+    (a, axes_a), (b, axes_b) = completed(a, add_a), completed(b, add_b)
+    layout = parse_batched_matmul(f"{a},{b}->{out}")
+    return None if layout is None else (sorted(axes_a), sorted(axes_b), layout)
+
+
 def _near_softmax(y: ir.Value, operands: tuple[ir.Value, ...]) -> bool:
-    if any(o.producer() is not None and o.producer().op_type == "Softmax" for o in operands):
-        return True
+    for o in operands:  # probabilities: a softmax's output, or a slice of it
+        node = o.producer()
+        if node is not None and node.op_type == "Slice" and node.inputs[0] is not None:
+            node = node.inputs[0].producer()
+        if node is not None and node.op_type == "Softmax":
+            return True
     frontier = [y]
     for _ in range(4):
         users = [u.node for v in frontier for u in v.uses()]
         if any(n.op_type == "Softmax" for n in users):
             return True
-        frontier = [n.outputs[0] for n in users if n.op_type in _ELEMENTWISE]
+        frontier = [n.outputs[0] for n in users if n.op_type in _ELEMENTWISE or _last_concat(n)]
     return False
 
 
+def _last_concat(node: ir.Node) -> bool:
+    """A ``Concat`` along the last axis: scores of several key sets joined for one softmax."""
+    if node.op_type != "Concat":
+        return False
+    rank = len(node.outputs[0].shape) if node.outputs[0].shape is not None else None
+    return node.attributes.get_int("axis", 0) in (-1, rank - 1 if rank else -1)
+
+
 class EinsumMatMulRule(pattern.RewriteRuleClassBase):
-    """Case 1 of the module doc. Rejections: an equation that is not a batched matrix
+    """Cases 1 and 2 of the module doc. Rejections: an equation that is not a batched matrix
     product; an einsum that is not next to a softmax."""
 
     def pattern(self, op, a, b):
@@ -112,7 +177,10 @@ class EinsumMatMulRule(pattern.RewriteRuleClassBase):
         ranks = None
         if a.shape is not None and b.shape is not None:
             ranks = (len(a.shape), len(b.shape))
-        layout = parse_batched_matmul(equation, ranks)
+        layout, self._missing = parse_batched_matmul(equation, ranks), ([], [])
+        broadcast = broadcast_batched_matmul(equation, ranks) if layout is None else None
+        if broadcast is not None:
+            *self._missing, layout = broadcast
         if layout is None:
             return result.fail(f"the einsum {equation!r} is not a batched matrix product", y)
         if not _near_softmax(y, (a, b)):
@@ -123,7 +191,17 @@ class EinsumMatMulRule(pattern.RewriteRuleClassBase):
     def rewrite(self, op, a, b, y, **_):
         perm_a, perm_b, perm_out = self._layout
         operands = []
-        for value, perm in ((a, perm_a), (b, perm_b)):
+        for value, perm, missing in zip((a, b), (perm_a, perm_b), self._missing, strict=True):
+            if missing:  # batch letters this operand lacks: size-1 axes, broadcast
+                axes = op.Constant(value=ir.tensor(missing, dtype=ir.DataType.INT64))
+                grown = op.Unsqueeze(value, axes)
+                if value.shape is not None:
+                    dims = list(value.shape)
+                    for axis in missing:
+                        dims.insert(axis, 1)
+                    grown.shape = ir.Shape(dims)
+                grown.type = value.type
+                value = grown
             if perm != sorted(perm):
                 moved = op.Transpose(value, perm=perm)
                 if value.shape is not None:

@@ -9,7 +9,14 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 from onnxscript.rewriter import RewriteRuleSet
 
-from . import attention_rules, einsum_rules, onnx_attention_rules, sink_rules
+from . import (
+    attention_rules,
+    concat_keys_rules,
+    einsum_rules,
+    onnx_attention_rules,
+    separable_attention_rules,
+    sink_rules,
+)
 from .rewrite_utils import apply_rules, constant, diagnose, mark_missed
 
 logger = logging.getLogger(__name__)
@@ -20,8 +27,10 @@ _THROUGH = frozenset({"Add", "Sub", "Mul", "Div", "Cast", "Identity", "Neg", "Ta
 
 def is_gating_softmax(node: ir.Node) -> bool:
     """A ``Softmax`` over a projection, not over attention scores: a mixture-of-experts
-    router's ``softmax(x · W_router)`` (or any gate). Its input comes, through elementwise ops
-    (and the values of a ``TopK``), from a ``MatMul``/``Gemm`` by a constant 2-D weight, and
+    router's ``softmax(x · W_router)`` (or any gate; Granite Speech 5's self-conditioned CTC
+    posteriors ``softmax(x · W_ctcᵀ)`` over the vocabulary). Its input comes, through
+    elementwise ops (and the values of a ``TopK``), from a ``MatMul``/``Gemm`` by a constant
+    2-D weight (or a transpose or cast of one: a tied weight), and
     its axis has a static size (the experts; ConvBERT's dynamic-convolution kernel, reshaped
     first), where attention scores come from ``Q · Kᵀ`` of two activations over keys. Such a
     softmax is not an attention candidate: not fused, not reported missed."""
@@ -38,7 +47,7 @@ def is_gating_softmax(node: ir.Node) -> bool:
         if producer is None or producer.domain not in ("", "ai.onnx"):
             return False
         if producer.op_type in ("MatMul", "Gemm"):
-            weight = constant(producer.inputs[1])
+            weight = _constant_through_views(producer.inputs[1])
             return weight is not None and weight.ndim == 2
         if producer.op_type == "TopK":  # a softmax over the top-k experts' logits (Aria)
             value = producer.inputs[0]
@@ -58,6 +67,25 @@ def is_gating_softmax(node: ir.Node) -> bool:
             return False
         value = data[0]
     return False
+
+
+_WEIGHT_VIEWS = frozenset({"Transpose", "Cast", "Identity"})
+
+
+def _constant_through_views(value: ir.Value | None):
+    """A constant, or a transpose or cast of one: a weight shared with another layer (a tied
+    CTC head, Granite Speech 5's self-conditioned posteriors) stays ``Transpose(W)``."""
+    for _ in range(3):
+        array = constant(value)
+        if array is not None or value is None:
+            return array
+        producer = value.producer()
+        if producer is None or producer.op_type not in _WEIGHT_VIEWS:
+            return None
+        if producer.domain not in ("", "ai.onnx"):
+            return None
+        value = producer.inputs[0]
+    return constant(value)
 
 
 _SCORE_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Where", "Tanh", "Softmax"})
@@ -156,13 +184,18 @@ class FuseAttentionPass(ir.passes.InPlacePass):
        two biases added one after the other become one
        (:class:`.attention_rules.StackedBiasRule`); a softmax with attention sinks becomes
        ``tfgraph.SinkSoftmax`` (:mod:`.sink_rules`); a softmax feeding several
-       ``MatMul(probs, V_i)`` gets one copy of its chain per V (:func:`unshare_softmax`).
+       ``MatMul(probs, V_i)`` gets one copy of its chain per V (:func:`unshare_softmax`);
+       scores of two key sets joined for one softmax and probabilities split again for two
+       value sets become one attention over the concatenated keys and values
+       (:mod:`.concat_keys_rules`: PEGASUS-X's block-local attention).
     1. ``MatMul(Softmax(scale·Q·Kᵀ [+ bias]), V)`` in any of its exported forms becomes
        ``tfgraph.Attention(Q, Transpose(Kᵀ), V[, bias])``; so does a standard ONNX
        ``Attention`` (SDPA exported at opset ≥ 23), to be lowered for the profile like the rest.
        What is left with Q, Kᵀ, V of one rank other than 4 and the same leading dims
        (heads folded into the batch, or a window axis) fuses on one-head (N, 1, ·, ·) views
        (:data:`.attention_rules.FLAT_RULES`).
+       A softmax-weighted sum over the softmax's axis (MobileViTV2's separable attention:
+       logits given directly, one query) becomes one too (:mod:`.separable_attention_rules`).
     2. Layout cleanup: the transpose of Kᵀ cancels against the ones that built it (plain or
        SDPA's 3-D view), and a ``repeat_interleave`` of K and V (GQA/MQA) is absorbed into
        ``kv_num_heads``.
@@ -175,6 +208,7 @@ class FuseAttentionPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         masked = apply_rules(model, RewriteRuleSet(einsum_rules.EINSUM_RULES))  # → MatMul
+        masked += apply_rules(model, RewriteRuleSet(concat_keys_rules.CONCAT_KEYS_RULES))
         masked += apply_rules(model, RewriteRuleSet(attention_rules.MASK_RULES))  # → additive
         masked += apply_rules(model, RewriteRuleSet(attention_rules.BIAS_RULES))  # one bias
         masked += apply_rules(model, RewriteRuleSet(sink_rules.SINK_RULES))  # → SinkSoftmax
@@ -184,6 +218,7 @@ class FuseAttentionPass(ir.passes.InPlacePass):
         count = apply_rules(model, RewriteRuleSet(attention_rules.CORE_RULES))
         count += apply_rules(model, RewriteRuleSet(onnx_attention_rules.RULES))
         count += apply_rules(model, RewriteRuleSet(attention_rules.FLAT_RULES))  # heads in N
+        count += apply_rules(model, RewriteRuleSet(separable_attention_rules.RULES))  # 1 query
         if count:
             for _ in range(2):  # cancel transposes, drop the Identity, then absorb repeat_kv
                 apply_rules(model, RewriteRuleSet(attention_rules.LAYOUT_RULES))
