@@ -20,7 +20,8 @@ fragile. Instead, for each ``tfgraph.Attention`` with a bias input:
      besides that pattern, it is rebuilt from the mask in three ops
      (:mod:`.key_padding_bias`; the node's metadata says so);
    - it changes with the token ids (Shaw's ``q·r``, computed from activations): kept,
-     ``bias_kind="additive"``; a bias computed from a fused op's output is not evaluated.
+     ``bias_kind="additive"``; a bias computed from a fused op's output is not evaluated,
+     but a causal mask it applies is (``causal=1``, the bias kept: :mod:`.causal_within`).
 3. Results at the two sizes must agree, where a window ``w`` shows only at sizes > ``w`` (a
    window of 9 looks plainly causal at 7): a disagreement keeps the bias as ``additive``.
 4. A mask about to be dropped (causal, nothing else in it) is evaluated once more at a long
@@ -43,6 +44,7 @@ import onnx_ir as ir
 from tfgraph.contract import ATTENTION_MASK, ENCODER_ATTENTION_MASK, names_with_role
 
 from .canonical import DOMAIN, AttentionOp, drop_attention_bias
+from .causal_within import mask_candidates
 from .key_padding_bias import (
     LEFT_PAD_SHIFT_KEY,
     compact_key_padding,
@@ -243,12 +245,18 @@ class ClassifyAttentionBiasPass(ir.passes.InPlacePass):
                 if _split_off_mask(model, node, subgraphs, checked):
                     modified = True
                     continue
+                if _causal_within(model, node, subgraphs):
+                    modified = True
+                    continue
                 node.metadata_props[CLASSIFIED_KEY] = "not evaluable"
                 continue
             attrs = agree([run[k] for run in runs])
             if not np.array_equal(np.asarray(other_tokens[k]), np.asarray(runs[0][k])):
-                # depends on the activations (Shaw's q·r): only its mask structure is a fact
-                attrs = {**attrs, "keep": True, "bias_kind": "additive"}
+                # depends on the activations (Shaw's q·r): only its mask structure is a fact;
+                # a mask of the token ids (T5Gemma's decoder: causal and ids != pad) is causal
+                # when every evaluation masks every later key
+                causal = all(_masks_later_keys(r[k]) for r in (*runs, other_tokens))
+                attrs = {**attrs, "keep": True, "bias_kind": "additive", "causal": int(causal)}
             elif not np.array_equal(np.asarray(padded[k]), np.asarray(runs[0][k])):
                 attrs = {**attrs, "keep": True, "bias_kind": "padding"}
 
@@ -296,6 +304,9 @@ def _split_off_mask(model: ir.Model, node: ir.Node, subgraphs: Subgraphs, checke
         attrs = agree(runs)
         if not (attrs["causal"] and not attrs["keep"]):
             continue
+        (padded,) = evaluate_biases(model, [mask], SIZES[0], True, subgraphs=subgraphs)
+        if not np.array_equal(np.asarray(padded), np.asarray(runs[0])):
+            continue  # it masks padding too (Inkling): kept whole, see _causal_within
         attrs = _check_long(model, subgraphs, node, mask, attrs, runs[0], checked)
         if attrs["keep"]:  # the long check did not confirm a pure causal mask
             continue
@@ -306,6 +317,38 @@ def _split_off_mask(model: ir.Model, node: ir.Node, subgraphs: Subgraphs, checke
         logger.debug("attention %s: causal mask split off an activation bias", node.name)
         return True
     return False
+
+
+def _causal_within(model: ir.Model, node: ir.Node, subgraphs: Subgraphs) -> bool:
+    """A bias computed from activations that stays masked wherever an evaluable part of it,
+    a causal mask, masks (:mod:`.causal_within`: DSA's top-k indexer inside the causal
+    mask): ``causal`` is stated, and the whole bias kept as ``additive``."""
+    for part, kind in mask_candidates(node.inputs[3]):
+        runs = []
+        for size in SIZES:
+            (r,) = evaluate_biases(model, [part], size, False, subgraphs=subgraphs)
+            if r is None or np.ndim(r) < 2 or r.shape[-1] != r.shape[-2]:
+                break
+            if kind != "bias":  # a boolean: True where visible (keep) or masked (fill)
+                r = np.where(np.asarray(r, bool) == (kind == "keep"), 0.0, -1e9)
+            runs.append(r)
+        if len(runs) < len(SIZES) or not agree(runs)["causal"]:
+            continue
+        spec = AttentionOp.read(node)
+        spec.replace(causal=True, bias_kind="additive").write(node)
+        node.metadata_props[CLASSIFIED_KEY] = "additive (inside a causal mask)"
+        logger.debug("attention %s: an activation bias inside a causal mask", node.name)
+        return True
+    return False
+
+
+def _masks_later_keys(bias) -> bool:
+    """Every key after its query is masked (≤ −1e8) in this evaluated (…, T, T) bias."""
+    e = np.asarray(bias)
+    if e.ndim < 2 or e.shape[-1] != e.shape[-2] or e.shape[-1] < 2:
+        return False
+    later = np.triu(np.ones(e.shape[-2:], bool), k=1)
+    return bool((e[..., later] <= MASKED).all())
 
 
 ADDITIVE = {"causal": 0, "window": 0, "keep": True, "bias_kind": "additive"}

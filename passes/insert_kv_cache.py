@@ -55,10 +55,11 @@ from .canonical import AttentionOp
 from .encoder_mask import add_encoder_mask
 from .fuse_attention import is_gating_softmax
 from .provenance import layer_name
-from .rewrite_utils import DOMAIN, LOWERED_FROM_KEY, dims_of, int_list
+from .rewrite_utils import DOMAIN, LOWERED_FROM_KEY, dims_of, int_list, same_dims
 from .row_lengths import PER_ROW, ROW_LENGTHS_FROM_KEY, ROW_LENGTHS_KEY, RowGather
 from .slice_machinery import Slicer
 from .split_encoder import CROSS_KV_KEY
+from .token_value_cache import cache_token_value
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,9 @@ class _Analysis:
                 self.machinery.update(node.outputs)
         self.layers = [n for n in graph if _is_attention(n) and _has(n.inputs[1], seq)]
         self.key_values: dict[ir.Value, list[int]] = {}  # token values with an L key axis
+        # token values read along the key axis, cached like K: {value: [(reader, input)]}
+        self.cuts: dict[ir.Value, list[tuple[ir.Node, int]]] = {}
+        self.key_reshapes: dict[ir.Node, int] = {}  # Reshape on a bias: its first key axis
         self.id_counts: list[ir.Node] = []  # CumSum of an indicator of the token ids
         self.ids = set(contract.names_with_role(model, contract.TOKEN_IDS))
 
@@ -367,11 +371,19 @@ ELEMENTWISE = {
     "Reciprocal",
     "Softplus",
     "Clip",
+    "Not",
+    "And",
+    "Or",
+    "Equal",
+    "Greater",
+    "Less",
+    "GreaterOrEqual",
+    "LessOrEqual",
 }
 
 
 def _input_key_axes(
-    node: ir.Node, index: int, value: ir.Value, out_keys: list[int], out_rank: int
+    node: ir.Node, index: int, value: ir.Value, out_keys: list[int], out_rank: int, seq: str
 ) -> list[int]:
     """Axes of input ``index`` that feed the output's key axes (the attention's S axis)."""
     rank = len(value.shape)
@@ -382,6 +394,46 @@ def _input_key_axes(
     if op == "Transpose":
         perm = node.attributes.get_ints("perm", list(reversed(range(rank))))
         return [perm[a] for a in out_keys]
+    if op in ("Squeeze", "Unsqueeze") and index == 0:
+        axes = int_list(node.inputs[1]) if len(node.inputs) > 1 else None
+        if axes is not None:
+            if op == "Squeeze":
+                kept = [i for i in range(rank) if i not in {a % rank for a in axes}]
+                return [kept[a] for a in out_keys]
+            added = {a % out_rank for a in axes}
+            return [a - sum(b < a for b in added) for a in out_keys if a not in added]
+    if op in ("Reshape", "Expand") and index > 0:  # a shape
+        return []
+    if op == "Expand":  # broadcast like an elementwise op
+        shift = out_rank - rank
+        return [a - shift for a in out_keys if a - shift >= 0 and dims_of(value)[a - shift] != 1]
+    if op == "Reshape":  # keys kept where the dims from the key axis on are unchanged
+        out_dims = dims_of(node.outputs[0])
+        mapped = []
+        for a in out_keys:
+            tail = out_rank - a
+            if tail <= rank and same_dims(dims_of(value)[rank - tail :], out_dims[a:]):
+                mapped.append(rank - tail)
+            else:
+                raise KVCacheError(
+                    f"{_module(node)}: the attention bias is reshaped across its key axis, "
+                    "which the KV cache cannot follow"
+                )
+        return mapped
+    if op == "GatherND" and not node.attributes.get_int("batch_dims", 0):
+        # data[indices[..., :]] (Hugging Face's padding_mask[b, kv_idx]): the indices' leading
+        # axes are the output's; the data's sequence axis is what they address
+        if index == 1:
+            return list(out_keys)
+        return [i for i, d in enumerate(dims_of(value)) if d == seq] if out_keys else []
+    if op == "GatherElements":  # keys gathered along its axis come from the indices
+        axis = node.attributes.get_int("axis", 0) % rank
+        return [a for a in out_keys if a != axis] if index == 0 else list(out_keys)
+    if op == "ScatterElements":  # data as the output; indices and updates select key slots
+        return list(out_keys)
+    if op == "TopK":  # the keys it selects from (its k is a count)
+        axis = node.attributes.get_int("axis", -1) % rank
+        return [axis] if axis in out_keys and index == 0 else []
     if op == "MatMul":
         batch = [a for a in out_keys if a < out_rank - 2]
         shift = out_rank - rank
@@ -404,8 +456,12 @@ def _key_axes(analysis: _Analysis) -> dict[tuple[ir.Node, int], list[int]]:
     """For a bias computed from the tokens (Shaw's ``q·r``): walk back from each attention's
     bias and find, per machinery input on the way, the axes that become the key axis. Those
     keep length L; the token values on the way get an L key axis too
-    (``analysis.key_values``)."""
+    (``analysis.key_values``). A token value whose only sequence axes become keys (DSA's
+    indexer keys, read by a ``MatMul`` with the queries) is cached like K
+    (``analysis.cuts``): the walk stops there. Top-k indices (``TopK`` into
+    ``ScatterElements``) select key slots: walked through whatever their length."""
     keys: dict[ir.Value, list[int]] = {}
+    selections: set[ir.Value] = set()  # values whose key axes hold selected key positions
     for node in analysis.layers:
         bias = node.inputs[BIAS_SLOT] if len(node.inputs) > BIAS_SLOT else None
         if bias is not None and bias in analysis.token and _has(bias, analysis.seq):
@@ -421,12 +477,29 @@ def _key_axes(analysis: _Analysis) -> dict[tuple[ir.Node, int], list[int]]:
                 continue
             if value.shape is None:
                 raise KVCacheError(f"{_module(node)}: the shape of '{value.name}' is unknown")
-            axes = _input_key_axes(node, index, value, keys[out], len(out.shape))
-            axes = [a for a in axes if dims_of(value)[a] == analysis.seq]
-            if not axes:
+            mapped = _input_key_axes(node, index, value, keys[out], len(out.shape), analysis.seq)
+            if node.op_type == "Reshape" and index == 0 and mapped:
+                analysis.key_reshapes[node] = min(keys[out])  # its target's tail reads L
+            dims = dims_of(value)
+            axes = [a for a in mapped if dims[a] == analysis.seq]
+            selects = (node.op_type == "ScatterElements" and index > 0) or (
+                out in selections and node.op_type != "TopK"
+            )
+            if selects and mapped and value in analysis.token:
+                selections.add(value)
+                keys[value] = sorted(set(keys.get(value, [])) | set(mapped))
                 continue
-            if value in analysis.machinery:
-                junctions[(node, index)] = axes
+            if value in analysis.machinery and (axes or (selects and mapped)):
+                # a count of selected keys (``Min(k, sequence)``) is a key axis too
+                junctions[(node, index)] = sorted(set(axes) | set(mapped if selects else []))
+            elif not axes:
+                continue
+            elif (
+                value.producer() is not None
+                and value.producer().op_type != "GatherND"  # addresses its data by position
+                and axes == [i for i, d in enumerate(dims) if d == analysis.seq]
+            ):
+                analysis.cuts.setdefault(value, []).append((node, index))
             elif value.producer() is None:
                 raise KVCacheError(
                     f"{_module(node)}: the attention bias needs input '{value.name}' for past "
@@ -434,7 +507,9 @@ def _key_axes(analysis: _Analysis) -> dict[tuple[ir.Node, int], list[int]]:
                 )
             else:
                 keys[value] = sorted(set(keys.get(value, [])) | set(axes))
-    analysis.key_values = keys
+    analysis.key_values = {
+        v: [a for a in axes if dims_of(v)[a] == analysis.seq] for v, axes in keys.items()
+    }
     return junctions
 
 
@@ -549,6 +624,8 @@ class InsertKVCachePass(ir.passes.InPlacePass):
         states = contract.names_with_role(model, *contract.STATE_ROLES)
         analysis.check(states=bool(states))
         junction_keys = _key_axes(analysis)
+        if analysis.cuts and not analysis.layers:
+            raise KVCacheError("token values read along the key axis need an attention layer")
         if not analysis.layers:  # recurrent layers only: the mask still spans past + new
             return self._states_only(model, analysis, seq, junction_keys)
         pasts = []
@@ -572,6 +649,10 @@ class InsertKVCachePass(ir.passes.InPlacePass):
             model.metadata_props[ROW_LENGTHS_KEY] = (
                 "recurrent layers carry one state per row: a slot cannot join mid-batch"
             )
+        elif self.row_lengths and analysis.cuts:
+            model.metadata_props[ROW_LENGTHS_KEY] = (
+                "a bias reads cached token values (an indexer's keys) of one past length"
+            )
         elif self.row_lengths:
             tokens = _token_input(model, seq)
             if tokens is None:
@@ -580,6 +661,13 @@ class InsertKVCachePass(ir.passes.InPlacePass):
                 rows = RowGather(rewriter, tokens, shape_node.outputs[0])
                 graph.insert_after(shape_node, rows.nodes)
         self._junctions(model, analysis, rewriter, rows, junction_keys, seq)
+        for i, (value, readers) in enumerate(analysis.cuts.items()):
+            try:
+                cache_token_value(model, value, readers, seq, i)
+            except ValueError as exc:
+                raise KVCacheError(f"{_module(value.producer())}: {exc}") from None
+        for node, axis in analysis.key_reshapes.items():
+            _target_tail_from_input(graph, node, axis)
         # K and V: the past, then the new tokens; the concatenation is the present.
         for i, node in enumerate(analysis.layers):
             # Q and K shared the sequence axis, where both causal alignments coincide; with a
@@ -673,7 +761,11 @@ class InsertKVCachePass(ir.passes.InPlacePass):
                         "sequence axes cannot be told apart"
                     )
                 dims = dims_of(value)
-                bounded = next((d for d in dims if _bounded_by(d, seq)), None)
+                key_axes = junction_keys.get((node, index), [])
+                bounded = next(
+                    (d for i, d in enumerate(dims) if _bounded_by(d, seq) and i not in key_axes),
+                    None,
+                )
                 if bounded is not None:
                     raise KVCacheError(
                         f"{_module(node)}: '{value.name}' has a sequence axis of {bounded} (a "
@@ -681,7 +773,6 @@ class InsertKVCachePass(ir.passes.InPlacePass):
                         "the new tokens; state the model's position limit (a config with "
                         "max_position_embeddings) so that the axis is the sequence"
                     )
-                key_axes = junction_keys.get((node, index), [])
                 if _is_attention(node) and index == BIAS_SLOT:
                     key_axes = [len(dims) - 1]  # keys stay at L
                 axes = [i for i, d in enumerate(dims) if d == seq and i not in key_axes]
@@ -721,6 +812,23 @@ class InsertKVCachePass(ir.passes.InPlacePass):
                 for key, prop in node.metadata_props.items():
                     added.metadata_props.setdefault(key, prop)
             node.replace_input_with(index, new)
+
+
+def _target_tail_from_input(graph: ir.Graph, node: ir.Node, axis: int) -> None:
+    """A ``Reshape`` of a bias that keeps its dims from key ``axis`` on (``repeat_kv`` of a
+    mask): its target's tail, a T where the keys are now L, is read off the input instead."""
+    data, target = node.inputs[0], node.inputs[1]
+    tail = len(node.outputs[0].shape) - axis
+    shape = ir.node("Shape", [data], {"start": len(data.shape) - tail})
+    starts = ir.node("Constant", [], {"value": ir.tensor(np.array([0], np.int64))})
+    ends = ir.node("Constant", [], {"value": ir.tensor(np.array([axis], np.int64))})
+    head = ir.node("Slice", [target, starts.outputs[0], ends.outputs[0]])
+    joined = ir.node("Concat", [head.outputs[0], shape.outputs[0]], {"axis": 0})
+    added = [shape, starts, ends, head, joined]
+    for new in added:
+        new.metadata_props.update(node.metadata_props)
+    graph.insert_before(node, added)
+    node.replace_input_with(1, joined.outputs[0])
 
 
 def _continue_count(graph: ir.Graph, node: ir.Node, past_len: ir.Value) -> None:

@@ -191,6 +191,9 @@ class StaticKVCachePass(ir.passes.InPlacePass):
         pasts = [v for v in graph.inputs if v.name in names]
         if not pasts or contract.names_with_role(model, contract.PAST_LENGTH):
             return ir.passes.PassResult(model, modified=False)
+        if contract.names_with_role(model, contract.PAST_TOKENS):
+            logger.info("KV cache stays copying: cached token values (an indexer's keys) grow too")
+            return ir.passes.PassResult(model, modified=False)
         common.RemoveUnusedNodesPass()(model)
         concats = []
         for past in pasts:

@@ -33,6 +33,7 @@ ENCODER_FILE = contract.ENCODER_FILE  # encoder-decoder artifacts: cross-attenti
 _CACHE_ROLES = (
     contract.PAST_KEY,
     contract.PAST_VALUE,
+    contract.PAST_TOKENS,
     contract.PAST_LENGTH,
     contract.PAST_LENGTHS,
     *contract.STATE_ROLES,

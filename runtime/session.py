@@ -135,10 +135,11 @@ SEQUENCE_DIMS = contract.SEQUENCE_DIMS
 # what a cache carries from step to step: KV and the recurrent layers' states (fixed size,
 # zeros before the first step, never written in place)
 _STATE_PAST = {present: past for past, present in contract.STATE_PRESENT_OF.items()}
-_PAST_ROLES = (contract.PAST_KEY, contract.PAST_VALUE, *contract.STATE_ROLES)
+_PAST_ROLES = (contract.PAST_KEY, contract.PAST_VALUE, contract.PAST_TOKENS, *contract.STATE_ROLES)
 _PRESENT_PAST = {
     contract.PRESENT_KEY: contract.PAST_KEY,
     contract.PRESENT_VALUE: contract.PAST_VALUE,
+    contract.PRESENT_TOKENS: contract.PAST_TOKENS,
     **_STATE_PAST,
 }
 

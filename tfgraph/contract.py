@@ -86,8 +86,14 @@ STATE_PRESENT_OF = {
 }
 STATE_ROLES = tuple(STATE_PRESENT_OF)
 
+# per-token values that a bias computed from the tokens reads along the key axis (DSA's
+# indexer keys): (batch, 1, past_sequence, width), grown like K (passes/insert_kv_cache.py);
+# numbered apart from the attention layers, in graph order
+PAST_TOKENS, PRESENT_TOKENS = "past_token_values", "present_token_values"
+
 GENERIC_ROLES = frozenset({INPUT, OUTPUT})
 PRESENT_OF = {PAST_KEY: PRESENT_KEY, PAST_VALUE: PRESENT_VALUE}
+GROWING_PRESENT_OF = {**PRESENT_OF, PAST_TOKENS: PRESENT_TOKENS}  # past + new along the sequence
 
 # Names the exporter gives to the tensors it adds (the roles above say what they are).
 _NAMES = {
@@ -101,6 +107,8 @@ _NAMES = {
     PRESENT_CONV_STATE: "present_conv_state.{}",
     PAST_RECURRENT_STATE: "past_recurrent_state.{}",
     PRESENT_RECURRENT_STATE: "present_recurrent_state.{}",
+    PAST_TOKENS: "past_token_values.{}",
+    PRESENT_TOKENS: "present_token_values.{}",
 }
 PAST_LENGTH_NAME = "past_sequence_length"
 PAST_LENGTHS_NAME = "past_sequence_lengths"
@@ -320,22 +328,22 @@ def kv_layout(metadata: Mapping[str, str], input_names: Iterable[str]) -> dict |
     names = set(input_names)
     if metadata.get(KV_LAYOUT_KEY) == "paged" and KV_PAGED_KEY in metadata:
         return json.loads(metadata[KV_PAGED_KEY])  # blocks and a block table (PagedAttention)
-    pasts = [n for n, (r, _) in roles.items() if r in PRESENT_OF and n in names]
+    pasts = [n for n, (r, _) in roles.items() if r in GROWING_PRESENT_OF and n in names]
     if not pasts:
         return None
-    present = {(r, layer): n for n, (r, layer) in roles.items() if r in PRESENT_OF.values()}
+    present = {(r, layer): n for n, (r, layer) in roles.items() if r in GROWING_PRESENT_OF.values()}
     kind = metadata.get(KV_LAYOUT_KEY)
     shared = kind in BUFFER_LAYOUTS
     aliases = {}
     for name in pasts:
         role, layer = roles[name]
-        out = present.get((PRESENT_OF[role], layer))
+        out = present.get((GROWING_PRESENT_OF[role], layer))
         if out is not None:
             aliases[out] = name
     return {
         "kind": kind if shared else "concat",
         "capacity_dim": BUFFER_DIM if shared else None,
-        "layers": len({roles[n][1] for n in pasts}),
+        "layers": len({roles[n][1] for n in pasts if roles[n][0] in PRESENT_OF}),
         "present_aliases_past": aliases if shared else {},
         "present_extends_past": {} if shared else aliases,
         # the input that gives each row its own past length (in-flight batching), if any

@@ -117,7 +117,7 @@ def run(args) -> int:
             feeds[port.name] = np.zeros(1, np.int64)
         elif port.role == contract.PAST_LENGTHS:  # each row's past length
             feeds[port.name] = np.zeros(batch, np.int64)
-        elif port.role in (contract.PAST_KEY, contract.PAST_VALUE):  # start from no past
+        elif port.role in (contract.PAST_KEY, contract.PAST_VALUE, contract.PAST_TOKENS):
             feeds[port.name] = np.zeros((batch, port.shape[1], 0, port.shape[3]), np.float32)
         elif port.role in contract.STATE_ROLES:  # a recurrent state before the first step
             feeds[port.name] = np.zeros((batch, *port.shape[1:]), np.float32)

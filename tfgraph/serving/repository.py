@@ -60,6 +60,7 @@ TRITON_TYPES = {
 _PAST = {
     contract.PAST_KEY: contract.PRESENT_KEY,
     contract.PAST_VALUE: contract.PRESENT_VALUE,
+    contract.PAST_TOKENS: contract.PRESENT_TOKENS,
     **contract.STATE_PRESENT_OF,
 }
 
