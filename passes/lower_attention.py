@@ -48,7 +48,7 @@ from .rewrite_utils import (
     replace_value,
 )
 from .row_lengths import row_lengths_value
-from .sink_rules import sink_softmax_ops
+from .sink_rules import sink_column, sink_softmax_ops
 from .target_arg import require_target
 
 logger = logging.getLogger(__name__)
@@ -444,6 +444,45 @@ class AttentionBuilder:
         ]
         if attention_bias is not None:
             inputs += [None, None, attention_bias]  # bias, key_padding_mask, attention_bias
+        attrs = {"num_heads": spec.num_heads, "scale": spec.scale}
+        y = self.tape.op("MultiHeadAttention", inputs, attrs, domain=MS_DOMAIN)
+        return self.from_bsh(y, spec.num_heads)
+
+    def mha_sink(self, v: ir.Value, bias: ir.Value | None, spec: AttentionOp, sink) -> ir.Value:
+        """MultiHeadAttention with the sink as one more key: K and V get a zero row (its score
+        q·0 is 0) and the mask a column holding each head's sink logit, so the softmax's
+        denominator takes exp(sink) and the output nothing from it: exactly a sink, for the
+        head sizes GroupQueryAttention refuses (MLA's narrower V)."""
+        tape = self.tape
+        mask = self.full_mask(bias, spec, causal=spec.causal, window=spec.window)
+        if mask is None:  # (1, 1, T, S) of zeros
+            shape = tape.op(
+                "Concat",
+                [self.ints("ones2", [1, 1]), self.dim(self.q, 2), self.dim(self.k, 2)],
+                {"axis": 0},
+            )
+            mask = tape.op("Expand", [self.scalar("zero_f", 0), shape])
+        heads = self.ints("heads_shape", [1, spec.num_heads, 1, 1])
+        mask = tape.op("Expand", [mask, heads])  # (B or 1, Hq, T, S)
+        mask = tape.op("Concat", [mask, sink_column(tape, mask, sink, self.ints)], {"axis": -1})
+
+        def with_zero_row(x: ir.Value) -> ir.Value:
+            shape = tape.op(
+                "Concat",
+                [tape.op("Shape", [x], {"end": 2}), self.ints("one1", [1]), self.dim(x, 3)],
+                {"axis": 0},
+            )
+            zeros = tape.op("Expand", [self.scalar("zero_f", 0), shape])
+            return tape.op("Concat", [x, zeros], {"axis": 2})
+
+        inputs = [
+            self.to_bsh(self.q, "q"),
+            self.expand_heads_bsh(with_zero_row(self.k), spec, "k"),
+            self.expand_heads_bsh(with_zero_row(v), spec, "v"),
+            None,
+            None,
+            mask,
+        ]
         attrs = {"num_heads": spec.num_heads, "scale": spec.scale}
         y = self.tape.op("MultiHeadAttention", inputs, attrs, domain=MS_DOMAIN)
         return self.from_bsh(y, spec.num_heads)

@@ -162,3 +162,27 @@ def test_hf_gpt_oss_generates_like_hf(tmp_path):
             pad_token_id=0,
         )
     assert got.tokens == want[:, ids.shape[1] :].tolist()
+
+
+def test_sinks_with_narrower_value_heads_run_on_multihead_attention(tmp_path):
+    """HY-V4: sinks, and V heads narrower than Q/K's (16 vs 32), which GroupQueryAttention
+    refuses: MultiHeadAttention takes the sink as one more key (a zero row in K and V, the
+    sink logit as its mask column), cached, with DSA's indexer keys cached beside it."""
+    transformers = pytest.importorskip("transformers")
+    from tfgraph.sources import load_source
+    from tfgraph.tools.coverage import tiny_config
+
+    config = tiny_config("hy_v4", "causal-lm")
+    transformers.HYV4ForCausalLM(config).eval().save_pretrained(tmp_path / "hf")
+    result = tfgraph.export(str(tmp_path / "hf"), tmp_path / "art", kv_cache=True)
+    attention = result.report["fusions"]["attention"]
+    assert (attention["fused"], attention["total"]) == (2, 2), attention["missed"]
+    parity = result.report["parity"]
+    assert parity["prefill"]["passed"] and parity["decode"]["passed"], parity["outputs"]
+    model = ir.load(tmp_path / "art" / "model.onnx")
+    mha = [n for n in model.graph if n.op_type == "MultiHeadAttention"]
+    assert len(mha) == 2 and all(n.inputs[5] is not None for n in mha)  # attention_bias
+    assert not [n for n in model.graph if n.op_type == "Softmax"]
+    source = load_source(str(tmp_path / "hf"))
+    comparison = compare_greedy(source, CachedDecoder(Session(tmp_path / "art")), PROMPTS, 8)
+    assert comparison.passed, (comparison.tokens, comparison.want_tokens)

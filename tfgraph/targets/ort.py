@@ -107,6 +107,8 @@ def lower_attention(case: AttentionCase) -> Lowered:
     if spec.softcap and sink is None and case.opset >= ATTENTION23_OPSET:
         # measured on ORT 1.32's CPU kernel: its tanh comes before attn_mask, as canonical
         return Lowered(build.attention23(case.v, case.bias, spec), "Attention")
+    if sink is not None and not spec.softcap:  # MultiHeadAttention, the sink as a zero key
+        return Lowered(build.mha_sink(case.v, case.bias, spec, sink), "MultiHeadAttention (sink)")
     for present, what in ((spec.softcap, "softcap"), (sink is not None, "attention-sink input")):
         if present:  # MultiHeadAttention has neither: the standard ops, reported
             reason = (
