@@ -26,12 +26,16 @@ from tfgraph.passes.exact_no_op import exact
 from tfgraph.passes.lazy_weights import fold_weight_transposes
 from tfgraph.passes.provenance import module_name  # noqa: F401  (re-exported)
 from tfgraph.sources import (
+    block_indexer,
     complex_rotary,
     host_ranges,
     recurrent_kernels,
     recurrent_layers,
     replicate_layers,
     rg_lru,
+    rwkv,
+    sliding_chunks,
+    xlstm,
 )
 from tfgraph.sources.model import ModelSource
 
@@ -76,6 +80,10 @@ def _export(source: ModelSource, module, args, dynamic, opset: int):
             recurrent_layers.substituted(module) as layers,
             host_ranges.substituted(module) as ranges,
             rg_lru.substituted(module) as scans,
+            rwkv.substituted(module),
+            xlstm.substituted(module),
+            block_indexer.substituted(module),
+            sliding_chunks.substituted(module, source.input_names),
             _without_value_checks(),
         ):
             warnings.simplefilter("ignore")

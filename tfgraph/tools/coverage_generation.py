@@ -66,6 +66,16 @@ def greedy_vs_hf(work: Path, model, kind: str) -> dict:
         except RuntimeError as exc:  # HF's own loop fails (Dory): recompute greedily instead
             want = _eager_greedy_causal(model, ids, mask)
             reference = f"eager greedy ({first_line(exc)})"
+        else:
+            if got != want:  # is HF's cached loop itself off its uncached forward? (RWKV's
+                # one-token step broadcasts a (B, C) shift against (B, 1, C) for B > 1)
+                recomputed = _eager_greedy_causal(model, ids, mask)
+                if recomputed != want and got == recomputed:
+                    want = recomputed
+                    reference = (
+                        "eager greedy (Hugging Face generate differs from its own uncached "
+                        f"forward: {_difference(out[:, ids.shape[1] :].tolist(), recomputed)})"
+                    )
     else:
         start = _start_token(model.config)
         hf_config.decoder_start_token_id = start
