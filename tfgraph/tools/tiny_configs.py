@@ -62,6 +62,7 @@ TINY = {
     "n_shared_experts": 1,
     "n_group": 1,  # DeepSeek's grouped routing over the (now 4) experts
     "topk_group": 1,
+    "index_topk": 4,  # DSA's indexer selects among the keys (its default 2048 selects them all)
     "attention_types": [[["global", "local"], 1]],  # GPT-Neo: one global + one local layer
     # tables sized apart from the vocabulary and width (measured on the meta device: BLT's
     # hash embeddings 3.0 M x 64, Gemma 4's per-layer embeddings 262 k x 512)
@@ -99,6 +100,11 @@ TINY = {
 # Per model type: hybrids whose default config does not show every kind of layer its model
 # has, given each kind once (as :func:`_tiny_layer_types` does for a default pattern).
 TINY_BY_MODEL = {
+    # the block pattern starts recurrent, recurrent, attention: 3 layers cover both kinds
+    "recurrent_gemma": {"num_hidden_layers": 3},
+    # init_std 1.0 gives logits of std 8 on the tiny model (max 36): rounding alone exceeds the
+    # 1e-4 atol; checkpoints are trained to the usual scale
+    "cpmant": {"init_std": 0.02},
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},  # Mamba only
     # no default pattern (the model indexes None); one dense layer, then a MoE one
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
