@@ -53,7 +53,7 @@ from tfgraph import contract
 
 from .canonical import AttentionOp
 from .encoder_mask import add_encoder_mask
-from .fuse_attention import is_gating_softmax
+from .gating_softmax import is_gating_softmax
 from .provenance import layer_name
 from .rewrite_utils import DOMAIN, LOWERED_FROM_KEY, dims_of, int_list, same_dims
 from .row_lengths import PER_ROW, ROW_LENGTHS_FROM_KEY, ROW_LENGTHS_KEY, RowGather

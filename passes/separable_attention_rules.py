@@ -29,7 +29,7 @@ Rejections (``check`` reasons): the sum not over the softmax's axis alone; shape
 different ranks (or below 3); no single axis the probabilities broadcast over (or one more);
 other axes that differ (broadcasting beyond the value axis); a gate's softmax over a
 projection (a mixture of experts' weighted sum of expert outputs:
-:func:`.fuse_attention.is_gating_softmax`), which is not attention.
+:func:`.gating_softmax.is_gating_softmax`), which is not attention.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from .canonical import AttentionOp
+from .gating_softmax import is_gating_softmax
 from .rewrite_utils import int_list, same_dims
 
 _I64 = ir.DataType.INT64
@@ -85,7 +86,6 @@ class SeparableAttentionRule(pattern.RewriteRuleClassBase):
         lead = [i for i in range(rank) if i not in (a, t)]
         if not same_dims([p[i] for i in [*lead, t]], [v[i] for i in [*lead, t]]):
             return result.fail("scores and values differ outside the value axis", values)
-        from .fuse_attention import is_gating_softmax  # noqa: PLC0415  (it imports this module)
 
         if is_gating_softmax(softmax):
             return result.fail("a gate's softmax over a projection (experts), not attention", probs)
