@@ -5,8 +5,9 @@ Face.
 :data:`PROMPTS` with :func:`tfgraph.runtime.generate` on the cached artifact and compares
 them with Hugging Face ``model.generate`` under a plain greedy config (no processors), or with
 eager greedy decoding by full recompute where ``generate`` post-processes (Whisper) or fails
-(Dory, Pop2Piano). An export without an ``attention_mask`` input (VibeVoice's) generates each
-prompt alone: left padding would be attended. :mod:`tfgraph.tools.coverage` measures each row
+(Dory, Pop2Piano) or disagrees with the model's own uncached forward (RWKV at batch > 1). An
+export without an ``attention_mask`` input (VibeVoice's, xLSTM's) generates each prompt alone:
+left padding would be attended; so does its reference. :mod:`tfgraph.tools.coverage` measures each row
 with it.
 """
 
@@ -56,26 +57,16 @@ def greedy_vs_hf(work: Path, model, kind: str) -> dict:
     if kind == "causal-lm" or not decoder.seq2seq:
         prompts = [list(p) for p in PROMPTS]
         got = _generate_rows(decoder, prompts, ours)
-        ids, mask = left_pad(prompts, 0)
-        ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
-        try:
-            out = _hf_generate(
-                model, input_ids=ids, attention_mask=mask, generation_config=hf_config
-            )
-            want = out[:, ids.shape[1] :].tolist()
-        except RuntimeError as exc:  # HF's own loop fails (Dory): recompute greedily instead
-            want = _eager_greedy_causal(model, ids, mask)
-            reference = f"eager greedy ({first_line(exc)})"
-        else:
-            if got != want:  # is HF's cached loop itself off its uncached forward? (RWKV's
-                # one-token step broadcasts a (B, C) shift against (B, 1, C) for B > 1)
-                recomputed = _eager_greedy_causal(model, ids, mask)
-                if recomputed != want and got == recomputed:
-                    want = recomputed
-                    reference = (
-                        "eager greedy (Hugging Face generate differs from its own uncached "
-                        f"forward: {_difference(out[:, ids.shape[1] :].tolist(), recomputed)})"
-                    )
+        # without a mask input each prompt went alone: so does the reference (a model that
+        # takes no mask, xLSTM's, reads left pads as tokens, in eager as in the export)
+        alone = decoder.mask_input is None and len({len(p) for p in prompts}) > 1
+        batches = [[p] for p in prompts] if alone else [prompts]
+        want, references = [], []
+        for batch, mine in zip(batches, [[g] for g in got] if alone else [got], strict=True):
+            rows, reference = _causal_reference(model, batch, hf_config, mine, left_pad)
+            want += rows
+            references.append(reference)
+        reference = references[0] if len(set(references)) == 1 else "; ".join(references)
     else:
         start = _start_token(model.config)
         hf_config.decoder_start_token_id = start
@@ -142,6 +133,31 @@ def _generate_rows(decoder, prompts: list[list[int]], config) -> list[list[int]]
     if decoder.mask_input is not None or len({len(p) for p in prompts}) == 1:
         return generate(decoder, prompts, config).tokens
     return [generate(decoder, [p], config).tokens[0] for p in prompts]
+
+
+def _causal_reference(model, prompts, hf_config, got, left_pad) -> tuple[list, str]:
+    """Hugging Face ``generate``'s greedy tokens for left-padded ``prompts``, or eager greedy
+    recompute where ``generate`` fails (Dory) or disagrees with the model's own uncached
+    forward (RWKV's one-token step broadcasts a (B, C) shift against (B, 1, C) for B > 1)."""
+    import torch
+
+    from tfgraph.errors import first_line
+
+    ids, mask = left_pad(prompts, 0)
+    ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
+    try:
+        out = _hf_generate(model, input_ids=ids, attention_mask=mask, generation_config=hf_config)
+    except RuntimeError as exc:  # HF's own loop fails: recompute greedily instead
+        return _eager_greedy_causal(model, ids, mask), f"eager greedy ({first_line(exc)})"
+    want = out[:, ids.shape[1] :].tolist()
+    if got != want:
+        recomputed = _eager_greedy_causal(model, ids, mask)
+        if recomputed != want and got == recomputed:
+            return recomputed, (
+                "eager greedy (Hugging Face generate differs from its own uncached forward: "
+                f"{_difference(want, recomputed)})"
+            )
+    return want, "Hugging Face generate"
 
 
 def _start_token(config) -> int:

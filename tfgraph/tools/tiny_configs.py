@@ -105,6 +105,10 @@ TINY_BY_MODEL = {
     # init_std 1.0 gives logits of std 8 on the tiny model (max 36): rounding alone exceeds the
     # 1e-4 atol; checkpoints are trained to the usual scale
     "cpmant": {"init_std": 0.02},
+    # xLSTMConfig.qk_dim rounds up to a multiple of 64 and sizes its cache from it, while the
+    # layer uses hidden·qk_dim_factor unrounded: at width 64 HF's own cached generate crashes
+    # ("matC_old has wrong shape") unless the two agree
+    "xlstm": {"qk_dim_factor": 1.0},
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},  # Mamba only
     # no default pattern (the model indexes None); one dense layer, then a MoE one
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
