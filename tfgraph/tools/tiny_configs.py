@@ -109,6 +109,10 @@ TINY_BY_MODEL = {
     # layer uses hidden·qk_dim_factor unrounded: at width 64 HF's own cached generate crashes
     # ("matC_old has wrong shape") unless the two agree
     "xlstm": {"qk_dim_factor": 1.0},
+    # a window of 8 (4 each side): the default 512 puts every key of the parity lengths (7,
+    # 33) inside the band, which would then go untested
+    "longformer": {"attention_window": 8},
+    "led": {"attention_window": 8},
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},  # Mamba only
     # no default pattern (the model indexes None); one dense layer, then a MoE one
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
