@@ -54,6 +54,15 @@ from tfgraph import contract
 from .canonical import AttentionOp
 from .encoder_mask import add_encoder_mask
 from .gating_softmax import is_gating_softmax
+from .merged_attention_cache import (
+    ROWS_REFUSED,
+    after_cache,
+    cache_reader,
+    check_merged,
+    merged_cross_kv,
+    merged_layers,
+    past_shape_source,
+)
 from .provenance import layer_name
 from .rewrite_utils import DOMAIN, LOWERED_FROM_KEY, dims_of, int_list, same_dims
 from .row_lengths import PER_ROW, ROW_LENGTHS_FROM_KEY, ROW_LENGTHS_KEY, RowGather
@@ -157,7 +166,12 @@ class _Analysis:
                 self.token.update(node.outputs)
             elif any(v in self.machinery for v in inputs):
                 self.machinery.update(node.outputs)
-        self.layers = [n for n in graph if _is_attention(n) and _has(n.inputs[1], seq)]
+        # merged self/cross attention (T5Gemma 2): K = Concat(own, encoder's), cached by its own
+        self.merged = merged_layers(self)
+        self.layers = [
+            n for n in graph if _is_attention(n) and (_has(n.inputs[1], seq) or n in self.merged)
+        ]
+        self.model = model
         self.key_values: dict[ir.Value, list[int]] = {}  # token values with an L key axis
         # token values read along the key axis, cached like K: {value: [(reader, input)]}
         self.cuts: dict[ir.Value, list[tuple[ir.Node, int]]] = {}
@@ -280,7 +294,10 @@ class _Analysis:
                     f"{_module(node)}: {mixing}; a KV cache of the attention layers alone "
                     "would not carry it past the prompt, so export without --kv-cache"
                 )
+        check_merged(self.model, self, KVCacheError)
         for node in self.layers:
+            if node in self.merged:  # checked above
+                continue
             q, k, v = node.inputs[:3]
             if not node.attributes.get_int("causal", 0):
                 raise KVCacheError(
@@ -428,7 +445,11 @@ def _input_key_axes(
         return [i for i, d in enumerate(dims_of(value)) if d == seq] if out_keys else []
     if op == "GatherElements":  # keys gathered along its axis come from the indices
         axis = node.attributes.get_int("axis", 0) % rank
-        return [a for a in out_keys if a != axis] if index == 0 else list(out_keys)
+        if index > 0:
+            return list(out_keys)
+        gathered = dims_of(value)[axis]  # a fixed table (Inkling's relative extent), or keys
+        keyed = axis in out_keys and (gathered == seq or _flattened(gathered, seq))
+        return [a for a in out_keys if a != axis] + ([axis] if keyed else [])
     if op == "ScatterElements":  # data as the output; indices and updates select key slots
         return list(out_keys)
     if op == "TopK":  # the keys it selects from (its k is a count)
@@ -489,6 +510,12 @@ def _key_axes(analysis: _Analysis) -> dict[tuple[ir.Node, int], list[int]]:
                 selections.add(value)
                 keys[value] = sorted(set(keys.get(value, [])) | set(mapped))
                 continue
+            derived = next((dims[a] for a in mapped if _flattened(dims[a], analysis.seq)), None)
+            if derived is not None and not selects:
+                raise KVCacheError(
+                    f"{_module(node)}: the attention bias reads '{value.name}' along an axis of "
+                    f"{derived} (keys pooled into blocks), which the KV cache cannot follow"
+                )
             if value in analysis.machinery and (axes or (selects and mapped)):
                 # a count of selected keys (``Min(k, sequence)``) is a key axis too
                 junctions[(node, index)] = sorted(set(axes) | set(mapped if selects else []))
@@ -630,7 +657,7 @@ class InsertKVCachePass(ir.passes.InPlacePass):
             return self._states_only(model, analysis, seq, junction_keys)
         pasts = []
         for i, node in enumerate(analysis.layers):
-            k, v = node.inputs[1], node.inputs[2]
+            k, v = past_shape_source(analysis, node, 1), past_shape_source(analysis, node, 2)
             for role, value in ((contract.PAST_KEY, k), (contract.PAST_VALUE, v)):
                 batch, heads, _, size = dims_of(value)  # V's heads may be narrower (MLA)
                 past = ir.Value(
@@ -660,6 +687,8 @@ class InsertKVCachePass(ir.passes.InPlacePass):
             else:
                 rows = RowGather(rewriter, tokens, shape_node.outputs[0])
                 graph.insert_after(shape_node, rows.nodes)
+                if analysis.merged:
+                    rows.refuse(ROWS_REFUSED)
         self._junctions(model, analysis, rewriter, rows, junction_keys, seq)
         for i, (value, readers) in enumerate(analysis.cuts.items()):
             try:
@@ -672,23 +701,26 @@ class InsertKVCachePass(ir.passes.InPlacePass):
         for i, node in enumerate(analysis.layers):
             # Q and K shared the sequence axis, where both causal alignments coincide; with a
             # past, the new queries follow it: bottom-right (SDPA's is_causal is top-left)
-            spec = AttentionOp.read(node)
-            spec.replace(cached=True, causal_alignment="bottom_right").write(node)
+            if node not in analysis.merged:  # a merged layer's K is not Concat(past, new)
+                spec = AttentionOp.read(node)
+                spec.replace(cached=True, causal_alignment="bottom_right").write(node)
             for slot, past, role in (
                 (1, pasts[2 * i], contract.PRESENT_KEY),
                 (2, pasts[2 * i + 1], contract.PRESENT_VALUE),
             ):
                 present = contract.tensor_name(role, i)
                 contract.set_role(model, present, role, i)
-                new = node.inputs[slot]
+                reader, index = cache_reader(analysis, node, slot)
+                new = reader.inputs[index]
                 concat = ir.node("Concat", [past, new], {"axis": 2})
                 out = concat.outputs[0]
                 out.name, out.type = present, new.type
                 out.shape = ir.Shape([TOTAL_DIM if d == seq else d for d in dims_of(new)])
                 concat.metadata_props.update(node.metadata_props)
-                graph.insert_before(node, concat)
-                node.replace_input_with(slot, out)
+                graph.insert_before(reader, concat)
+                reader.replace_input_with(index, out)
                 graph.outputs.append(out)
+            after_cache(analysis, node)
         _name_cross_kv(model, analysis)
         if rows is not None:  # slots pad their cross K/V: the step graph masks the padding
             add_encoder_mask(model)
@@ -863,6 +895,9 @@ def _name_cross_kv(model: ir.Model, analysis: _Analysis) -> None:
             continue
         if id(node) in cached:
             layer += 1
+            encoder_kv = merged_cross_kv(analysis, node)  # a merged layer's encoder part
+            if encoder_kv is not None:
+                found.append((layer, *encoder_kv))
             continue
         q, k, v = node.inputs[0], node.inputs[1], node.inputs[2]
         if q not in analysis.token:  # an encoder layer's self-attention

@@ -118,6 +118,8 @@ def _attention_bias_slot(present: ir.Value) -> tuple[ir.Node, int] | None:
                 seen.add(id(node))
                 if _standard(node, "Attention") and use.idx in (1, 2):
                     return node, 3
+                if _standard(node, "Concat") and node.attributes.get_int("axis", 0) in (2, -2):
+                    return None  # more keys after the buffer (a merged cross-attention's)
                 if _standard(node, "Softmax"):
                     add = node.inputs[0].producer()
                     if _standard(add, "Add"):

@@ -90,3 +90,15 @@ def test_exports_with_parity(tmp_path):
     assert report["parity"]["passed"], report["parity"]["outputs"]
     attention = report["fusions"]["attention"]
     assert attention["fused"] == attention["total"] == 1, attention.get("missed")
+
+
+def test_its_cache_is_refused_with_the_reason(tmp_path):
+    """The indexer pools its keys into blocks of ``compress_ratio`` along the key axis (an
+    axis of ``sequence // 4 + 1``): the KV cache pass cannot carry that, and says so rather
+    than writing a graph whose blocks stop at the new tokens."""
+    from tfgraph.errors import TfgraphError
+
+    _model().save_pretrained(tmp_path / "hf")
+    with pytest.raises(TfgraphError, match="keys pooled into blocks"):
+        tfgraph.export(str(tmp_path / "hf"), tmp_path / "out", kv_cache=True)
+    assert not (tmp_path / "out").exists()

@@ -7,8 +7,8 @@ them with Hugging Face ``model.generate`` under a plain greedy config (no proces
 eager greedy decoding by full recompute where ``generate`` post-processes (Whisper) or fails
 (Dory, Pop2Piano) or disagrees with the model's own uncached forward (RWKV at batch > 1). An
 export without an ``attention_mask`` input (VibeVoice's, xLSTM's) generates each prompt alone:
-left padding would be attended; so does its reference. :mod:`tfgraph.tools.coverage` measures each row
-with it.
+left padding would be attended; so does its reference. :mod:`tfgraph.tools.coverage` measures
+each row with it.
 """
 
 from __future__ import annotations
