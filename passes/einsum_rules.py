@@ -156,6 +156,12 @@ def _near_softmax(y: ir.Value, operands: tuple[ir.Value, ...]) -> bool:
     return False
 
 
+def _gathered(value: ir.Value) -> bool:
+    """Rows looked up in a table (BERT's relative-key distance embeddings): ``Gather``."""
+    node = value.producer()
+    return node is not None and node.op_type == "Gather"
+
+
 def _last_concat(node: ir.Node) -> bool:
     """A ``Concat`` along the last axis: scores of several key sets joined for one softmax."""
     if node.op_type != "Concat":
@@ -179,6 +185,12 @@ class EinsumMatMulRule(pattern.RewriteRuleClassBase):
             ranks = (len(a.shape), len(b.shape))
         layout, self._missing = parse_batched_matmul(equation, ranks), ([], [])
         broadcast = broadcast_batched_matmul(equation, ranks) if layout is None else None
+        if broadcast is not None and any(_gathered(o) for o in (a, b)):
+            return result.fail(
+                f"the einsum {equation!r} reads rows gathered from a table (a relative-position "
+                "term): left to gather_after_contraction",
+                y,
+            )
         if broadcast is not None:
             *self._missing, layout = broadcast
         if layout is None:

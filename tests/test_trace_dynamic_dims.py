@@ -132,6 +132,9 @@ def test_recurrent_block_conv_is_the_causal_conv_op():
     config = RecurrentGemmaConfig(hidden_size=32, lru_width=32, num_attention_heads=4)
     torch.manual_seed(0)
     block = RecurrentGemmaRecurrentBlock(config, 0).eval()
+    with torch.no_grad():  # a bare block keeps torch.empty parameters (the model inits them)
+        for p in block.parameters():
+            p.normal_(0, 0.2)
     x = torch.randn(2, 9, 32)
     positions = torch.arange(9)[None].expand(2, 9)
     with torch.no_grad():
