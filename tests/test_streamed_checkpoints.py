@@ -597,3 +597,21 @@ def test_streamed_int4_reference_is_rebuilt_from_the_artifact(checkpoints, tmp_p
     assert np.abs(np.asarray(got) - want).max() < 1e-4
     fp32 = source.eager(inputs)["logits"].numpy()
     assert np.abs(fp32 - want).max() > 1e-3  # the reference is the quantized model, not fp32
+
+
+def test_a_tensor_made_on_an_offloaded_weights_device_is_made_on_the_cpu(tmp_path):
+    """WavLM's relative bias builds its positions with ``device=rel_attn_embed.weight.device``,
+    which is meta while that module is offloaded: the streamed reference makes them on the
+    CPU, where the weights run (it raised "Cannot copy out of meta tensor")."""
+    transformers = pytest.importorskip("transformers")
+    from tfgraph.tools.coverage import config_for, tiny_config
+
+    cls = transformers.WavLMForCTC
+    torch.manual_seed(0)
+    cls(config_for(cls, tiny_config("wavlm", "speech-encoder"))).eval().save_pretrained(
+        tmp_path / "hf"
+    )
+    result = tfgraph.export(str(tmp_path / "hf"), tmp_path / "art")
+    assert result.passed, result.report["parity"]["outputs"]
+    attention = result.report["fusions"]["attention"]
+    assert attention["fused"] == attention["total"] == 2

@@ -287,6 +287,11 @@ class _OffloadedReads(TorchFunctionMode):
         if getattr(func, "__name__", "") != "__get__":  # .shape, .device: no weight read
             args = tuple(self._real(a) for a in args)
             kwargs = {k: self._real(v) for k, v in kwargs.items()}
+            # a tensor made on a weight's device (WavLM's compute_bias: torch.arange(...,
+            # device=rel_attn_embed.weight.device)) goes where the weights run, not to meta
+            if _is_meta_device(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            args = tuple("cpu" if _is_meta_device(a) else a for a in args)
         return func(*args, **kwargs)
 
     def _real(self, value):
@@ -299,6 +304,12 @@ class _OffloadedReads(TorchFunctionMode):
             None,
         )
         return value if name is None else self.load(name)
+
+
+def _is_meta_device(value) -> bool:
+    if isinstance(value, torch.device):
+        return value.type == "meta"
+    return isinstance(value, str) and value == "meta"
 
 
 def _read_outside_forward(model: nn.Module, keys: dict, checkpoint, overrides) -> None:
