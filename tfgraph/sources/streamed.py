@@ -288,10 +288,10 @@ class _OffloadedReads(TorchFunctionMode):
             args = tuple(self._real(a) for a in args)
             kwargs = {k: self._real(v) for k, v in kwargs.items()}
             # a tensor made on a weight's device (WavLM's compute_bias: torch.arange(...,
-            # device=rel_attn_embed.weight.device)) goes where the weights run, not to meta
-            if _is_meta_device(kwargs.get("device")):
+            # device=rel_attn_embed.weight.device)) goes where the weights run, not to meta;
+            # only factories: accelerate's own moves to meta (offloading a used unit) stay
+            if func in _FACTORIES and _is_meta_device(kwargs.get("device")):
                 kwargs["device"] = "cpu"
-            args = tuple("cpu" if _is_meta_device(a) else a for a in args)
         return func(*args, **kwargs)
 
     def _real(self, value):
@@ -304,6 +304,12 @@ class _OffloadedReads(TorchFunctionMode):
             None,
         )
         return value if name is None else self.load(name)
+
+
+_FACTORIES = frozenset({
+    torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torch.tensor,
+    torch.linspace, torch.eye, torch.rand, torch.randn, torch.randint,
+})  # fmt: skip
 
 
 def _is_meta_device(value) -> bool:
