@@ -63,16 +63,10 @@ def parse_batched_matmul(
     (batch…, m, k), ``b`` by ``perm_b`` (batch…, k, n) with the batch letters in the output's
     order, and ``MatMul`` of the two transposed by ``perm_out`` is the output. ``...`` needs
     ``ranks``, the operands' ranks. Else None."""
-    if "->" not in equation:
+    parsed = _two_terms(equation, ranks)
+    if parsed is None:
         return None
-    equation = _expanded(equation.replace(" ", ""), ranks)
-    if equation is None:
-        return None
-    lhs, out = equation.split("->")
-    terms = lhs.split(",")
-    if len(terms) != 2:
-        return None
-    a, b = terms
+    a, b, out = parsed
     if any(len(set(t)) != len(t) for t in (a, b, out)) or len(a) != len(b) or len(a) < 3:
         return None
     batch = [c for c in out if c in a and c in b]
@@ -94,6 +88,18 @@ def parse_batched_matmul(
     )
 
 
+def _two_terms(equation: str, ranks) -> tuple[str, str, str] | None:
+    """``(a, b, out)`` of a two-operand equation with ``...`` expanded; None otherwise."""
+    if "->" not in equation:
+        return None
+    equation = _expanded(equation.replace(" ", ""), ranks)
+    if equation is None:
+        return None
+    lhs, out = equation.split("->")
+    terms = lhs.split(",")
+    return (terms[0], terms[1], out) if len(terms) == 2 else None
+
+
 def broadcast_batched_matmul(
     equation: str, ranks: tuple[int, int] | None = None
 ) -> tuple[list[int], list[int], tuple[list[int], list[int], list[int]]] | None:
@@ -105,16 +111,10 @@ def broadcast_batched_matmul(
     its free letter (the last of them in the output) and the other's missing batch letters,
     which must come before the free letter in the operand. None when no letter is missing or
     the completed equation is no batched matrix product."""
-    if "->" not in equation:
+    parsed = _two_terms(equation, ranks)
+    if parsed is None:
         return None
-    equation = _expanded(equation.replace(" ", ""), ranks)
-    if equation is None:
-        return None
-    lhs, out = equation.split("->")
-    terms = lhs.split(",")
-    if len(terms) != 2:
-        return None
-    a, b = terms
+    a, b, out = parsed
 
     def missing_from_other(x: str, y: str) -> list[str] | None:
         only = [c for c in out if c in x and c not in y]

@@ -33,6 +33,8 @@ from collections.abc import Iterator
 
 import torch
 
+from .instance_methods import instance_methods
+
 logger = logging.getLogger(__name__)
 
 _ATTRS = ("compress_ratio", "block_topk", "index_head_dim", "k_layernorm", "_select_tokens")
@@ -99,15 +101,11 @@ def select_tokens(
 def substituted(module: torch.nn.Module) -> Iterator[list[str]]:
     """Within the block, every block-sparse indexer of ``module`` selects its tokens with
     :func:`select_tokens`; yields their module paths."""
-    patched = []
-    for name, sub in module.named_modules():
-        if _is_block_indexer(sub):
-            sub._select_tokens = select_tokens.__get__(sub)
-            patched.append((name, sub))
-    if patched:
-        logger.info("block-sparse indexers traced dense: %d", len(patched))
-    try:
-        yield [name for name, _ in patched]
-    finally:
-        for _, sub in patched:
-            del sub._select_tokens
+
+    def dense(_original):
+        return select_tokens
+
+    with instance_methods(module, "_select_tokens", _is_block_indexer, dense) as taken:
+        if taken:
+            logger.info("block-sparse indexers traced dense: %d", len(taken))
+        yield [name for name, sub in module.named_modules() if any(sub is t for t in taken)]

@@ -17,13 +17,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-import types
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
 from tfgraph.sources import recurrent_kernels  # noqa: F401 - registers tfgraph::linear_attention
+
+from .instance_methods import instance_methods
 
 logger = logging.getLogger(__name__)
 
@@ -63,15 +64,7 @@ def _lightning_forward(original):
 def substituted(module: torch.nn.Module) -> Iterator[int]:
     """Within the block, each lightning-attention layer of ``module`` runs its recurrence as
     one op; yields how many layers."""
-    taken = []
-    for sub in module.modules():
-        if _is_lightning(sub) and "forward" not in vars(sub):
-            sub.forward = types.MethodType(_lightning_forward(sub.forward), sub)
-            taken.append(sub)
-    if taken:
-        logger.info("lightning attention traced as linear attention: %d layers", len(taken))
-    try:
+    with instance_methods(module, "forward", _is_lightning, _lightning_forward) as taken:
+        if taken:
+            logger.info("lightning attention traced as linear attention: %d layers", len(taken))
         yield len(taken)
-    finally:
-        for sub in taken:
-            del sub.forward

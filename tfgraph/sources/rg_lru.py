@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import types
 from collections.abc import Iterator
 
 import torch
 
 from tfgraph.sources import recurrent_kernels  # noqa: F401 - registers tfgraph::linear_attention
+
+from .instance_methods import instance_methods
 
 logger = logging.getLogger(__name__)
 
@@ -108,22 +109,10 @@ def _scan_method(original):
 def substituted(module: torch.nn.Module) -> Iterator[int]:
     """Within the block, each RG-LRU of ``module`` runs its recurrence as one op; yields how
     many layers."""
-    taken = []
-    for sub in module.modules():
-        if is_rg_lru(sub) and "_rnn_scan" not in vars(sub):
-            sub._rnn_scan = types.MethodType(_scan_method(sub._rnn_scan), sub)
-            taken.append(sub)
-    blocks = []
-    for sub in module.modules():
-        if _is_block(sub) and "forward" not in vars(sub):
-            sub.forward = types.MethodType(_block_forward(sub.forward), sub)
-            blocks.append(sub)
-    if taken:
-        logger.info("RG-LRU recurrences traced as linear attention: %d layers", len(taken))
-    try:
+    with (
+        instance_methods(module, "_rnn_scan", is_rg_lru, _scan_method) as taken,
+        instance_methods(module, "forward", _is_block, _block_forward),
+    ):
+        if taken:
+            logger.info("RG-LRU recurrences traced as linear attention: %d layers", len(taken))
         yield len(taken)
-    finally:
-        for sub in taken:
-            del sub._rnn_scan
-        for sub in blocks:
-            del sub.forward

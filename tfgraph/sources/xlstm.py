@@ -42,13 +42,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import types
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
 from tfgraph.sources import recurrent_kernels  # noqa: F401 - registers tfgraph::linear_attention
+
+from .instance_methods import instance_methods
 
 logger = logging.getLogger(__name__)
 
@@ -158,15 +159,7 @@ def is_backend(module: torch.nn.Module) -> bool:
 def substituted(module: torch.nn.Module) -> Iterator[int]:
     """Within the block, each mLSTM backend of ``module`` runs its recurrence as one op;
     yields how many layers."""
-    taken = []
-    for sub in module.modules():
-        if is_backend(sub) and "forward" not in vars(sub):
-            sub.forward = types.MethodType(_backend_forward(sub.forward), sub)
-            taken.append(sub)
-    if taken:
-        logger.info("mLSTM cells traced as linear attention: %d layers", len(taken))
-    try:
+    with instance_methods(module, "forward", is_backend, _backend_forward) as taken:
+        if taken:
+            logger.info("mLSTM cells traced as linear attention: %d layers", len(taken))
         yield len(taken)
-    finally:
-        for sub in taken:
-            del sub.forward
