@@ -73,7 +73,7 @@ def served(tmp_path_factory):
         models.append(f"{name}_generate")
         repo.mkdir(exist_ok=True)
         (part / f"{name}_generate").rename(repo / f"{name}_generate")
-    write_repository(root / DECODER, root / "repo-slots", name=SLOTS, slots=2, slot_capacity=600)
+    write_repository(root / DECODER, root / "repo-slots", name=SLOTS, slots=2, slot_capacity=1600)
     (root / "repo-slots" / f"{SLOTS}_generate").rename(repo / f"{SLOTS}_generate")
     models.append(f"{SLOTS}_generate")
     assert tfgraph.export("llama-tiny", root / INT8, kv_cache=True, kv_dtype="int8").passed
@@ -270,13 +270,15 @@ def test_inflight_a_short_request_joins_and_ends_before_a_long_one(served):
         results[key] = _grpc_stream(server, model, prompt, started=event, max_new_tokens=n)
         finished[key] = len(finished)
 
-    long = threading.Thread(target=stream, args=("long", [5, 6, 7], 500, started))
+    # long enough that the short request, sent after its first token, arrives mid-stream even
+    # with the other test worker loading the CPU (500 tokens were not, twice, in one session)
+    long = threading.Thread(target=stream, args=("long", [5, 6, 7], 1500, started))
     long.start()
     assert started.wait(timeout=60)
     stream("short", [9, 3], 4)  # arrives mid-stream, in this thread
     long.join(timeout=180)
     assert finished == {"short": 0, "long": 1}
-    for key, prompt, n in (("long", [5, 6, 7], 500), ("short", [9, 3], 4)):
+    for key, prompt, n in (("long", [5, 6, 7], 1500), ("short", [9, 3], 4)):
         tokens, _, error = results[key]
         assert error is None and tokens == _local(root, DECODER, prompt, max_new_tokens=n)
 
@@ -298,8 +300,8 @@ def test_inflight_more_clients_than_slots_and_a_request_too_long_for_a_slot(serv
     for i in range(6):  # 6 requests through 2 slots: they waited, joined and freed them
         tokens, _, error = got[i]
         assert error is None and tokens == _local(root, DECODER, prompts[i], max_new_tokens=8 + i)
-    tokens, _, error = _grpc_stream(server, model, [1, 2, 3], max_new_tokens=600)
-    assert tokens == [] and "a slot holds 600" in str(error), str(error)
+    tokens, _, error = _grpc_stream(server, model, [1, 2, 3], max_new_tokens=1600)
+    assert tokens == [] and "a slot holds 1600" in str(error), str(error)
 
 
 def _streams_equal_local(served, name, prompts, new_tokens):
