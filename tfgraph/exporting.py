@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,9 +20,11 @@ from tfgraph.compile.fusions import count_fusions
 from tfgraph.compile.paging import page_artifact
 from tfgraph.compile.pipeline import run_pipeline
 from tfgraph.exporters import check_target, staged_directory, write_json
+from tfgraph.exporters.artifact import scratch_directory
 from tfgraph.exporters.budget import check_budget
 from tfgraph.exporters.manifest import MANIFEST_FILE, build_manifest
 from tfgraph.exporters.write import write_artifact
+from tfgraph.interrupts import unwound
 from tfgraph.options import ExportOptions
 from tfgraph.precision.stage import convert_precision, quantize_kv_cache, quantize_weights
 from tfgraph.progress import stage
@@ -70,6 +70,7 @@ class Stages:
         return value
 
 
+@unwound  # SIGINT, SIGTERM and SIGHUP unwind: nothing is left behind
 def export(
     model: str | ModelSource,
     out_dir: str | Path,
@@ -108,8 +109,7 @@ def export(
             )
         kv_reference = None
         if options.kv_dtype != "fp32":
-            scratch = Path(tempfile.mkdtemp(prefix=".tfgraph-kv-", dir=out_dir.parent))
-            cleanup.callback(shutil.rmtree, scratch, ignore_errors=True)
+            scratch = cleanup.enter_context(scratch_directory(out_dir.parent, "kv"))
             kv_quant, kv_reference = stages.run(
                 "kv cache", quantize_kv_cache, graph, source, options, shapes, records, scratch
             )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from tfgraph.cli import (
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     except TfgraphError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C; SIGTERM and SIGHUP in an export (Interrupted)
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum  # as the shell reports a process the signal ended: 130, 143
