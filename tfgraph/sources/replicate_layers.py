@@ -158,11 +158,24 @@ def replicate(model: ir.Model, found: Plan) -> int:
         m = index[id(value.producer())]
         node.replace_input_with(idx, previous[m].outputs[value.index()])
     for i, value in graph_outputs:
-        graph.outputs[i] = previous[index[id(value.producer())]].outputs[value.index()]
+        graph.outputs[i] = _renamed_output(
+            value, previous[index[id(value.producer())]].outputs[value.index()]
+        )
     added = found.count - TRACED
     logger.info("traced %d of %d layers of %s; copied layer %d for the other %d",
                 TRACED, found.count, found.path, TRACED - 1, added)  # fmt: skip
     return added
+
+
+def _renamed_output(template: ir.Value, last: ir.Value) -> ir.Value:
+    """``last`` (the last copied layer's value) under the graph output name ``template`` had
+    (a model whose output is its last layer's, BERT's ``last_hidden_state``: the copy was
+    named ``…_l{j}``, so the artifact's output was not the source's); the template's value,
+    now inside the stack, takes the copy's suffixed name in exchange."""
+    name = template.name
+    template.name = f"{name}_l{TRACED - 1}"
+    last.name = name
+    return last
 
 
 def _layer_nodes(graph: ir.Graph, path: str) -> dict[int, list[ir.Node]]:

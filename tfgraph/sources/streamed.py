@@ -86,20 +86,26 @@ def _key_candidates(model: nn.Module):
     tied = tied if isinstance(tied, dict) else {}
     renamed = _saved_names(model)
 
-    def candidates(name: str):
-        yield name
+    def prefixed(name: str) -> tuple[str, ...]:
         if prefix and name.startswith(prefix + "."):
-            yield name[len(prefix) + 1 :]  # a base model's checkpoint under its head class
-        elif prefix:
-            yield f"{prefix}.{name}"
-        yield from renamed(name)  # before a tied weight: an untied head has its own tensor
+            return name, name[len(prefix) + 1 :]  # a base model's checkpoint under its head class
+        # a head class's checkpoint (``bert.…``) loaded as its base model
+        return (name, f"{prefix}.{name}") if prefix else (name,)
+
+    def candidates(name: str):
+        yield from prefixed(name)
+        for each in prefixed(name):  # an older layout's names (LayerNorm.gamma), either way
+            yield from renamed(each)  # before a tied weight: an untied head has its own tensor
         if name in tied:
             yield from candidates(tied[name])
 
     return candidates
 
 
-_LITERAL = re.compile(r"^\^?(?:[\w]|\\\.)+\.?$")  # ``^embed_out\.``: a name prefix, no regex
+# a plain name part: ``^embed_out\.`` (a name prefix, dots escaped), or words joined by dots
+# that transformers means, and a checkpoint writes, as dots (``LayerNorm.gamma``: BERT-era
+# checkpoints); nothing else of a regex
+_LITERAL = re.compile(r"^\^?(?:[\w]|\\\.)+\.?$|^\w+(?:\.\w+)+$")
 
 
 def _saved_names(model: nn.Module):

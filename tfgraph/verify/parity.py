@@ -73,6 +73,19 @@ def compare(
     }
 
 
+def missing(name: str, got: dict, tol: Tolerance) -> dict:
+    """The row of an output the source returns but the artifact does not: a failure that says
+    which outputs the artifact has (a graph whose outputs were renamed, or dropped)."""
+    return {
+        "name": name,
+        "max_abs_err": float("inf"),
+        "max_rel_err": float("inf"),
+        "tolerance": tol.as_dict(),
+        "passed": False,
+        "error": f"the artifact has no output '{name}' (its outputs: {', '.join(got) or 'none'})",
+    }
+
+
 def compare_in(
     name: str,
     got: np.ndarray,
@@ -136,10 +149,7 @@ def check_parity(
         got = session.run(inputs)
         keep = defined_positions(_mask_of(source, session, inputs))
         for name in source.output_names:
-            if want_low is None:
-                row = compare(name, got[name], want[name], tolerance, keep)
-            else:
-                row = compare_in(name, got[name], want[name], want_low[name], precision, keep)
+            row = _row(name, got, (want, want_low), precision, tolerance, keep)
             cases.append({"batch": batch, "sequence": seq, **row})
             logger.info(
                 "parity %s b=%d s=%d: max_abs=%.3g passed=%s",
@@ -163,6 +173,19 @@ def check_parity(
     }
 
 
+def _row(name: str, got: dict, wants: tuple, precision: str, tol: Tolerance, keep) -> dict:
+    """One output at one shape: :func:`compare` (fp32), :func:`compare_in` (with a second
+    reference), :func:`missing` when the artifact does not return it."""
+    want, want_low = wants
+    if name not in got:
+        row = missing(name, got, tol)
+        logger.warning("parity %s: %s", name, row["error"])
+        return row
+    if want_low is None:
+        return compare(name, got[name], want[name], tol, keep)
+    return compare_in(name, got[name], want[name], want_low[name], precision, keep)
+
+
 def summarize(name: str, rows: list[dict], tolerance: Tolerance) -> dict:
     """The worst case of one output over its rows (and eager's own error in a low precision)."""
     out = {
@@ -175,6 +198,9 @@ def summarize(name: str, rows: list[dict], tolerance: Tolerance) -> dict:
     for key in BRACKET_KEYS:
         if any(key in r for r in rows):
             out[key] = max(r[key] for r in rows)
+    errors = [r["error"] for r in rows if r.get("error")]
+    if errors:
+        out["error"] = errors[0]
     return out
 
 
