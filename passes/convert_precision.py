@@ -60,6 +60,21 @@ def _low_array(array: np.ndarray, low: ir.DataType) -> ir.TensorProtocol:
     return ir.tensor(array.astype(ml_dtypes.bfloat16), dtype=low)
 
 
+def _lowered(tensor, low: ir.DataType) -> ir.LazyTensor:
+    """``tensor`` in ``low``, converted each time it is read: a checkpoint's weight is read
+    (one tensor at a time) only as the artifact is written, as in fp32; a 7B model's fp16
+    copy is never held whole. Tagged as derived, so the weight's checkpoint tensor stays
+    known (the streamed reference of quantized weights)."""
+    from tfgraph.passes.lazy_weights import DERIVED, derived
+
+    def convert(array: np.ndarray) -> np.ndarray:
+        return _low_array(array, low).numpy()
+
+    lazy = derived(convert, [tensor], low, list(tensor.shape), tensor.name)
+    lazy.meta[DERIVED] = ("cast", int(low), (tensor,))
+    return lazy
+
+
 def fill_float_types(model: ir.Model) -> int:
     """Type the untyped outputs of nodes outside the standard domain whose first input is
     fp32 (ONNX's shape inference does not know ``GroupQueryAttention``'s or
@@ -160,9 +175,10 @@ class ConvertPrecisionPass(ir.passes.InPlacePass):
                     )
 
     def _lower(self, value: ir.Value) -> None:
-        """A value's type (and an initializer's data) becomes ``low``."""
+        """A value's type (and an initializer's data, converted when it is read) becomes
+        ``low``."""
         if value.const_value is not None and value.is_initializer():
-            value.const_value = _low_array(value.const_value.numpy(), self.low)
+            value.const_value = _lowered(value.const_value, self.low)
         # a fresh type: values may share one TensorType object, and setting ``dtype`` changes
         # that object for all of them (an island's output turned bf16 with its neighbour's)
         value.type = ir.TensorType(self.low)

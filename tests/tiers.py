@@ -13,6 +13,12 @@ from __future__ import annotations
 # test (file::function) → the parameter ids that stay in the default tier; every other case
 # of that test is slow. An empty set: the whole test is slow.
 SWEEPS: dict[str, tuple[set[str], str]] = {
+    "test_quantized_cache_rows.py::test_every_accepted_combination": (
+        {"fp16-int4-fp32", "fp32-int4-int8"},
+        "every precision x weight format x KV dtype on a 512-wide Llama with a cache (12 "
+        "exports); fp16 with int4 weights and int4 with an int8 cache stay (int4 and int8 "
+        "alone are the module's other tests)",
+    ),
     "test_triton_faults.py::test_two_hundred_requests_with_bad_ones_mixed_in": (
         set(),
         "the in-flight server's fault load at full size (200 requests, bad ones mixed in); "

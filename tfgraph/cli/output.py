@@ -92,8 +92,13 @@ def print_parity(parity: dict, *, cached: bool) -> None:
         if rows and "skipped" not in rows:
             print(
                 f"rows at their own lengths: {rows['requests']} requests through 2 slots "
-                f"against each alone, max abs err {rows['max_abs_err']:.3g}: "
-                + ("pass" if rows["passed"] else "FAIL")
+                f"against each alone, max abs err {rows['max_abs_err']:.3g}"
+                + (
+                    f" (within 2 x the decode rule's {rows['decode_allowed']:.3g})"
+                    if "decode_allowed" in rows
+                    else ""
+                )
+                + (": pass" if rows["passed"] else ": FAIL")
             )
         rule = parity.get("kv_rule")
         if rule:  # an int8 cache
@@ -123,6 +128,8 @@ def _tolerance_text(row: dict) -> str:
     if "atol" in tol:
         scaled = " x max|eager|" if tol.get("relative_to") else ""
         return f"atol {tol['atol']:g} rtol {tol['rtol']:g}{scaled}"
+    if "eager_fp64_err" in row:  # a deep model's fp32 noise (tfgraph.verify.fp32_noise)
+        return f"{tol['factor']:g} x fp32 noise {row['eager_fp64_err']:.3g} + fp32 tol"
     if "activation_quant_err" in row:
         return f"{tol['factor']:g} x act. quant err {row['activation_quant_err']:.3g} + fp32 tol"
     eager = row.get("eager_low_err", float("nan"))
@@ -182,7 +189,10 @@ def print_weights(weights: dict | None, *, verbose: bool) -> None:
     if error:
         line = f"  vs the fp32 model: max logits err {error['max_logits_err']:.3g}"
         if "greedy_tokens" in error:
-            line += f", greedy tokens {error['greedy_agreement']}/{error['greedy_tokens']} equal"
+            line += (
+                f", fp32's top token on the artifact's {error['greedy_tokens']} greedy tokens: "
+                f"{error['greedy_agreement']} equal"
+            )
         print(line)
 
 

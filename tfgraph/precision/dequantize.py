@@ -38,36 +38,50 @@ def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
     return np.stack([low, high], axis=-1).reshape(*packed.shape[:-1], -1)
 
 
-def dequantize_rows(node: ir.Node, initializers):
+ROW_CHUNK = 8192  # rows dequantized at a time: the temporaries stay a chunk's, not the matrix's
+
+
+def dequantize_rows(node: ir.Node, initializers, rows: tuple[int, int] | None = None):
     """The same weight as :func:`dequantize`, transposed: (N, K) as a ``Linear`` holds it, a
     torch tensor (computed with torch's threads, no transposed copy; the same fp32 values).
-    The node's tensors are released after reading (an artifact's external data is not kept
-    mapped)."""
+    ``rows``: only the output rows ``[r0, r1)``. Computed :data:`ROW_CHUNK` rows at a time
+    into the result, so the peak is the result and one chunk (a 250k-word head: 4.1 GB, where
+    whole-matrix temporaries took three times that). The node's tensors are released after
+    reading (an artifact's external data is not kept mapped)."""
     import torch
 
     bits = node.attributes.get_int("bits", 4)
     block = node.attributes.get_int("block_size")
     k, n = node.attributes.get_int("K"), node.attributes.get_int("N")
+    r0, r1 = rows or (0, n)
 
     def read(value):
         tensor = initializers[value.name].const_value
-        array = torch.from_numpy(np.array(tensor.numpy()))  # a copy: the mapping can go
+        array = tensor.numpy()
+        array = torch.from_numpy(
+            np.array(array.reshape(n, -1)[r0:r1])
+        )  # a copy: the mapping can go
         release = getattr(tensor, "release", None)
         if release is not None:
             release()
         return array
 
     packed = read(node.inputs[1])
+    blocks = packed.shape[1] * 8 // (bits * block)
     scales = read(node.inputs[2]).float()
-    blocks = packed.shape[1]
-    q = _unpack_torch(packed.reshape(n, -1), bits).reshape(n, blocks, block).float()
     zp_value = node.inputs[3] if len(node.inputs) > 3 else None
-    if zp_value is not None and zp_value.name:
-        zp = _unpack_torch(read(zp_value).reshape(n, -1), bits)[:, :blocks].float()
-    else:
-        zp = torch.full((n, blocks), float(2 ** (bits - 1)))
-    w = (q - zp[:, :, None]) * scales.reshape(n, blocks)[:, :, None]
-    return w.reshape(n, -1)[:, :k].contiguous()
+    zps = read(zp_value) if zp_value is not None and zp_value.name else None
+    out = torch.empty((r1 - r0, k), dtype=torch.float32)
+    for c0 in range(0, r1 - r0, ROW_CHUNK):
+        c1 = min(c0 + ROW_CHUNK, r1 - r0)
+        q = _unpack_torch(packed[c0:c1], bits).reshape(c1 - c0, blocks, block).float()
+        if zps is not None:
+            zp = _unpack_torch(zps[c0:c1], bits)[:, :blocks].float()
+        else:
+            zp = torch.full((c1 - c0, blocks), float(2 ** (bits - 1)))
+        w = (q - zp[:, :, None]) * scales[c0:c1, :, None]
+        out[c0:c1] = w.reshape(c1 - c0, -1)[:, :k]
+    return out
 
 
 def _unpack_torch(packed, bits: int):

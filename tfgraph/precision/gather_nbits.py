@@ -100,12 +100,15 @@ def quantize_embeddings(
     return done
 
 
+TABLE_CHUNK = 8192  # rows dequantized at a time
+
+
 def dequantize_table(node: ir.Node, initializers) -> np.ndarray:
     """The (rows, width) fp32 table ``GatherBlockQuantized`` reads from: ``(q − zero_point) ·
     scale`` per block (signed int4 data has zero point 0; unsigned without zero points, 8)."""
     data = initializers[node.inputs[0].name].const_value
     rows, width = (int(d) for d in data.shape)
-    q = data.numpy().astype(np.float32).reshape(rows, width)
+    q = data.numpy().reshape(rows, width)
     scales = initializers[node.inputs[2].name].const_value.numpy().astype(np.float32)
     scales = scales.reshape(rows, -1)
     block = node.attributes.get_int("block_size")
@@ -115,5 +118,9 @@ def dequantize_table(node: ir.Node, initializers) -> np.ndarray:
         zp = zp.reshape(rows, -1)
     else:
         zp = np.full(scales.shape, 0.0 if data.dtype == ir.DataType.INT4 else 8.0, np.float32)
-    full = lambda a: np.repeat(a, block, axis=1)[:, :width]  # noqa: E731
-    return np.ascontiguousarray((q - full(zp)) * full(scales))
+    out = np.empty((rows, width), np.float32)
+    for r0 in range(0, rows, TABLE_CHUNK):  # the temporaries stay a chunk's (a 250k-word table)
+        r1 = min(r0 + TABLE_CHUNK, rows)
+        full = lambda a: np.repeat(a[r0:r1], block, axis=1)[:, :width]  # noqa: E731, B023
+        out[r0:r1] = (q[r0:r1].astype(np.float32) - full(zp)) * full(scales)
+    return out

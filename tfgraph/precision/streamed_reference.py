@@ -71,6 +71,8 @@ def _blocks(tensor) -> list[tuple[str, bool, int]]:
             inner = sources[0].meta.get(PARAMETER)
             if inner is not None:
                 return [(inner, True, width)]  # a Linear's (out, in) weight
+        if op == "cast":  # converted to fp16/bf16: the same parameter
+            return _blocks(sources[0])
         if op == "concat" and arg in (1, -1):
             return [b for s in sources for b in _blocks(s)]
     raise TfgraphError(
@@ -84,18 +86,22 @@ class _Dequantized(Mapping):
 
     def __init__(self, placed: dict[str, dict], nodes: dict, initializers) -> None:
         self._placed, self._nodes, self._initializers = placed, nodes, initializers
-        self._last: tuple[str, torch.Tensor] | None = None  # one node (packed Q/K/V: 3 reads)
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        """Only the parameter's own rows, dequantized into one fresh tensor (a packed Q/K/V
+        reads its node three times; a 250k-word head is never held twice)."""
         entry = self._placed[name]
         node = self._nodes[entry["node"]]
         if entry.get("embedding"):  # a GatherBlockQuantized table, (rows, width) as stored
             return torch.from_numpy(dequantize_table(node, self._initializers))
-        if self._last is None or self._last[0] != node.name:
-            self._last = (node.name, dequantize_rows(node, self._initializers))  # (N, K)
         c0, c1 = entry["columns"]
-        rows = self._last[1][c0:c1]  # a Linear's (out, in) block: no transpose
-        return rows.clone() if entry["transposed"] else rows.T.contiguous()
+        rows = dequantize_rows(node, self._initializers, (c0, c1))  # a Linear's (out, in)
+        return rows if entry["transposed"] else rows.T.contiguous()
+
+    def __deepcopy__(self, memo) -> _Dequantized:
+        """Shared, not copied: a read-only view of the artifact's nodes (the reference's fp16
+        copy, :meth:`tfgraph.sources.model.ModelSource.converted`, reads the same bytes)."""
+        return self
 
     def __contains__(self, name) -> bool:  # Mapping's own would compute the value
         return name in self._placed

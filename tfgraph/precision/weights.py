@@ -206,16 +206,21 @@ def _kept_gather(bits: int, embeddings: bool) -> str:
     return "not an fp32/fp16 embedding table (the ones GatherBlockQuantized takes)"
 
 
-def locate(module, dequantized: dict[str, tuple[np.ndarray, np.ndarray]]) -> list[dict]:
+def locate(
+    module, dequantized: dict[str, tuple[np.ndarray, np.ndarray]], rounding=None
+) -> list[dict]:
     """Where each quantized (K, N) matrix came from in ``module``, found by its original's
     content: one ``{node, parameter, columns, transposed}`` per column block (the report keeps
     them, so the reference can be rebuilt from the artifact). A matrix found nowhere raises
-    (the reference would be wrong)."""
+    (the reference would be wrong). ``rounding``: the numpy dtype the originals were converted
+    to (``--precision fp16``), which the parameters are compared through."""
     columns: dict[bytes, list] = {}
     for pname, param in module.named_parameters():
         if param.ndim != 2:
             continue
         data = param.detach().float().numpy()
+        if rounding is not None:
+            data = data.astype(rounding).astype(np.float32)
         for flipped in (True, False):  # Linear (out, in) is Wᵀ; Conv1D (in, out) is W
             view = data.T if flipped else data
             columns.setdefault(np.ascontiguousarray(view[:, 0]).tobytes(), []).append(
@@ -321,12 +326,16 @@ def dequantized_source(source, quantized: list, model: ir.Model) -> tuple:
     initializers = model.graph.initializers
     dequantized = {}
     tables = set()
+    rounding = None
     for node, weight in quantized:
         original = weight.const_value.numpy()
+        if original.dtype != np.float32:  # converted by --precision: found by its rounded values
+            rounding = original.dtype
+            original = original.astype(np.float32)
         dequantized[node.name] = (original, _dequantized(node, initializers))
         if node.op_type == "GatherBlockQuantized":
             tables.add(node.name)
-    placements = locate(source.module, dequantized)
+    placements = locate(source.module, dequantized, rounding)
     for entry in placements:
         if entry["node"] in tables:
             entry["embedding"] = True

@@ -31,7 +31,8 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 SHARD_BYTES = 2 * 1024**3
 
-# Shapes of published models (random weights): what the scale bench exports.
+# Shapes of published models (random weights): what the scale bench exports. Each names its
+# model type, the architecture its hub checkpoint declares, and the published config's sizes.
 SHAPES = {
     "llama-120m": dict(
         model_type="llama", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
@@ -50,7 +51,56 @@ SHAPES = {
         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
         tie_word_embeddings=True,
     ),
+    "mistral-7b": dict(
+        model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, sliding_window=4096,
+    ),
+    "bloom-7b1": dict(
+        model_type="bloom", hidden_size=4096, n_layer=30, n_head=32, vocab_size=250880,
+    ),
+    "mpt-7b": dict(
+        model_type="mpt", d_model=4096, n_heads=32, n_layers=32, expansion_ratio=4,
+        max_seq_len=2048, vocab_size=50432, no_bias=True,
+    ),
+    "gpt2-xl": dict(
+        model_type="gpt2", n_embd=1600, n_layer=48, n_head=25, n_positions=1024,
+        vocab_size=50257,
+    ),
+    "bert-large": dict(
+        model_type="bert", architecture="BertModel", hidden_size=1024, num_hidden_layers=24,
+        num_attention_heads=16, intermediate_size=4096, vocab_size=30522,
+        max_position_embeddings=512,
+    ),
+    "roberta-large": dict(
+        model_type="roberta", architecture="RobertaModel", hidden_size=1024,
+        num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096, vocab_size=50265,
+        max_position_embeddings=514, type_vocab_size=1, pad_token_id=1,
+    ),
+    "t5-large": dict(
+        model_type="t5", d_model=1024, d_ff=4096, d_kv=64, num_heads=16, num_layers=24,
+        vocab_size=32128,
+    ),
+    "flan-t5-large": dict(
+        model_type="t5", d_model=1024, d_ff=2816, d_kv=64, num_heads=16, num_layers=24,
+        vocab_size=32128, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+    ),
+    "flan-t5-xl": dict(
+        model_type="t5", d_model=2048, d_ff=5120, d_kv=64, num_heads=32, num_layers=24,
+        vocab_size=32128, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+    ),
+    "bart-large": dict(
+        model_type="bart", d_model=1024, encoder_layers=12, decoder_layers=12,
+        encoder_attention_heads=16, decoder_attention_heads=16, encoder_ffn_dim=4096,
+        decoder_ffn_dim=4096, vocab_size=50265, max_position_embeddings=1024,
+    ),
 }  # fmt: skip
+ARCHITECTURES = {  # model type → the class its hub checkpoints declare
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+    "bloom": "BloomForCausalLM", "mpt": "MptForCausalLM", "gpt2": "GPT2LMHeadModel",
+    "t5": "T5ForConditionalGeneration", "bart": "BartForConditionalGeneration",
+}  # fmt: skip
+# decoders whose config takes ``max_position_embeddings`` (set to 4096, as the Llama family)
+_LONG_POSITIONS = {"llama", "qwen2", "mistral"}
 
 
 def shape_config(name: str, **overrides):
@@ -59,8 +109,11 @@ def shape_config(name: str, **overrides):
 
     fields = {**SHAPES[name], **overrides}
     model_type = fields.pop("model_type")
-    config = transformers.AutoConfig.for_model(model_type, max_position_embeddings=4096, **fields)
-    config.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[model_type]]
+    architecture = fields.pop("architecture", None) or ARCHITECTURES[model_type]
+    if model_type in _LONG_POSITIONS:
+        fields.setdefault("max_position_embeddings", 4096)
+    config = transformers.AutoConfig.for_model(model_type, **fields)
+    config.architectures = [architecture]
     return config
 
 

@@ -140,17 +140,11 @@ def forced_agreement(
     if decoder.seq2seq:
         raise ValueError("forced_agreement judges decoders")
     steps = len(step_logits)
-    rows = [list(p) + list(t[: steps - 1]) for p, t in zip(prompts, tokens, strict=True)]
-    ids, mask = left_pad(rows, pad)
-    inputs = {decoder.token_input: torch.from_numpy(ids)}
-    if decoder.mask_input is not None:
-        inputs[decoder.mask_input] = torch.from_numpy(mask)
-    logits = source.eager(inputs)[source.output_names[0]].float().numpy()
-    first = ids.shape[1] - steps  # the position whose logits chose the first new token
+    logits = forced_logits(source, decoder, prompts, tokens, steps, pad=pad)
     equal = ties = 0
     worst_gap, worst_diff = 0.0, 0.0
     for t in range(steps):
-        want = logits[:, first + t]
+        want = logits[t]
         got = np.asarray(step_logits[t], np.float64)
         diff = float(np.abs(got - want).max())
         worst_diff = max(worst_diff, diff)
@@ -172,3 +166,31 @@ def forced_agreement(
         "max_logits_diff": worst_diff,
         "max_tie_margin": worst_gap,
     }
+
+
+def forced_logits(
+    source: ModelSource,
+    decoder: CachedDecoder,
+    prompts: list[list[int]],
+    tokens: list[list[int]],
+    steps: int,
+    extra: dict[str, np.ndarray] | None = None,
+    pad: int = 0,
+) -> np.ndarray:
+    """Eager's logits for the prefixes a cached run decoded, in one pass (teacher forcing):
+    (steps, batch, vocab), row t the logits after each prompt and the first t of ``tokens``.
+    A decoder's prompts are left-padded; an encoder-decoder's feed its encoder through
+    ``extra`` and its decoder starts from token 0, as :func:`eager_greedy` runs them."""
+    rows = [list(t[: steps - 1]) for t in tokens]
+    if decoder.seq2seq:
+        ids = np.array([[0, *r] for r in rows], np.int64)
+        mask = None
+    else:
+        ids, mask = left_pad([list(p) + r for p, r in zip(prompts, rows, strict=True)], pad)
+    inputs = {n: torch.from_numpy(v) for n, v in (extra or {}).items() if n in source.input_names}
+    inputs[decoder.token_input] = torch.from_numpy(ids)
+    if decoder.mask_input is not None and mask is not None:
+        inputs[decoder.mask_input] = torch.from_numpy(mask)
+    logits = source.eager(inputs)[source.output_names[0]].float().numpy()
+    first = ids.shape[1] - steps  # the position whose logits chose the first new token
+    return np.moveaxis(logits[:, first:], 1, 0)

@@ -57,8 +57,10 @@ def check_int8_cache(source, model_file: Path, reference_file: Path, options, sh
 
 
 def greedy_against_fp32(source, model_file: Path, seed: int = 0) -> dict:
-    """Greedy tokens of the artifact against eager fp32 (full recompute) for two prompts: how
-    many agree. Reported, not judged: a random model's near ties decide some tokens."""
+    """Greedy tokens of the artifact against eager fp32's choice on each of their prefixes
+    (one teacher-forced pass; the first difference is where free-running greedy parts) for
+    two prompts: how many agree. Reported, not judged: a random model's near ties decide
+    some tokens."""
     from tfgraph.runtime import CachedDecoder, open_runner
 
     decoder = CachedDecoder(open_runner(model_file, checking=True))
