@@ -539,6 +539,10 @@ def serving_section(d: dict) -> list[str]:
     return lines
 
 
+SCALE_PEERS = ("tfgraph fp32", "tfgraph fp32 (no cache)", "tfgraph int4", "builder fp32",
+               "builder int4")  # fmt: skip
+
+
 def scale_section(d: dict) -> list[str]:
     lines = [
         "## Scale: export time, peak memory and decode step against model size",
@@ -551,31 +555,34 @@ def scale_section(d: dict) -> list[str]:
         f"{d['cap_gib']:g} GiB are killed. Decode step: batch 1, past {d['past']}, "
         f"{d['threads']} threads, median of 5 in a fresh process; session RSS after loading.",
         "",
-        "| model | checkpoint | exporter | export wall | peak RSS | artifact | decode step | "
-        "session RSS |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | checkpoint | exporter | export wall | parity | peak RSS | artifact | "
+        "decode step | session RSS |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in d["models"].items():
         size = f"{m['parameters'] / 1e9:.2f}B, {m['dtype']}, {m['checkpoint_gib']:.1f} GiB"
-        for peer in ("tfgraph fp32", "tfgraph int4", "builder fp32", "builder int4"):
+        for peer in SCALE_PEERS:
             r = m.get(peer)
             if r is None:
                 continue
             if "killed" in r:
                 status = f"{r['killed']} after {r['wall_s']:.0f} s"
-                lines.append(f"| {name} | {size} | {peer} | {status} | — | — | — | — |")
+                lines.append(f"| {name} | {size} | {peer} | {status} | — | — | — | — | — |")
                 continue
             if r.get("exit"):
                 lines.append(
                     f"| {name} | {size} | {peer} | refused/failed after {r['wall_s']:.0f} s: "
-                    f"{r.get('error', '?')} | {r['peak_rss_gib']:.2f} GiB | — | — | — |"
+                    f"{r.get('error', '?')} | — | {r['peak_rss_gib']:.2f} GiB | — | — | — |"
                 )
                 continue
             decode = f"{r['decode_step_ms']:.1f} ms" if "decode_step_ms" in r else "—"
             session = f"{r['session_rss_gib']:.2f} GiB" if "session_rss_gib" in r else "—"
+            checked = (r.get("report") or {}).get("passed")
+            parity = "—" if checked is None else ("pass" if checked else "FAIL")
             lines.append(
-                f"| {name} | {size} | {peer} | {r['wall_s']:.0f} s | {r['peak_rss_gib']:.2f} GiB "
-                f"| {r.get('artifact_gib', 0):.2f} GiB | {decode} | {session} |"
+                f"| {name} | {size} | {peer} | {r['wall_s']:.0f} s | {parity} | "
+                f"{r['peak_rss_gib']:.2f} GiB | {r.get('artifact_gib', 0):.2f} GiB | {decode} | "
+                f"{session} |"
             )
     lines.append("")
     for name, m in d["models"].items():

@@ -1,13 +1,17 @@
 """``scale``: export time, peak memory and the artifact's decode step against model size.
 
 Random-init checkpoints of published shapes, written tensor by tensor
-(:mod:`tfgraph.tools.random_checkpoint`): Llama ~120M, TinyLlama 1.1B (fp32), Qwen2 1.5B
-(bf16, the non-Llama architecture) and Llama 2 7B (bf16, as the hub ships it). Each is exported
-in its own process, as a user would run it, by
+(:mod:`tfgraph.tools.random_checkpoint`): Llama ~120M, TinyLlama 1.1B, Qwen2 1.5B, and the seed
+systems of the design at their published sizes — BERT-large, RoBERTa-large, BART-large,
+T5-large, Flan-T5-large and -XL, GPT-2-XL, Llama-2-7B, Mistral-7B, MPT-7B and BLOOM-7B1 (its
+250k-word tied vocabulary) — in the dtype the hub ships. Each is exported in its own process,
+as a user would run it (:data:`MODELS` says which exporters run on which), by
 
-- ``tfgraph``: ``python -m tfgraph export DIR -o OUT --kv-cache`` (fp32) and ``… --weights int4``,
-  parity, cache parity and the quantization report included;
-- the onnxruntime-genai model builder: ``-p fp32`` and ``-p int4``, ``-e cpu`` (no parity check).
+- ``tfgraph``: ``python -m tfgraph export DIR -o OUT --kv-cache`` (fp32; encoders without the
+  cache) and ``… --weights int4`` (the 7B decoders: at most :data:`INT4_GOAL_GIB` peak), parity,
+  cache parity and the quantization report included;
+- the onnxruntime-genai model builder: ``-p fp32`` and ``-p int4``, ``-e cpu`` (no parity
+  check), on the architectures it builds.
 
 Peak RSS is the whole process tree's, sampled every 0.2 s; a run above :data:`CAP_GIB` is
 killed and recorded as such (the builder loads the whole model). The decode step (batch 1, past
@@ -40,18 +44,36 @@ TIMEOUT_S = 3600
 PAST = 512
 THREADS = 2
 GiB = 1024**3
-MODELS = {  # name → (shape, checkpoint dtype)
-    "llama-120m": ("llama-120m", "fp32"),
-    "tinyllama-1.1b": ("tinyllama-1.1b", "fp32"),
-    "qwen2-1.5b": ("qwen2-1.5b", "bf16"),
-    "llama2-7b": ("llama2-7b", "bf16"),
-}
+# name → (shape, checkpoint dtype, the exporters run on it). The seed systems of the design
+# at their published sizes: bf16 where the hub ships bf16/fp16, fp32 where it ships fp32.
+MODELS = {
+    "llama-120m": ("llama-120m", "fp32", ("tfgraph fp32", "tfgraph int4", "builder fp32",
+                                          "builder int4")),
+    "tinyllama-1.1b": ("tinyllama-1.1b", "fp32", ("tfgraph fp32", "tfgraph int4",
+                                                  "builder fp32", "builder int4")),
+    "qwen2-1.5b": ("qwen2-1.5b", "bf16", ("tfgraph fp32", "tfgraph int4", "builder fp32",
+                                          "builder int4")),
+    "bert-large": ("bert-large", "fp32", ("tfgraph fp32 (no cache)",)),
+    "roberta-large": ("roberta-large", "fp32", ("tfgraph fp32 (no cache)",)),
+    "bart-large": ("bart-large", "fp32", ("tfgraph fp32",)),
+    "t5-large": ("t5-large", "fp32", ("tfgraph fp32",)),
+    "flan-t5-large": ("flan-t5-large", "fp32", ("tfgraph fp32",)),
+    "flan-t5-xl": ("flan-t5-xl", "bf16", ("tfgraph fp32",)),
+    "gpt2-xl": ("gpt2-xl", "fp32", ("tfgraph fp32", "tfgraph int4")),
+    "llama2-7b": ("llama2-7b", "bf16", ("tfgraph fp32", "tfgraph int4", "builder fp32",
+                                        "builder int4")),
+    "mistral-7b": ("mistral-7b", "bf16", ("tfgraph int4", "builder int4")),
+    "mpt-7b": ("mpt-7b", "bf16", ("tfgraph int4",)),
+    "bloom-7b1": ("bloom-7b1", "bf16", ("tfgraph int4",)),
+}  # fmt: skip
 QUICK_MODELS = ("llama-120m",)
-PEERS = {
-    "tfgraph fp32": ("tfgraph", []),
-    "tfgraph int4": ("tfgraph", ["--weights", "int4"]),
-    "builder fp32": ("builder", ["fp32"]),
-    "builder int4": ("builder", ["int4"]),
+INT4_GOAL_GIB = 8.0  # a 7B int4 export's peak, parity included
+PEERS = {  # exporter → (tool, its arguments, with a KV cache)
+    "tfgraph fp32": ("tfgraph", [], True),
+    "tfgraph fp32 (no cache)": ("tfgraph", [], False),
+    "tfgraph int4": ("tfgraph", ["--weights", "int4"], True),
+    "builder fp32": ("builder", ["fp32"], True),
+    "builder int4": ("builder", ["int4"], True),
 }
 
 
@@ -99,10 +121,11 @@ def measured(cmd: list[str], cap_gib: float = CAP_GIB, timeout: float = TIMEOUT_
 
 
 def _command(peer: str, checkpoint: Path, out: Path, work: Path) -> list[str]:
-    kind, args = PEERS[peer]
+    kind, args, cached = PEERS[peer]
     if kind == "tfgraph":
+        cache = ["--kv-cache"] if cached else []
         return [sys.executable, "-m", "tfgraph", "export", str(checkpoint), "-o", str(out),
-                "--kv-cache", *args]  # fmt: skip
+                *cache, *args]  # fmt: skip
     builder = "onnxruntime_genai.models.builder"
     return [sys.executable, "-m", builder, "-i", str(checkpoint), "-o", str(out),
             "-p", args[0], "-e", "cpu", "-c", str(work / "genai-cache")]  # fmt: skip
@@ -166,7 +189,7 @@ def generation_check(checkpoint: Path, artifact: Path, new_tokens: int = GENERAT
 def write_checkpoint(name: str, root: Path) -> Path:
     from tfgraph.tools.random_checkpoint import shape_config, write_random_checkpoint
 
-    shape, dtype = MODELS[name]
+    shape, dtype, _ = MODELS[name]
     config = shape_config(shape)
     path = write_random_checkpoint(config, root / name, dtype=dtype)
     save_tokenizer(config.vocab_size, path)
@@ -191,22 +214,24 @@ def run(
             checkpoint = write_checkpoint(name, workdir / "checkpoints")
         weights = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
         row: dict = {"checkpoint_gib": round(weights / GiB, 2), "dtype": MODELS[name][1]}
+        row["shape"] = MODELS[name][0]
         row["measured"] = f"{time.strftime('%Y-%m-%d %H:%M')} at {_commit()}"
         row["parameters"] = _parameters(checkpoint)
-        for peer in PEERS:
+        for peer in MODELS[name][2]:
             progress(f"scale: {name}: {peer}")
             out = workdir / "artifacts" / f"{name}-{peer.replace(' ', '-')}"
             shutil.rmtree(out, ignore_errors=True)
             entry = measured(_command(peer, checkpoint, out, workdir))
             if entry["exit"] == 0 and "killed" not in entry:
                 try:
-                    entry.update(_decode(peer, out))
+                    if PEERS[peer][2]:  # a decoder's step (an encoder has none)
+                        entry.update(_decode(peer, out))
                 except Exception as exc:  # noqa: BLE001 - a probe failure is recorded
                     entry["decode_error"] = str(exc)[:200]
                 entry["artifact_gib"] = round(_bytes(out) / GiB, 2)
                 if peer.startswith("tfgraph"):
                     entry["report"] = _report_figures(out)
-                if peer == "tfgraph int4":
+                if peer == "tfgraph int4" and MODELS[name][0] in _CAUSAL_SHAPES:
                     progress(f"scale: {name}: generate vs streamed eager, {GENERATED} tokens")
                     check = measured([sys.executable, "-m", "tfgraph.bench.scale", "--generation",
                                       str(checkpoint), str(out)])  # fmt: skip
@@ -221,6 +246,11 @@ def run(
             shutil.rmtree(checkpoint, ignore_errors=True)
         shutil.rmtree(workdir / "genai-cache", ignore_errors=True)
     return results
+
+
+# decoders whose int4 artifact ``generation_check`` compares token by token
+_CAUSAL_SHAPES = {"llama-120m", "tinyllama-1.1b", "qwen2-1.5b", "llama2-7b", "mistral-7b",
+                  "mpt-7b", "bloom-7b1", "gpt2-xl"}  # fmt: skip
 
 
 def _commit() -> str:

@@ -615,3 +615,27 @@ def test_a_tensor_made_on_an_offloaded_weights_device_is_made_on_the_cpu(tmp_pat
     assert result.passed, result.report["parity"]["outputs"]
     attention = result.report["fusions"]["attention"]
     assert attention["fused"] == attention["total"] == 2
+
+
+def test_the_references_largest_weight_counts_in_the_memory_budget(tmp_path, monkeypatch):
+    """A 250k-word vocabulary (BLOOM's): the eager reference holds its table or head in fp32
+    beside the session, so an export that would run out of memory there is refused first."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from tfgraph.errors import TfgraphError
+    from tfgraph.exporters import budget
+    from tfgraph.options import ExportOptions
+
+    module = nn.Sequential(nn.Embedding(250_880, 64), nn.Linear(64, 64))
+    source = SimpleNamespace(trace_module=None, module=module)
+    options = ExportOptions(weights="int4").resolved()
+    size = budget.estimate_bytes(module, "fp32", "int4", options.block_size, options.symmetric)
+    largest = 250_880 * 64 * 4
+    session = size * budget.OPEN_FACTOR
+    monkeypatch.setattr(budget, "available_memory", lambda: int(session + largest / 2))
+    with pytest.raises(TfgraphError, match="largest weight in fp32"):
+        budget.check_budget(source, options, tmp_path / "o")
+    monkeypatch.setattr(budget, "available_memory", lambda: int(session + largest * 1.1))
+    assert budget.check_budget(source, options, tmp_path / "o")["reference_peak_bytes"] == largest
