@@ -5,8 +5,8 @@ bytes a weight, fp16/bf16 2, int4 half a byte plus a scale, and half a byte of z
 asymmetric, per block; embedding tables too at int4, else in the activation precision).
 Opening it takes about its size in memory again (ONNX Runtime reads or maps the weights, and
 prepacks MatMulNBits ones), while the streamed eager reference holds one module at a time in
-fp32 — at most the largest weight (a 250k-word vocabulary's 4 GB at width 4096). An export that could not finish is refused
-in one line, with the figure and a format that fits.
+fp32 — at most the largest weight (a 250k-word vocabulary's 4 GB at width 4096). An export
+that could not finish is refused in one line, with the figure and a format that fits.
 """
 
 from __future__ import annotations
