@@ -56,12 +56,12 @@ def row_tolerance(
     level 4), the largest error the rule of the same artifact's decode steps allowed. Each
     row's product is its own (the kernel quantizes and multiplies row by row), but the fp32
     kernels around it may sum in another order for a batch of two than for one (reported on
-    AVX2 machines; bitwise equal on this AVX-512 VNNI one), and a difference of 1e-7 flips
-    an activation's int8 rounding in the next layer, which moves the logits by as much as
-    the activation quantization itself (:mod:`tfgraph.verify.activation_rule`). Batched and
-    alone are each within that allowance of the reference, so within twice it of each other;
-    a row read at a wrong length or position moves by far more
-    (``tests/test_quantized_cache_rows.py``)."""
+    an AVX2 machine, up to 0.2 at 7B; bitwise equal on an AVX-512 VNNI one), and a
+    difference of 1e-7 flips an activation's int8 rounding in the next layer, which moves
+    the logits by as much as the activation quantization itself
+    (:mod:`tfgraph.verify.activation_rule`). Batched and alone are each within that
+    allowance of the reference, so within twice it of each other; a row read at a wrong
+    length or position moves by far more (``tests/test_quantized_cache_rows.py``)."""
     if decode_allowed:
         return Tolerance(atol=2 * decode_allowed, rtol=0.0)
     if precision not in EPS:
