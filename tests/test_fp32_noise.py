@@ -39,11 +39,15 @@ def artifact(tmp_path_factory):
     return out
 
 
-def test_parity_below_fp32_rounding_passes_by_the_noise_rule(artifact):
+def test_parity_below_fp32_rounding_passes_by_the_noise_rule(artifact, capsys):
+    from tfgraph.cli.output import print_parity
+
     report = check_parity(load_source("gpt2-tiny"), artifact / "model.onnx", tolerance=TIGHT)
     out = report["outputs"][0]
     assert report["passed"] and out["eager_fp64_err"] > 0, out
     assert out["max_abs_err"] > TIGHT.atol and "fp64" in out["tolerance"]["rule"]
+    print_parity(report, cached=False)
+    assert "2 x fp32 noise" in capsys.readouterr().out
 
 
 def test_a_wrong_weight_fails_the_noise_rule(artifact, tmp_path):

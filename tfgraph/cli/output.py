@@ -128,8 +128,9 @@ def _tolerance_text(row: dict) -> str:
     if "atol" in tol:
         scaled = " x max|eager|" if tol.get("relative_to") else ""
         return f"atol {tol['atol']:g} rtol {tol['rtol']:g}{scaled}"
-    if "eager_fp64_err" in row:  # a deep model's fp32 noise (tfgraph.verify.fp32_noise)
-        return f"{tol['factor']:g} x fp32 noise {row['eager_fp64_err']:.3g} + fp32 tol"
+    if "fp64" in tol.get("rule", ""):  # a deep model's fp32 noise (tfgraph.verify.fp32_noise)
+        noise = row.get("eager_fp64_err", float("nan"))
+        return f"{tol['factor']:g} x fp32 noise {noise:.3g} + fp32 tol"
     if "activation_quant_err" in row:
         return f"{tol['factor']:g} x act. quant err {row['activation_quant_err']:.3g} + fp32 tol"
     eager = row.get("eager_low_err", float("nan"))

@@ -138,9 +138,9 @@ def check_cache_parity(
             "tolerance": ruling(cases, tolerance),
             "passed": all(s["passed"] for s in phases),
             **{
-                key: max(s[key] for s in phases)
+                key: max(s[key] for s in phases if key in s)
                 for key in BRACKET_KEYS
-                if all(key in s for s in phases)
+                if any(key in s for s in phases)
             },
         }
     ]
