@@ -197,10 +197,17 @@ def write_checkpoint(name: str, root: Path) -> Path:
 
 
 def run(
-    quick: bool, workdir: Path, progress=lambda step: None, only=None, save=None, reuse=None
+    quick: bool,
+    workdir: Path,
+    progress=lambda step: None,
+    only=None,
+    save=None,
+    reuse=None,
+    exporters=None,
 ) -> dict:
     """``only``: model names; ``save(results)`` after each model; ``reuse``: a directory whose
-    ``<name>/`` checkpoints are used instead of writing them (kept)."""
+    ``<name>/`` checkpoints are used instead of writing them (kept); ``exporters``: only these
+    of each model's exporters."""
     names = QUICK_MODELS if quick else tuple(MODELS)
     if only:
         names = tuple(n for n in only if n in MODELS)
@@ -217,7 +224,7 @@ def run(
         row["shape"] = MODELS[name][0]
         row["measured"] = f"{time.strftime('%Y-%m-%d %H:%M')} at {_commit()}"
         row["parameters"] = _parameters(checkpoint)
-        for peer in MODELS[name][2]:
+        for peer in (p for p in MODELS[name][2] if not exporters or p in exporters):
             progress(f"scale: {name}: {peer}")
             out = workdir / "artifacts" / f"{name}-{peer.replace(' ', '-')}"
             shutil.rmtree(out, ignore_errors=True)
@@ -314,6 +321,7 @@ def main() -> None:
     parser.add_argument("--out", default="docs/bench/scale.json")
     parser.add_argument("--generation", nargs=2, metavar=("CHECKPOINT", "ARTIFACT"))
     parser.add_argument("--reuse", help="a directory of <model>/ checkpoints to use")
+    parser.add_argument("--exporters", nargs="*", help=f"only these of {', '.join(PEERS)}")
     args = parser.parse_args()
     if args.generation:
         print(json.dumps(generation_check(Path(args.generation[0]), Path(args.generation[1]))))
@@ -325,7 +333,7 @@ def main() -> None:
 
     result = run(
         args.quick, Path(args.work), lambda s: print(s, file=sys.stderr, flush=True), args.only,
-        save=save, reuse=args.reuse,
+        save=save, reuse=args.reuse, exporters=args.exporters,
     )  # fmt: skip
     save(result)
 

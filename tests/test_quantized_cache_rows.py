@@ -135,3 +135,22 @@ def test_every_accepted_combination(checkpoint, tmp_path, precision, weights, kv
     parity = result.report["parity"]
     assert result.passed and parity["rows"]["passed"], parity.get("rows")
     assert parity["prefill"]["passed"] and parity["decode"]["passed"]
+
+
+def test_the_readmes_int4_cached_command_exits_0(tmp_path):
+    """The README's own commands, as a user runs them: a random llama-120m checkpoint (bf16,
+    768 wide, 12 layers), exported with ``--kv-cache --weights int4``, parity included."""
+    import json
+    import subprocess
+    import sys
+
+    checkpoint, out = tmp_path / "ck", tmp_path / "out"
+    tool = [sys.executable, "-m", "tfgraph.tools.random_checkpoint", "llama-120m", str(checkpoint)]
+    subprocess.run(tool, check=True, capture_output=True)
+    export = [sys.executable, "-m", "tfgraph", "export", str(checkpoint), "-o", str(out),
+              "--kv-cache", "--weights", "int4"]  # fmt: skip
+    done = subprocess.run(export, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    parity = json.loads((out / "report.json").read_text())["parity"]
+    assert parity["passed"] and parity["rows"]["passed"] and "decode_allowed" in parity["rows"]
+    assert "Traceback" not in done.stderr

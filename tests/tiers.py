@@ -19,6 +19,11 @@ SWEEPS: dict[str, tuple[set[str], str]] = {
         "exports); fp16 with int4 weights and int4 with an int8 cache stay (int4 and int8 "
         "alone are the module's other tests)",
     ),
+    "test_quantized_cache_rows.py::test_the_readmes_int4_cached_command_exits_0": (
+        set(),
+        "the README's llama-120m int4 --kv-cache export as a user runs it (a 120M checkpoint, "
+        "about 1.5 minutes)",
+    ),
     "test_triton_faults.py::test_two_hundred_requests_with_bad_ones_mixed_in": (
         set(),
         "the in-flight server's fault load at full size (200 requests, bad ones mixed in); "
