@@ -261,7 +261,7 @@ def tfgraph_graphs(out: Path, kind: str, high: int = 900) -> dict:
                 inputs[name] = {"shape": [1, tokens], "dtype": dtype, "high": high}
             elif role == "attention_mask":
                 inputs[name] = {"shape": [1, past + tokens], "dtype": dtype, "fill": "ones"}
-            elif role == "encoder_attention_mask":
+            elif role in ("encoder_attention_mask", "encoder_slot_mask"):  # every position
                 inputs[name] = {"shape": [1, ENCODER_LENGTH], "dtype": dtype, "fill": "ones"}
             elif role == "position_ids":
                 inputs[name] = {"shape": [1, tokens], "dtype": dtype, "fill": {"arange": past}}

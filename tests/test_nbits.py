@@ -115,3 +115,42 @@ def test_rows_dequantized_with_torch_are_the_same_values(bits, symmetric):
     got = dequantize_rows(node, model.graph.initializers).numpy()
     assert got.shape == (n, k) and np.array_equal(got, want.T)
     assert np.abs(want - w).max() > 1e-4
+
+
+def _linear_graph(n: int, k: int) -> ir.Model:
+    """Y = X @ Wᵀ with W (n, k) a Linear's parameter and Wᵀ its lazy transpose, as a streamed
+    checkpoint's graph holds it (:func:`tfgraph.passes.lazy_weights.transposed`)."""
+    from tfgraph.passes.lazy_weights import transposed
+
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["b", k]))
+    graph = ir.Graph([x], [], nodes=[], opset_imports={"": 20}, name="g")
+    rng = np.random.default_rng(0)
+    param = ir.tensor(rng.standard_normal((n, k)).astype(np.float32), name="w")
+    weight = transposed(graph, "w_t", param)
+    node = ir.node("MatMul", [x, weight])
+    node.outputs[0].name = "y"
+    graph.append(node)
+    graph.outputs.append(node.outputs[0])
+    return ir.Model(graph, ir_version=10)
+
+
+def test_a_transposed_weight_quantizes_in_column_chunks_to_the_same_bytes(monkeypatch):
+    """A Linear's weight (the lazy transpose of its parameter) is quantized a few output
+    columns at a time from the parameter's rows (a 250k-word head is never transposed whole):
+    the same bytes as quantizing it whole."""
+    from tfgraph.precision import nbits
+
+    want = _linear_graph(100, 64)
+    quantize_matmuls(want, 4, block_size=32, symmetric=False, accuracy_level=4)
+    want = _materialized(want)
+    got = _linear_graph(100, 64)
+    monkeypatch.setattr(nbits, "COLUMN_CHUNK", 24)  # 5 chunks, the last one short
+    calls = []
+    quantized = nbits._quantized
+    monkeypatch.setattr(nbits, "_quantized", lambda *a: calls.append(1) or quantized(*a))
+    quantize_matmuls(got, 4, block_size=32, symmetric=False, accuracy_level=4)
+    got = _materialized(got)
+    assert len(calls) == 5
+    assert sorted(got.graph.initializers) == sorted(want.graph.initializers)
+    for name, value in want.graph.initializers.items():
+        assert got.graph.initializers[name].const_value.tobytes() == value.const_value.tobytes()

@@ -46,11 +46,14 @@ def is_embedding(node: ir.Node) -> bool:
 def _quantized(tensor, block_size: int, symmetric: bool) -> tuple:
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantizer
 
-    data = np.ascontiguousarray(tensor.numpy())
-    packed, scales, zero_points = DefaultWeightOnlyQuantizer.quantize_ndarray(
-        data, 1, block_size, symmetric
-    )
-    return packed, scales, zero_points
+    data = tensor.numpy()
+    chunks = [  # rows quantize on their own: the same bytes, temporaries of 8192 rows
+        DefaultWeightOnlyQuantizer.quantize_ndarray(
+            np.ascontiguousarray(data[r : r + TABLE_CHUNK]), 1, block_size, symmetric
+        )
+        for r in range(0, data.shape[0], TABLE_CHUNK)  # even rows a chunk: packing stays aligned
+    ]
+    return tuple(None if p[0] is None else np.concatenate(p) for p in zip(*chunks, strict=True))
 
 
 def quantize_embeddings(

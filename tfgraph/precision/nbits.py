@@ -55,9 +55,35 @@ class _Blocks:
         return ir.LazyTensor(read, dtype=dtype, shape=ir.Shape(list(shape)), name=name)
 
 
+COLUMN_CHUNK = 16384  # output columns quantized at a time from a transposed weight
+
+
 def _block_quantized(quantizer, weight) -> tuple:
-    """ONNX Runtime's (packed, scales, zero_points) of one (K, N) weight tensor."""
-    array = np.ascontiguousarray(weight.numpy())  # the C++ routine reads it flat
+    """ONNX Runtime's (packed, scales, zero_points) of one (K, N) weight tensor.
+
+    A ``Linear``'s weight is the lazy transpose of its (N, K) parameter: it is quantized
+    :data:`COLUMN_CHUNK` output columns at a time from the parameter's rows (each column is
+    quantized on its own, so the bytes are the same), never transposed whole — a 250k-word
+    head held 4.1 GB twice, parameter and transposed copy."""
+    from tfgraph.passes.lazy_weights import DERIVED
+
+    made = weight.meta.get(DERIVED)
+    if made is not None and made[0] == "transpose" and tuple(made[1]) == (1, 0):
+        rows = made[2][0].numpy()  # (N, K)
+        chunks = [
+            _quantized(quantizer, rows[c : c + COLUMN_CHUNK].T)
+            for c in range(0, rows.shape[0], COLUMN_CHUNK)
+        ]
+        del rows
+        return tuple(
+            None if parts[0] is None else np.concatenate(parts)
+            for parts in zip(*chunks, strict=True)
+        )
+    return _quantized(quantizer, weight.numpy())
+
+
+def _quantized(quantizer, array: np.ndarray) -> tuple:
+    array = np.ascontiguousarray(array)  # the C++ routine reads it flat
     bfloat16 = array.dtype.name == "bfloat16"
     packed, scales, zp = quantizer.qbits_block_quant(
         array.astype(np.float32) if bfloat16 else array

@@ -31,6 +31,8 @@ from tfgraph.errors import TfgraphError
 
 logger = logging.getLogger(__name__)
 
+READ_CHUNK = 64 << 20  # bytes read at a time where a tensor is converted as it is read
+
 INDEX_FILE = "model.safetensors.index.json"
 CHECKPOINT_KEY = "tfgraph.checkpoint_key"
 
@@ -150,6 +152,8 @@ class Checkpoint:
         self.bytes_read += entry.length
         if not entry.length:
             return torch.empty(entry.shape, dtype=dtype or entry.dtype)
+        if dtype is not None and dtype != entry.dtype and not mapped:
+            return self._converted(entry, dtype)
         raw = self._mapped(entry) if mapped else None
         if raw is None:
             with open(entry.file, "rb") as f:
@@ -161,6 +165,24 @@ class Checkpoint:
         if dtype is not None and dtype != entry.dtype:
             value = value.to(dtype)
         return value
+
+    @staticmethod
+    def _converted(entry, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor read :data:`READ_CHUNK` bytes at a time into its converted copy: the
+        peak is the result and one chunk, not the stored copy beside it (a 250k-word bf16
+        table: 4.1 GB in fp32, where reading it whole first held 6.1 GB)."""
+        out = torch.empty(entry.shape, dtype=dtype)
+        flat = out.view(-1)
+        size = entry.dtype.itemsize
+        step = max(1, READ_CHUNK // size)
+        with open(entry.file, "rb") as f:
+            f.seek(entry.offset)
+            for start in range(0, flat.numel(), step):
+                count = min(step, flat.numel() - start)
+                data = bytearray(count * size)
+                f.readinto(data)
+                flat[start : start + count] = torch.frombuffer(data, dtype=entry.dtype)
+        return out
 
     @staticmethod
     def _mapped(entry) -> torch.Tensor | None:
