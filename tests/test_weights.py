@@ -211,3 +211,18 @@ def test_scaled_tolerance_follows_the_output_scale():
     row = compare("y", noisy, want, scaled)
     assert row["passed"] and row["tolerance"]["relative_to"] == "max |eager|"
     assert not compare("y", want + np.array([[0.0, 0.02, 0.0]]), want, scaled)["passed"]
+
+
+def test_a_tied_head_leaves_no_fp32_table_in_the_int4_artifact(hf_gpt2_dir, tmp_path):
+    """GPT-2's head reads ``Transpose(wte)``: it gets its own transposed copy to quantize, and
+    the Transpose left without readers goes, so the fp32 table is not written beside its two
+    int4 copies (BLOOM-7B1: 4.1 GB of dead weight the session also loaded)."""
+    out = tmp_path / "a"
+    tfgraph.export(str(hf_gpt2_dir), out, weights="int4")
+    model = onnx.load(out / "model.onnx", load_external_data=False)
+    inits = {i.name: i for i in model.graph.initializer}
+    dead = [n.name for n in model.graph.node if n.op_type == "Transpose" and n.input[0] in inits]
+    assert not dead, dead
+    table = {(50257, 64), (64, 50257)}  # GPT2Config's vocabulary, the fixture's width
+    floats = [i.name for i in inits.values() if i.data_type == 1 and tuple(i.dims) in table]
+    assert not floats, floats
