@@ -106,24 +106,39 @@ def quantize_embeddings(
 TABLE_CHUNK = 8192  # rows dequantized at a time
 
 
-def dequantize_table(node: ir.Node, initializers) -> np.ndarray:
+def dequantize_table(node: ir.Node, initializers, rows=None) -> np.ndarray:
     """The (rows, width) fp32 table ``GatherBlockQuantized`` reads from: ``(q − zero_point) ·
-    scale`` per block (signed int4 data has zero point 0; unsigned without zero points, 8)."""
+    scale`` per block (signed int4 data has zero point 0; unsigned without zero points, 8).
+    ``rows``: only those rows (token ids), read from the stored bytes without unpacking the
+    rest (the reference's embedding of a 250k-word table: a prompt's rows, not 4.1 GB)."""
     data = initializers[node.inputs[0].name].const_value
-    rows, width = (int(d) for d in data.shape)
-    q = data.numpy().reshape(rows, width)
-    scales = initializers[node.inputs[2].name].const_value.numpy().astype(np.float32)
-    scales = scales.reshape(rows, -1)
+    count, width = (int(d) for d in data.shape)
+    picked = np.arange(count) if rows is None else np.asarray(rows, np.int64)
+    q = _table_rows(data, picked, width)
+    scales = initializers[node.inputs[2].name].const_value.numpy().reshape(count, -1)
     block = node.attributes.get_int("block_size")
     zp_value = node.inputs[3] if len(node.inputs) > 3 else None
     if zp_value is not None and zp_value.name:
-        zp = initializers[zp_value.name].const_value.numpy().astype(np.float32)
-        zp = zp.reshape(rows, -1)
+        zp = initializers[zp_value.name].const_value.numpy().reshape(count, -1)
     else:
         zp = np.full(scales.shape, 0.0 if data.dtype == ir.DataType.INT4 else 8.0, np.float32)
-    out = np.empty((rows, width), np.float32)
-    for r0 in range(0, rows, TABLE_CHUNK):  # the temporaries stay a chunk's (a 250k-word table)
-        r1 = min(r0 + TABLE_CHUNK, rows)
-        full = lambda a: np.repeat(a[r0:r1], block, axis=1)[:, :width]  # noqa: E731, B023
-        out[r0:r1] = (q[r0:r1].astype(np.float32) - full(zp)) * full(scales)
+    out = np.empty((len(picked), width), np.float32)
+    for r0 in range(0, len(picked), TABLE_CHUNK):  # the temporaries stay a chunk's
+        at = picked[r0 : r0 + TABLE_CHUNK]
+        full = lambda a: np.repeat(a[at].astype(np.float32), block, axis=1)[:, :width]  # noqa: E731, B023
+        out[r0 : r0 + len(at)] = (q[r0 : r0 + len(at)].astype(np.float32) - full(zp)) * full(scales)
     return out
+
+
+def _table_rows(data, rows: np.ndarray, width: int) -> np.ndarray:
+    """The int4 values of ``rows`` of a (count, width) table: from its stored bytes where it
+    is written to a file (two values a byte, low first; no unpacked copy of the whole table is
+    made or kept), else from its values."""
+    if not isinstance(data, ir.ExternalTensor) or width % 2:
+        return np.asarray(data.numpy()).reshape(-1, width)[rows]
+    packed = np.memmap(data.path, np.uint8, mode="r", offset=data.offset or 0, shape=data.nbytes)
+    picked = packed.reshape(-1, width // 2)[rows]
+    values = np.stack([picked & 0x0F, picked >> 4], axis=-1).reshape(len(rows), width)
+    if data.dtype == ir.DataType.INT4:  # two's complement in four bits
+        values = (values.astype(np.int8) ^ 8) - 8
+    return values

@@ -25,6 +25,7 @@ from torch import nn
 from tfgraph.errors import TfgraphError
 from tfgraph.passes.lazy_weights import DERIVED
 from tfgraph.precision.activations import fake_quantize
+from tfgraph.precision.chunked_reference import swap_large
 from tfgraph.precision.dequantize import dequantize_rows
 from tfgraph.precision.gather_nbits import dequantize_table
 from tfgraph.sources.streamed import PARAMETER, empty_model
@@ -159,6 +160,7 @@ def streamed_dequantized(source, placed: list[dict], nodes: dict, initializers):
     del probe
     overrides = _Dequantized(by_param, nodes, initializers)
     model = streamed.model(overrides=overrides, untie=tuple(dict.fromkeys(untie)))
+    swap_large(model, by_param, nodes, initializers)  # a 250k-word head/table, in pieces
     wrapper = type(source.module)(model, source.output_names[0]).eval()
     blocks = {
         model.get_submodule(name.rpartition(".")[0]): nodes[e["node"]].attributes.get_int(

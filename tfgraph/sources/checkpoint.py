@@ -167,6 +167,17 @@ class Checkpoint:
             value = value.to(dtype)
         return value
 
+    def rows(self, name: str, index, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``index`` (a slice or an array of row numbers) of a 2-D tensor, converted to
+        ``dtype``: only their pages are read (a 250k-word table's prompt rows, a head's block
+        of rows)."""
+        entry = self.entry(name)
+        raw = self._mapped(entry)
+        if raw is None:  # unaligned: the whole tensor
+            return self.tensor(name, dtype)[index]
+        picked = raw.view(entry.dtype).reshape(entry.shape)[index]
+        return picked.to(dtype) if picked.dtype != dtype else picked.clone()
+
     @staticmethod
     def _converted(entry, dtype: torch.dtype) -> torch.Tensor:
         """The tensor read :data:`READ_CHUNK` bytes at a time into its converted copy: the
