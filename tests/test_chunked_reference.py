@@ -8,6 +8,7 @@ import torch
 
 import tfgraph
 from tfgraph.precision import chunked_reference
+from tfgraph.sources import in_pieces
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +23,8 @@ def bloom_dir(tmp_path_factory):
 
 
 def test_huge_head_and_table_in_pieces_pass_parity(bloom_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(chunked_reference, "LARGE", 1000)
-    monkeypatch.setattr(chunked_reference, "ROWS", 700)  # the last block is short
+    monkeypatch.setattr(in_pieces, "LARGE", 1000)
+    monkeypatch.setattr(in_pieces, "ROWS", 700)  # the last block is short
     swapped = []
     swap = chunked_reference.swap_large
     from tfgraph.precision import streamed_reference
@@ -54,7 +55,7 @@ def test_row_embedding_equals_the_whole_table(bloom_dir, tmp_path):
     assert isinstance(table, ir.ExternalTensor)  # the stored-bytes path
     ids = torch.tensor([[5, 0, 2999], [5, 17, 1]])
     reader = chunked_reference._table_reader(node, model.graph.initializers)
-    embed = chunked_reference.RowEmbedding(reader, (3000, 64))
+    embed = in_pieces.RowEmbedding(reader, (3000, 64))
     whole = dequantize_table(node, model.graph.initializers)
     np.testing.assert_array_equal(embed(ids).numpy(), whole[ids.numpy()])
 
@@ -66,12 +67,12 @@ def test_the_fp32_streamed_model_reads_huge_weights_in_pieces(bloom_dir, monkeyp
 
     from tfgraph.sources import load_source
 
-    monkeypatch.setattr(chunked_reference, "LARGE", 1000)
-    monkeypatch.setattr(chunked_reference, "ROWS", 700)
+    monkeypatch.setattr(in_pieces, "LARGE", 1000)
+    monkeypatch.setattr(in_pieces, "ROWS", 700)
     source = load_source(str(bloom_dir))
     model = source.module.model
-    assert isinstance(model.lm_head, chunked_reference.ChunkedHead)
-    assert isinstance(model.transformer.word_embeddings, chunked_reference.RowEmbedding)
+    assert isinstance(model.lm_head, in_pieces.ChunkedHead)
+    assert isinstance(model.transformer.word_embeddings, in_pieces.RowEmbedding)
     inputs = source.inputs(2, 9)
     got = source.eager(inputs)["logits"]
     whole = transformers.BloomForCausalLM.from_pretrained(bloom_dir).eval()

@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from tfgraph.errors import TfgraphError, first_line
 from tfgraph.progress import tick
 from tfgraph.sources.checkpoint import Checkpoint
+from tfgraph.sources.in_pieces import in_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -272,33 +273,11 @@ class Streamed:
                 state_dict=_Weights(keys, self.checkpoint, overrides),
                 preload_module_classes=_blocks(model),
             )
-        _in_pieces(model, keys, self.checkpoint, overrides)
+        in_pieces(model, keys, self.checkpoint, overrides)
         _tick_blocks(model, [n for n, d in units.items() if d == "disk"])
         _read_outside_forward(model, keys, self.checkpoint, overrides)
         model.tfgraph_streamed = True
         return model.eval()
-
-
-def _in_pieces(model: nn.Module, keys: dict, checkpoint: Checkpoint, overrides) -> None:
-    """A huge embedding or head (a 250k-word vocabulary: 4.1 GB in fp32) computed from the
-    checkpoint's rows in pieces, never loaded whole (:mod:`tfgraph.precision.chunked_reference`;
-    the quantized reference's own come from the artifact)."""
-    from tfgraph.precision.chunked_reference import ChunkedHead, RowEmbedding, huge, replace
-
-    for owner_name, owner in list(model.named_modules()):
-        name = f"{owner_name}.weight"
-        if not huge(owner) or name not in keys or (overrides is not None and name in overrides):
-            continue
-        key, shape = keys[name], owner.weight.shape
-
-        def rows(index, key=key):
-            return checkpoint.rows(key, index, torch.float32)
-
-        if type(owner) is nn.Embedding:
-            new = RowEmbedding(lambda ids, rows=rows: rows(torch.from_numpy(ids)), shape)
-        else:
-            new = ChunkedHead(lambda r0, r1, rows=rows: rows(slice(r0, r1)), shape)
-        replace(model, owner_name, new)
 
 
 class _Weights(Mapping):
