@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .ort_probe import probe
+from tfgraph.bench.ort_probe import probe
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ def _time_all(graphs, repeats: int, trials: int = TRIALS) -> float:
 def tfgraph_peer(src: Path, kind: str, work: Path, high: int = 900, **options) -> dict:
     """``options``: more ``tfgraph.export`` arguments (``precision``, ``weights``). In a quick
     run, exports of one ``src`` share its source and traces (:mod:`tfgraph.bench.shared`)."""
-    from . import shared
+    from tfgraph.bench import shared
 
     out = work / "tfgraph"
     result = shared.export(str(src), out, kv_cache=True, **options)
@@ -611,7 +611,7 @@ def run(quick: bool, workdir: Path, progress=lambda step: None, only=None) -> di
     """Every model of :func:`model_configs` through every peer, and the zoo (full runs). A
     quick run: the llama alone at :data:`QUICK_TINY`'s size, :data:`QUICK_TRIALS` process per
     measurement, no zoo."""
-    from . import shared
+    from tfgraph.bench import shared
 
     repeats = 3 if quick else 5
     trials = QUICK_TRIALS if quick else TRIALS

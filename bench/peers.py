@@ -176,7 +176,7 @@ def op_histogram(path: Path) -> dict[str, int]:
     inspect`` counts them), most frequent first."""
     import onnx_ir as ir
 
-    from tfgraph.compile.fusions import op_histogram as histogram
+    from tfgraph.passes.pipeline.fusions import op_histogram as histogram
 
     counts = histogram(ir.load(str(path)))
     return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))

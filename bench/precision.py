@@ -28,8 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import shared
-from .exporters import (
+from tfgraph.bench import shared
+from tfgraph.bench.exporters import (
     PREFILL,
     QUICK_TRIALS,
     TRIALS,
@@ -117,8 +117,8 @@ def measure_model(
 
 
 def run(quick: bool, workdir: Path, progress=lambda step: None) -> dict:
-    from .decode import copy_bandwidth
-    from .exporters import _commit
+    from tfgraph.bench.decode import copy_bandwidth
+    from tfgraph.bench.exporters import _commit
 
     repeats = 3 if quick else 5
     trials = QUICK_TRIALS if quick else TRIALS

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import psutil
 
-from .exporters import genai_graphs, save_tokenizer, tfgraph_graphs
-from .ort_probe import probe
+from tfgraph.bench.exporters import genai_graphs, save_tokenizer, tfgraph_graphs
+from tfgraph.bench.ort_probe import probe
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def generation_check(checkpoint: Path, artifact: Path, new_tokens: int = GENERAT
 
     import numpy as np
 
-    from tfgraph.precision.weights import reference_from_artifact
+    from tfgraph.exporters.ort.weights.quantize import reference_from_artifact
     from tfgraph.runtime import CachedDecoder, open_runner
     from tfgraph.sources import load_source
     from tfgraph.verify.activation_rule import allowed_error

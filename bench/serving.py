@@ -153,7 +153,7 @@ def served(
 ) -> dict:
     """C clients sending their workloads back to back until ``duration`` seconds have
     passed (each finishes the request it is in)."""
-    from tfgraph.serving.client import stream_tokens
+    from tfgraph.runtime.serving.client import stream_tokens
 
     firsts, gaps, counts, errors = [], [], [0] * concurrency, []
     lock = threading.Lock()
@@ -195,8 +195,8 @@ def served(
 
 def measure(name: str, preset: str, workdir: Path, duration: float, quick: bool, shape) -> dict:
     from tfgraph.bench import shared
-    from tfgraph.serving import write_repository
-    from tfgraph.serving.launcher import TritonServer
+    from tfgraph.runtime.serving import write_repository
+    from tfgraph.runtime.serving.launcher import TritonServer
 
     artifacts = {}
     for dtype in ("fp32", "int8"):
@@ -245,13 +245,13 @@ def _kv_bytes_per_slot(artifact: Path, capacity: int) -> int:
 
 def run(quick: bool, workdir: Path, progress=lambda step: None, only=None) -> dict:
     from tfgraph.errors import TfgraphError
-    from tfgraph.serving.launcher import find_tritonserver
+    from tfgraph.runtime.serving.launcher import find_tritonserver
 
     try:
         find_tritonserver()
     except TfgraphError as exc:
         return {"skipped": str(exc)}
-    from .exporters import _commit
+    from tfgraph.bench.exporters import _commit
 
     # gpt2-tiny holds 128 positions: its workload is a quarter of the size
     plan = [("gpt2-tiny", "gpt2-tiny", 4.0 if quick else 15.0, ((8, 64), (16, 64)))]

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import plots, report, shared
+from tfgraph.bench import plots, report, shared
 
 logger = logging.getLogger(__name__)
 

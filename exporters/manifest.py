@@ -20,7 +20,7 @@ from tfgraph.errors import TfgraphError
 if TYPE_CHECKING:
     import onnx_ir as ir
 
-    from tfgraph.targets import Target
+    from tfgraph.exporters.targets import Target
 
 MANIFEST_FILE = "manifest.json"
 

@@ -1,6 +1,6 @@
 """The model zoo: transformer definitions written the textbook way, with named presets."""
 
-from .config import ModelConfig
-from .presets import PRESETS, build, describe
+from tfgraph.models.config import ModelConfig
+from tfgraph.models.presets import PRESETS, build, describe
 
 __all__ = ["PRESETS", "ModelConfig", "build", "describe"]

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
-from .positions import ShawRelativeKeys, apply_rope
+from tfgraph.models.config import ModelConfig
+from tfgraph.models.positions import ShawRelativeKeys, apply_rope
 
 
 def causal_mask(

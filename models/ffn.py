@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
+from tfgraph.models.config import ModelConfig
 
 ACTIVATIONS = {
     "relu": F.relu,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .config import ModelConfig
+from tfgraph.models.config import ModelConfig
 
 # x normalized with its weight w, by r = rsqrt(ms + ε) or s = sqrt(ms + ε): each order the
 # products may be written in (ModelConfig.norm_order)

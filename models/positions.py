@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from .config import ModelConfig
+from tfgraph.models.config import ModelConfig
 
 # --- absolute positions, added to the token embeddings ---------------------------------------
 

@@ -11,8 +11,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from .config import ModelConfig
-from .transformer import MODELS
+from tfgraph.models.config import ModelConfig
+from tfgraph.models.transformer import MODELS
 
 
 def _sdpa(cfg: ModelConfig) -> ModelConfig:

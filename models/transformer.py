@@ -17,11 +17,11 @@ import math
 import torch
 from torch import nn
 
-from .attention import Attention, causal_mask, padding_mask
-from .config import ModelConfig
-from .ffn import make_ffn
-from .norms import make_norm
-from .positions import ALiBi, RotaryEmbedding, T5RelativeBias, sinusoidal
+from tfgraph.models.attention import Attention, causal_mask, padding_mask
+from tfgraph.models.config import ModelConfig
+from tfgraph.models.ffn import make_ffn
+from tfgraph.models.norms import make_norm
+from tfgraph.models.positions import ALiBi, RotaryEmbedding, T5RelativeBias, sinusoidal
 
 
 class Embeddings(nn.Module):

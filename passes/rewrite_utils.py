@@ -21,7 +21,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import MatchingTracer, RewriteRuleSet
 from onnxscript.rewriter import pattern as _pattern
 
-from .canonical import DOMAIN  # noqa: F401  (re-exported: the passes' domain)
+from tfgraph.passes.canonical import DOMAIN  # noqa: F401  (re-exported: the passes' domain)
 
 logger = logging.getLogger(__name__)
 

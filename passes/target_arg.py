@@ -9,6 +9,6 @@ def require_target(target):
     if isinstance(target, str):
         raise TypeError(
             f"passes take a Target, not the name {target!r}: "
-            f"pass tfgraph.targets.get_target({target!r})"
+            f"pass tfgraph.exporters.targets.get_target({target!r})"
         )
     return target

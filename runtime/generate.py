@@ -25,7 +25,7 @@ import numpy as np
 from tfgraph import contract
 from tfgraph.errors import TfgraphError
 
-from .runner import KVCache, Runner
+from tfgraph.runtime.runner import KVCache, Runner
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 :class:`SlotBatcher` keeps a fixed pool of cache **slots**: the rows of one preallocated KV
 buffer per layer (``kv_layout`` ``shared``, with per-row past lengths: the ``ort`` target's
-``past_sequence_lengths`` input, :mod:`tfgraph.passes.row_lengths`). Each slot holds ``capacity``
+``past_sequence_lengths`` input, :mod:`tfgraph.passes.cache.row_lengths`). Each slot holds ``capacity``
 positions.
 
 - :meth:`~SlotBatcher.admit` prefills a new request alone, straight into its free slot (a
@@ -41,7 +41,7 @@ import numpy as np
 from tfgraph import contract
 from tfgraph.errors import TfgraphError
 
-from .generate import CachedDecoder, GenerationConfig, choose
+from tfgraph.runtime.generate import CachedDecoder, GenerationConfig, choose
 
 logger = logging.getLogger(__name__)
 

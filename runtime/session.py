@@ -20,7 +20,7 @@ from tfgraph import contract
 from tfgraph.errors import TfgraphError, first_line
 from tfgraph.exporters.manifest import read_manifest
 
-from .runner import RUNNERS, KVCache, RoleKey
+from tfgraph.runtime.runner import RUNNERS, KVCache, RoleKey
 
 logger = logging.getLogger(__name__)
 
@@ -260,7 +260,7 @@ class Session:
 
     def _target_session(self):
         """The session settings of the artifact's target (none stated: the defaults)."""
-        from tfgraph.targets import SessionSettings, get_target
+        from tfgraph.exporters.targets import SessionSettings, get_target
 
         name = ((self.manifest or {}).get("target") or {}).get("name")
         if name is None:

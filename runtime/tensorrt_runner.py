@@ -23,8 +23,8 @@ import numpy as np
 from tfgraph import contract
 from tfgraph.errors import TfgraphError
 
-from .runner import RUNNERS, KVCache, RoleKey
-from .session import _PAST_ROLES, _PRESENT_PAST  # KV and the recurrent states
+from tfgraph.runtime.runner import RUNNERS, KVCache, RoleKey
+from tfgraph.runtime.session import _PAST_ROLES, _PRESENT_PAST  # KV and the recurrent states
 
 logger = logging.getLogger(__name__)
 

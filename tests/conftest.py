@@ -3,7 +3,7 @@ import torch
 from tiers import is_slow
 
 import tfgraph
-from tfgraph.compile.pipeline import CHECK_EACH_PASS_ENV
+from tfgraph.passes.pipeline.run import CHECK_EACH_PASS_ENV
 
 
 def pytest_collection_modifyitems(config, items):
@@ -14,7 +14,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Exports in the tests check each pass (ONNX checker, strict shape inference and the parity
-# probe of tfgraph.compile.pipeline): measured, about +0.5 s per gpt-tiny export and +1.5 s per
+# probe of tfgraph.passes.pipeline.run): measured, about +0.5 s per gpt-tiny export and +1.5 s per
 # t5-tiny export. It earns that time where passes are what a module tests. Left out: modules
 # that time exports (bench) or run many of them (fuzz), and those that test what comes after
 # the pipeline — generation, serving, precision and weights, re-checks, sources — on graphs

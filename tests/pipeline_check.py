@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from tfgraph.compile.fusions import count_fusions, op_histogram
-from tfgraph.compile.pipeline import run_pipeline
+from tfgraph.passes.pipeline.fusions import count_fusions, op_histogram
+from tfgraph.passes.pipeline.run import run_pipeline
 from tfgraph.verify.parity import check_parity
 
 

@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 from tfgraph import from_module, load_source
-from tfgraph.compile.fusions import count_fusions
-from tfgraph.compile.pipeline import run_pipeline
-from tfgraph.passes.classify_attention_bias import ClassifyAttentionBiasPass
-from tfgraph.passes.fuse_attention import FuseAttentionPass
+from tfgraph.passes.pipeline.fusions import count_fusions
+from tfgraph.passes.pipeline.run import run_pipeline
+from tfgraph.passes.recognize.attention.classify_bias import ClassifyAttentionBiasPass
+from tfgraph.passes.recognize.attention.fuse import FuseAttentionPass
 from tfgraph.sources.trace import module_name, trace
 
 

@@ -5,9 +5,9 @@ from pipeline_check import compile_and_prove
 from torch import nn
 
 from tfgraph import from_module
-from tfgraph.compile.fusions import count_fusions
-from tfgraph.compile.pipeline import run_pipeline
-from tfgraph.passes.fuse_attention import FuseAttentionPass
+from tfgraph.passes.pipeline.fusions import count_fusions
+from tfgraph.passes.pipeline.run import run_pipeline
+from tfgraph.passes.recognize.attention.fuse import FuseAttentionPass
 from tfgraph.sources.trace import trace
 
 HQ, HKV, D = 8, 2, 8

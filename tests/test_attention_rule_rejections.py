@@ -1,4 +1,4 @@
-"""Every rejection in :mod:`tfgraph.passes.attention_rules`, each on a tiny hand-built graph.
+"""Every rejection in :mod:`tfgraph.passes.recognize.attention.rules`, each on a tiny hand-built graph.
 
 Each negative graph is the positive control of its rule family with one knob turned, so that
 it hits exactly one ``check`` rejection. The core rules (``AttentionRule``,
@@ -20,11 +20,11 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from tfgraph.passes import attention_rules
-from tfgraph.passes.fuse_attention import FuseAttentionPass
-from tfgraph.passes.lower_attention import LowerAttentionPass
+import tfgraph.passes.recognize.attention.rules as attention_rules
+from tfgraph.passes.recognize.attention.fuse import FuseAttentionPass
+from tfgraph.passes.lower.lower_attention import LowerAttentionPass
 from tfgraph.passes.rewrite_utils import DOMAIN, MISS_REASON_KEY, diagnose
-from tfgraph.targets import get_target
+from tfgraph.exporters.targets import get_target
 
 B, H, T, S, D = 2, 4, 5, 5, 8
 HQ, HKV, G = 4, 2, 2  # GQA: query heads, KV heads, repeat count
@@ -735,7 +735,7 @@ def test_stacked_bias_rejects_a_bias_computed_from_the_scores():
     (and the unscaled-extra form the core rule takes does not apply after the scale)."""
     run = Run(stacked_bias_graph(shaw=True))
     assert not run.modified
-    from tfgraph.passes.attention_rules import BIAS_RULES
+    from tfgraph.passes.recognize.attention.rules import BIAS_RULES
 
     (softmax,) = run.nodes("Softmax")
     reason = diagnose(run.model, BIAS_RULES, softmax, depth=0)

@@ -2,7 +2,7 @@
 
 PEGASUS-X's block-local attention scores each block's queries against the global tokens' keys
 and against its own block's keys, joins both for one softmax and splits the probabilities
-again (:mod:`tfgraph.passes.concat_keys_rules`): it must fuse into one ``tfgraph.Attention``
+again (:mod:`tfgraph.passes.recognize.attention.concat_keys`): it must fuse into one ``tfgraph.Attention``
 over the concatenated keys and values, heads kept, and keep parity with eager PyTorch (the
 parity check's default tolerance, atol 1e-4). Granite Speech 5's self-conditioned CTC
 posteriors, ``softmax(h · W_ctcᵀ)`` with the CTC head's tied weight, are not attention: not
@@ -17,10 +17,11 @@ from test_attention_rules_more import D, H, _attention, _Heads, _proven  # noqa:
 from torch import nn
 
 from tfgraph import from_module
-from tfgraph.compile.pipeline import run_pipeline
-from tfgraph.passes import concat_keys_rules, einsum_rules
-from tfgraph.passes.einsum_rules import broadcast_batched_matmul
-from tfgraph.passes.fuse_attention import FuseAttentionPass, is_gating_softmax
+from tfgraph.passes.pipeline.run import run_pipeline
+import tfgraph.passes.recognize.attention.concat_keys as concat_keys_rules
+import tfgraph.passes.recognize.attention.einsum as einsum_rules
+from tfgraph.passes.recognize.attention.einsum import broadcast_batched_matmul
+from tfgraph.passes.recognize.attention.fuse import FuseAttentionPass, is_gating_softmax
 from tfgraph.passes.rewrite_utils import apply_rules, diagnose
 from tfgraph.sources.trace import trace
 

@@ -11,9 +11,9 @@ from test_attention_rules_more import D, H, _attention, _Heads, _proven  # noqa:
 from torch import nn
 
 from tfgraph import from_module
-from tfgraph.compile.pipeline import run_pipeline
-from tfgraph.passes import attention_rules
-from tfgraph.passes.fuse_attention import FuseAttentionPass
+from tfgraph.passes.pipeline.run import run_pipeline
+import tfgraph.passes.recognize.attention.rules as attention_rules
+from tfgraph.passes.recognize.attention.fuse import FuseAttentionPass
 from tfgraph.passes.rewrite_utils import diagnose
 from tfgraph.sources.trace import trace
 

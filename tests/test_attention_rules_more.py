@@ -11,12 +11,12 @@ from pipeline_check import compile_and_prove
 from torch import nn
 
 from tfgraph import from_module
-from tfgraph.compile.fusions import count_fusions
-from tfgraph.compile.pipeline import run_pipeline
-from tfgraph.passes import attention_rules
-from tfgraph.passes.classify_attention_bias import ClassifyAttentionBiasPass
-from tfgraph.passes.einsum_rules import parse_batched_matmul
-from tfgraph.passes.fuse_attention import FuseAttentionPass
+from tfgraph.passes.pipeline.fusions import count_fusions
+from tfgraph.passes.pipeline.run import run_pipeline
+import tfgraph.passes.recognize.attention.rules as attention_rules
+from tfgraph.passes.recognize.attention.classify_bias import ClassifyAttentionBiasPass
+from tfgraph.passes.recognize.attention.einsum import parse_batched_matmul
+from tfgraph.passes.recognize.attention.fuse import FuseAttentionPass
 from tfgraph.passes.rewrite_utils import diagnose
 from tfgraph.sources.trace import trace
 

@@ -1,4 +1,4 @@
-"""Attention sinks (:mod:`tfgraph.passes.sink_rules`): a learned logit per head in the
+"""Attention sinks (:mod:`tfgraph.passes.recognize.attention.sink`): a learned logit per head in the
 softmax's denominator, written as gpt-oss, Flint and Granite SWA write it, fuses into
 ``tfgraph.Attention(…, sink)``. ONNX Runtime lowers it to ``GroupQueryAttention`` with
 ``head_sink`` (cached too); the standard targets decompose it and say why. A per-token sink is
@@ -13,8 +13,8 @@ import pytest
 import tfgraph
 from tfgraph.runtime import CachedDecoder, Session
 from tfgraph.sources import from_module
-from tfgraph.targets import onnx as onnx_target
-from tfgraph.targets import tensorrt
+import tfgraph.exporters.onnx.target as onnx_target
+import tfgraph.exporters.tensorrt.target as tensorrt
 from tfgraph.verify.generation_parity import compare_greedy
 
 PROMPTS = [[5, 9, 2, 7, 1], [3, 1]]
@@ -88,7 +88,7 @@ def test_a_max_over_another_axis_is_not_dropped():
     """Rejection: ``Softmax(x − max over the queries)`` is not ``Softmax(x)``."""
     from onnxscript.rewriter import RewriteRuleSet
 
-    from tfgraph.passes.attention_rules import MaxShiftRule
+    from tfgraph.passes.recognize.attention.rules import MaxShiftRule
     from tfgraph.passes.rewrite_utils import apply_rules, diagnose
 
     text = """

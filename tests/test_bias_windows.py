@@ -10,18 +10,18 @@ import torch
 
 import tfgraph
 from tfgraph import from_module
-from tfgraph.compile.pipeline import run_pipeline
+from tfgraph.passes.pipeline.run import run_pipeline
 from tfgraph.models import build
 from tfgraph.models import transformer as zoo_transformer
 from tfgraph.models.config import ModelConfig
-from tfgraph.passes.classify_attention_bias import (
+from tfgraph.passes.recognize.attention.classify_bias import (
     CHECKED_KEY,
     LONG_SIZE,
     ClassifyAttentionBiasPass,
     agree,
     mask_window,
 )
-from tfgraph.passes.fuse_attention import FuseAttentionPass
+from tfgraph.passes.recognize.attention.fuse import FuseAttentionPass
 from tfgraph.runtime import CachedDecoder, Session
 from tfgraph.sources.trace import trace
 from tfgraph.verify.generation_parity import compare_greedy

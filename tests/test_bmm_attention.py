@@ -8,7 +8,7 @@ the coverage sense: every attention fused, parity, a KV cache, and greedy tokens
 import onnx_ir as ir
 import pytest
 
-from tfgraph.passes.attention_rules import BmmAttentionRule
+from tfgraph.passes.recognize.attention.rules import BmmAttentionRule
 from tfgraph.passes.rewrite_utils import diagnose
 from tfgraph.tools import coverage
 

@@ -1,5 +1,5 @@
 """The streamed reference computes a huge quantized head and embedding table in pieces
-(tfgraph.precision.chunked_reference): BLOOM's 250k-word vocabulary is 4.1 GB in fp32 each.
+(tfgraph.exporters.ort.weights.chunked_reference): BLOOM's 250k-word vocabulary is 4.1 GB in fp32 each.
 Here the threshold is lowered so a tiny tied BLOOM takes that path, and the export's parity
 (prefill, decode, rows) must still pass against it."""
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tfgraph
-from tfgraph.precision import chunked_reference
+import tfgraph.exporters.ort.weights.chunked_reference as chunked_reference
 from tfgraph.sources import in_pieces
 
 
@@ -27,8 +27,7 @@ def test_huge_head_and_table_in_pieces_pass_parity(bloom_dir, tmp_path, monkeypa
     monkeypatch.setattr(in_pieces, "ROWS", 700)  # the last block is short
     swapped = []
     swap = chunked_reference.swap_large
-    from tfgraph.precision import streamed_reference
-
+    import tfgraph.exporters.ort.weights.streamed_reference as streamed_reference
     def recorded(*args):
         swapped.extend(swap(*args))
         return swapped
@@ -45,7 +44,7 @@ def test_row_embedding_equals_the_whole_table(bloom_dir, tmp_path):
     import numpy as np
     import onnx_ir as ir
 
-    from tfgraph.precision.gather_nbits import dequantize_table
+    from tfgraph.exporters.ort.weights.gather_nbits import dequantize_table
 
     out = tmp_path / "a"
     tfgraph.export(str(bloom_dir), out, weights="int4", external_data=True)

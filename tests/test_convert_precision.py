@@ -14,7 +14,7 @@ import onnx_ir.passes.common as common
 import onnxruntime as ort
 import pytest
 
-from tfgraph.passes.convert_precision import ConvertPrecisionPass
+from tfgraph.passes.lower.convert_precision import ConvertPrecisionPass
 from tfgraph.precision.islands import emulate
 
 F16, F32 = ir.DataType.FLOAT16, ir.DataType.FLOAT

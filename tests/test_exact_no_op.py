@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from tfgraph import from_module
-from tfgraph.compile.fusions import count_fusions
-from tfgraph.compile.pipeline import run_pipeline
+from tfgraph.passes.pipeline.fusions import count_fusions
+from tfgraph.passes.pipeline.run import run_pipeline
 from tfgraph.models.norms import SeedLayerNorm
-from tfgraph.passes.fuse_norms import FuseNormsPass
-from tfgraph.passes.norm_rules import SeedLayerNormRule
+from tfgraph.passes.recognize.fuse_norms import FuseNormsPass
+from tfgraph.passes.recognize.norm_rules import SeedLayerNormRule
 from tfgraph.sources.trace import trace
 
 
@@ -106,7 +106,7 @@ def test_expanded_zeros_that_change_the_result_stay(shape, value):
     not 0."""
     from onnxscript.rewriter import RewriteRuleSet
 
-    from tfgraph.passes.exact_no_op import EXACT_NO_OP_RULES
+    from tfgraph.passes.recognize.exact_no_op import EXACT_NO_OP_RULES
 
     model = ir.from_onnx_text(f"""
     <ir_version: 10, opset_import: ["" : 20]>

@@ -77,7 +77,7 @@ def test_hf_llama_rotation_runs_inside_the_kernel(tmp_path):
 
 def test_head_size_not_a_multiple_of_16_keeps_the_rotation_in_the_graph(tmp_path, caplog):
     source = _hf_llama(tmp_path, head=8)
-    with caplog.at_level("INFO", logger="tfgraph.passes.fold_rotary"):
+    with caplog.at_level("INFO", logger="tfgraph.exporters.ort.fold_rotary"):
         result = tfgraph.export(source, tmp_path / "a", kv_cache=True)
     assert result.report["parity"]["decode"]["passed"]
     model = tmp_path / "a" / "model.onnx"
@@ -118,7 +118,7 @@ class RotaryLM(nn.Module):
 
 def test_a_model_without_max_positions_is_not_folded_and_says_why(tmp_path, caplog):
     torch.manual_seed(0)
-    with caplog.at_level("INFO", logger="tfgraph.passes.fold_rotary"):
+    with caplog.at_level("INFO", logger="tfgraph.exporters.ort.fold_rotary"):
         result = tfgraph.export(from_module(RotaryLM().eval()), tmp_path / "a")
     assert result.passed
     assert result.report["fusions"]["attention"]["fused"] == 1

@@ -2,7 +2,7 @@
 
 import onnx_ir as ir
 
-from tfgraph.compile.fusions import MISS_REASON_KEY, count_fusions, op_histogram
+from tfgraph.passes.pipeline.fusions import MISS_REASON_KEY, count_fusions, op_histogram
 
 TEXT = """
 <ir_version: 10, opset_import: ["" : 20]>

@@ -27,7 +27,7 @@ from tfgraph.models.config import (
     ModelConfig,
 )
 from tfgraph.models.presets import PRESETS
-from tfgraph.passes import lower_attention
+import tfgraph.passes.lower.lower_attention as lower_attention
 from tfgraph.tools.fuzz import ParityFailure, check_case, run_fuzz
 from tfgraph.tools.fuzz_cases import (
     PADDINGS,

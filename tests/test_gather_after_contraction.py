@@ -19,7 +19,7 @@ from pipeline_check import assert_export_passed
 from torch import nn
 
 import tfgraph
-from tfgraph.passes.gather_after_contraction import (
+from tfgraph.passes.recognize.attention.gather_after_contraction import (
     GATHERED_SUFFIX,
     MAX_ROWS,
     GatherAfterContractionPass,

@@ -1,4 +1,4 @@
-"""Embedding tables in int4 (:mod:`tfgraph.precision.gather_nbits`): the nodes, names and bytes
+"""Embedding tables in int4 (:mod:`tfgraph.exporters.ort.weights.gather_nbits`): the nodes, names and bytes
 of ONNX Runtime's ``MatMulNBitsQuantizer`` asked for ``Gather``, on zoo presets after their
 pipeline; the table the reference uses is what the kernel gathers; only embeddings are taken."""
 
@@ -8,8 +8,8 @@ import onnxruntime as ort
 import pytest
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-from tfgraph.compile.pipeline import run_pipeline
-from tfgraph.precision.gather_nbits import dequantize_table, is_embedding, quantize_embeddings
+from tfgraph.passes.pipeline.run import run_pipeline
+from tfgraph.exporters.ort.weights.gather_nbits import dequantize_table, is_embedding, quantize_embeddings
 from tfgraph.sources import load_source
 from tfgraph.sources.trace import trace
 

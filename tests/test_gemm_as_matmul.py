@@ -5,7 +5,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from tfgraph.passes.gemm_as_matmul import gemm_as_matmul
+from tfgraph.passes.lower.gemm_as_matmul import gemm_as_matmul
 
 
 def _model() -> onnx.ModelProto:

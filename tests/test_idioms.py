@@ -10,10 +10,10 @@ import onnx_ir as ir
 import pytest
 
 import tfgraph
-from tfgraph.passes.classify_attention_bias import ClassifyAttentionBiasPass, Subgraphs
+from tfgraph.passes.recognize.attention.classify_bias import ClassifyAttentionBiasPass, Subgraphs
 from tfgraph.runtime import CachedDecoder, Session
 from tfgraph.sources import from_module
-from tfgraph.targets.tensorrt import SOFTCAP_MISS
+from tfgraph.exporters.tensorrt.target import SOFTCAP_MISS
 from tfgraph.verify.generation_parity import compare_greedy, encoder_inputs
 
 PROMPTS = [[5, 9, 2, 7, 1], [3, 1]]
@@ -133,7 +133,7 @@ def test_router_softmax_is_not_an_attention_candidate(topk_first, tmp_path):
 def test_a_softmax_over_keys_is_still_a_candidate():
     """Rejection: a softmax over a dynamic axis (keys) is never taken for a gate, even when it
     reads a projection by a constant weight."""
-    from tfgraph.passes.fuse_attention import is_gating_softmax
+    from tfgraph.passes.recognize.attention.fuse import is_gating_softmax
 
     model = ir.from_onnx_text("""
     <ir_version: 10, opset_import: ["" : 20]>
@@ -177,7 +177,7 @@ def test_an_additive_minus_10000_is_not_a_selection():
     −10000 is not selecting); the reason names the fill."""
     from onnxscript.rewriter import RewriteRuleSet
 
-    from tfgraph.passes.attention_rules import MASK_RULES
+    from tfgraph.passes.recognize.attention.rules import MASK_RULES
     from tfgraph.passes.rewrite_utils import apply_rules
 
     model = ir.from_onnx_text("""
@@ -221,8 +221,8 @@ def test_softcapped_scores_with_alternating_windows_fuse_and_cache(target, tmp_p
 def test_a_tanh_not_scaled_by_its_cap_is_not_a_softcap():
     """Rejection: ``5 · tanh(scores / 4)`` is not a soft-cap; attention stays unfused, and the
     report says why."""
-    from tfgraph.compile.fusions import count_fusions
-    from tfgraph.compile.pipeline import run_pipeline
+    from tfgraph.passes.pipeline.fusions import count_fusions
+    from tfgraph.passes.pipeline.run import run_pipeline
     from tfgraph.sources.trace import trace
 
     model = idiom_models.softcap_gpt()
@@ -326,7 +326,7 @@ def test_token_mixing_outside_attention_refuses_the_kv_cache(mix, what, tmp_path
 def test_a_router_with_an_expert_scattered_out_is_a_gate():
     """PhiMoE's sparse mixer: the second softmax reads the router logits with the top-1
     expert set to -inf by ScatterElements; still a gate (not an attention candidate)."""
-    from tfgraph.passes.fuse_attention import is_gating_softmax
+    from tfgraph.passes.recognize.attention.fuse import is_gating_softmax
 
     model = ir.from_onnx_text("""
     <ir_version: 10, opset_import: ["" : 20]>
@@ -380,7 +380,7 @@ def test_an_additive_mask_built_with_where_is_not_taken_for_a_selection(tmp_path
     mask ``scores + Where(future, -inf, zeros)`` must not be read as a selection of the zeros
     with the scores as a later bias; the selected value must come from Q·Kᵀ."""
     from tfgraph.models.config import ModelConfig
-    from tfgraph.passes.attention_rules import _from_scores
+    from tfgraph.passes.recognize.attention.rules import _from_scores
     from tfgraph.tools.fuzz_cases import FuzzCase, case_source
 
     cfg = ModelConfig(d_model=8, n_heads=1, n_layers=1, d_ff=32, norm="layernorm", ffn="relu")

@@ -25,7 +25,7 @@ import pytest
 import tfgraph
 import tfgraph.exporting as exporting
 from tfgraph import interrupts
-from tfgraph.compile.pipeline import CHECK_EACH_PASS_ENV
+from tfgraph.passes.pipeline.run import CHECK_EACH_PASS_ENV
 from tfgraph.exporters.artifact import _host, sweep_stale
 
 TESTS = Path(__file__).parent

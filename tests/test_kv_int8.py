@@ -15,13 +15,13 @@ from onnx import numpy_helper
 
 import tfgraph
 import tfgraph.exporting
-import tfgraph.precision.kv_cache as kv_cache
+import tfgraph.exporters.ort.int8_kv as kv_cache
 from tfgraph.errors import TfgraphError
-from tfgraph.precision.kv_cache import FakeQuantized, cached_layers, check_kv_dtype
+from tfgraph.exporters.ort.int8_kv import FakeQuantized, cached_layers, check_kv_dtype
 from tfgraph.runtime import CachedDecoder, GenerationConfig, Session, SlotBatcher, generate
 from tfgraph.runtime.inflight import generate_inflight
 from tfgraph.sources import load_source
-from tfgraph.targets import get_target
+from tfgraph.exporters.targets import get_target
 from tfgraph.verify.kv_quantization import check_int8_cache
 from tfgraph.verify.tolerance import PARITY_SHAPES
 
@@ -198,13 +198,12 @@ def test_per_channel_scales_are_stated(exported):
 
 def test_calibration_streams_from_the_size_the_artifact_goes_external():
     from tfgraph.exporters.onnx_file import EXTERNAL_FROM
-    from tfgraph.precision import kv_cache
-
+    import tfgraph.exporters.ort.int8_kv as kv_cache
     assert kv_cache.STREAM_FROM == EXTERNAL_FROM
 
 
 def test_a_large_graph_streams_its_weights(exported, monkeypatch):
-    """Past :data:`~tfgraph.precision.kv_cache.STREAM_FROM` (forced here on a tiny model),
+    """Past :data:`~tfgraph.exporters.ort.int8_kv.STREAM_FROM` (forced here on a tiny model),
     calibration hands ONNX Runtime the weights in place and the reference takes the artifact's
     weight file through a hard link: the same scales and effect as in memory, no second copy."""
     small = exported("llama-tiny", "int8")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from tfgraph.passes.classify_attention_bias import Subgraphs, _cone, evaluate_biases
+from tfgraph.passes.recognize.attention.classify_bias import Subgraphs, _cone, evaluate_biases
 from tfgraph.tools import coverage_generation
 
 MASK_FROM_INPUT_AND_ACTIVATION_SHAPE = """

@@ -15,14 +15,14 @@ import tfgraph
 
 NO_TORCH = """
 import sys
-import tfgraph.passes, tfgraph.targets, tfgraph.contract, tfgraph.runtime
+import tfgraph.passes, tfgraph.exporters.targets, tfgraph.contract, tfgraph.runtime
 import tfgraph.exporters.manifest
-import tfgraph.compile.fusions, tfgraph.compile.pipeline
+import tfgraph.passes.pipeline.fusions, tfgraph.passes.pipeline.run
 import onnx_ir as ir
 from tfgraph.cli import main
-from tfgraph.compile.fusions import count_fusions
+from tfgraph.passes.pipeline.fusions import count_fusions
 from tfgraph.passes import build_pipeline
-from tfgraph.targets import get_target
+from tfgraph.exporters.targets import get_target
 path = sys.argv[1]
 assert main(["inspect", path]) == 0
 model = ir.load(path + "/model.onnx")

@@ -1,4 +1,4 @@
-"""Per-MatMul quantization (:mod:`tfgraph.precision.nbits`) gives the nodes, names and bytes
+"""Per-MatMul quantization (:mod:`tfgraph.exporters.ort.weights.nbits`) gives the nodes, names and bytes
 of ONNX Runtime's ``MatMulNBitsQuantizer`` run on the whole model, on zoo presets after their
 pipeline, and materializes one weight at a time."""
 
@@ -7,8 +7,8 @@ import onnx_ir as ir
 import pytest
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-from tfgraph.compile.pipeline import run_pipeline
-from tfgraph.precision.nbits import quantize_matmuls
+from tfgraph.passes.pipeline.run import run_pipeline
+from tfgraph.exporters.ort.weights.nbits import quantize_matmuls
 from tfgraph.sources import load_source
 from tfgraph.sources.trace import trace
 
@@ -95,7 +95,7 @@ def test_rows_dequantized_with_torch_are_the_same_values(bits, symmetric):
     (K not a multiple of the block: the padded last block is cut)."""
     import onnx
 
-    from tfgraph.precision.dequantize import dequantize, dequantize_rows
+    from tfgraph.exporters.ort.weights.dequantize import dequantize, dequantize_rows
 
     k, n = 72, 40
     w = np.random.default_rng(bits).standard_normal((k, n)).astype(np.float32)
@@ -138,8 +138,7 @@ def test_a_transposed_weight_quantizes_in_column_chunks_to_the_same_bytes(monkey
     """A Linear's weight (the lazy transpose of its parameter) is quantized a few output
     columns at a time from the parameter's rows (a 250k-word head is never transposed whole):
     the same bytes as quantizing it whole."""
-    from tfgraph.precision import nbits
-
+    import tfgraph.exporters.ort.weights.nbits as nbits
     want = _linear_graph(100, 64)
     quantize_matmuls(want, 4, block_size=32, symmetric=False, accuracy_level=4)
     want = _materialized(want)

@@ -9,7 +9,7 @@ import onnx_ir as ir
 import pytest
 from pipeline_check import compile_and_prove
 
-from tfgraph.passes.norm_products import reorder_norm_products
+from tfgraph.passes.recognize.norm_products import reorder_norm_products
 from tfgraph.sources import from_module
 from tfgraph.sources.trace import trace
 

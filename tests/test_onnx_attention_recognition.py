@@ -4,7 +4,7 @@ Each positive graph is one hand-built ``Attention`` node; the ``default`` pipeli
 into the profile's kernel (``ort``: GroupQueryAttention / MultiHeadAttention; ``onnx``:
 ``Attention``-23 again; ``tensorrt``: standard ops only) and compute what the original computes
 in ONNX Runtime. Each negative graph turns one knob of a positive one so that exactly one
-``check`` of :mod:`tfgraph.passes.onnx_attention_rules` rejects it: the node stays, reported
+``check`` of :mod:`tfgraph.passes.recognize.attention.onnx_attention` rejects it: the node stays, reported
 as missed with that reason. Every graph goes through the pass twice; the second run finds
 nothing to do.
 """
@@ -22,9 +22,9 @@ import pytest
 from onnx import TensorProto, helper
 
 import tfgraph
-from tfgraph.compile.fusions import count_fusions, op_histogram
-from tfgraph.compile.pipeline import run_pipeline
-from tfgraph.passes.fuse_attention import FuseAttentionPass
+from tfgraph.passes.pipeline.fusions import count_fusions, op_histogram
+from tfgraph.passes.pipeline.run import run_pipeline
+from tfgraph.passes.recognize.attention.fuse import FuseAttentionPass
 from tfgraph.passes.rewrite_utils import MISS_REASON_KEY
 
 B, D = 2, 16

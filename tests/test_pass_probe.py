@@ -7,7 +7,7 @@ import onnx_ir as ir
 import pytest
 
 from tfgraph import load_source
-from tfgraph.compile.pipeline import CHECK_EACH_PASS_ENV, GraphCheckError, run_pipeline
+from tfgraph.passes.pipeline.run import CHECK_EACH_PASS_ENV, GraphCheckError, run_pipeline
 from tfgraph.passes import PIPELINES
 from tfgraph.sources.trace import trace
 
@@ -86,7 +86,7 @@ def test_probe_failure_lists_the_passes_it_could_not_run_after(monkeypatch):
 def test_default_pipeline_is_probed_around_canonical_ops(caplog):
     source = load_source("gpt-tiny")
     model = trace(source)
-    with caplog.at_level(logging.INFO, logger="tfgraph.compile.pipeline"):
+    with caplog.at_level(logging.INFO, logger="tfgraph.passes.pipeline.run"):
         run_pipeline(model, "default", check_each_pass=True)
     text = caplog.text
     assert "parity probe skipped after FuseNormsPass: canonical tfgraph ops present" in text

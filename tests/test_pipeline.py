@@ -4,7 +4,7 @@ import onnx_ir as ir
 import pytest
 
 from tfgraph import TfgraphError
-from tfgraph.compile.pipeline import GraphCheckError, run_pipeline
+from tfgraph.passes.pipeline.run import GraphCheckError, run_pipeline
 from tfgraph.passes import PIPELINES
 
 TEXT = """

@@ -1,5 +1,5 @@
 """Standard-ONNX lowerings of ``tfgraph.LinearAttention`` and ``tfgraph.CausalConv``
-(:mod:`tfgraph.passes.recurrent_standard`) against numpy, next to ONNX Runtime's contrib ops.
+(:mod:`tfgraph.passes.lower.recurrent_standard`) against numpy, next to ONNX Runtime's contrib ops.
 
 Each case builds two small models with symbolic B and T: one holding the
 ``com.microsoft`` op (``contrib``), one holding the canonical node lowered by the builder
@@ -18,7 +18,7 @@ import onnxruntime as ort
 import pytest
 
 from tfgraph.passes.canonical import DOMAIN, CausalConvOp, LinearAttentionOp
-from tfgraph.passes.recurrent_standard import standard_causal_conv, standard_linear_attention
+from tfgraph.passes.lower.recurrent_standard import standard_causal_conv, standard_linear_attention
 from tfgraph.passes.rewrite_utils import insert_tape, replace_value
 
 B, H, DK, DV, C = 2, 3, 4, 5, 6

@@ -1,6 +1,6 @@
 """MobileViTV2's separable self-attention: ``sum(v · softmax(s, t), t)`` with the logits ``s``
 given directly (one channel) is attention with one query of head size 1, K = s and V = v
-(:mod:`tfgraph.passes.separable_attention_rules`). Each module must fuse into one
+(:mod:`tfgraph.passes.recognize.attention.separable`). Each module must fuse into one
 ``tfgraph.Attention`` (one head: the leading axes fold into the rows), lower to
 ``MultiHeadAttention`` on ``ort`` (Q/K head size 1, V head size d) and keep parity with eager
 PyTorch within the fp32 tolerance (|ort − eager| ≤ 1e-4 + 1e-3·|eager|, and max |ort − eager|
@@ -14,7 +14,7 @@ from test_attention_rules_more import _attention, _fuse
 from torch import nn
 
 from tfgraph import from_module
-from tfgraph.passes import separable_attention_rules
+import tfgraph.passes.recognize.attention.separable as separable_attention_rules
 from tfgraph.passes.rewrite_utils import diagnose
 from tfgraph.sources.trace import trace
 

@@ -8,7 +8,7 @@ import pytest
 
 import tfgraph
 from tfgraph import contract
-from tfgraph.passes.static_kv_cache import StaticKVCachePass
+from tfgraph.exporters.onnx.static_kv_cache import StaticKVCachePass
 from tfgraph.runtime import CachedDecoder, GenerationConfig, Session, generate
 
 

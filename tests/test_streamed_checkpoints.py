@@ -32,8 +32,8 @@ import torch
 import tfgraph
 from tfgraph.cli import main
 from tfgraph.sources import checkpoint as checkpoint_module
-from tfgraph.targets import onnx as onnx_target
-from tfgraph.targets import tensorrt as tensorrt_target
+import tfgraph.exporters.onnx.target as onnx_target
+import tfgraph.exporters.tensorrt.target as tensorrt_target
 from tfgraph.tools.coverage import tiny_config
 from tfgraph.tools.random_checkpoint import write_random_checkpoint
 
@@ -569,7 +569,7 @@ def test_progress_says_what_each_stage_took(checkpoints, tmp_path, capsys):
 def test_streamed_int4_reference_is_rebuilt_from_the_artifact(checkpoints, tmp_path):
     """The dequantized reference streams from the checkpoint with the artifact's weights; a
     re-check from the artifact alone gives the export's figures."""
-    from tfgraph.precision.weights import reference_from_artifact
+    from tfgraph.exporters.ort.weights.quantize import reference_from_artifact
     from tfgraph.sources import load_source
 
     path = checkpoints["qwen2", "bf16"]  # a tied head and table: each quantized on its own

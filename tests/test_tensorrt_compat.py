@@ -8,7 +8,7 @@ import pytest
 
 import tfgraph
 from tfgraph.cli import main
-from tfgraph.targets.tensorrt_compat import check_tensorrt
+from tfgraph.exporters.tensorrt.compat import check_tensorrt
 
 
 @pytest.fixture(scope="module")

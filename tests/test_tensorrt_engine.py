@@ -8,7 +8,7 @@ import pytest
 import tfgraph
 from tfgraph.cli import main
 from tfgraph.errors import TfgraphError
-from tfgraph.exporters.tensorrt import ProfileOptions, engine_profiles
+from tfgraph.exporters.tensorrt.engines import ProfileOptions, engine_profiles
 from tfgraph.runtime import open_runner
 
 

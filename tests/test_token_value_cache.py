@@ -11,7 +11,7 @@ import pytest
 
 import tfgraph
 from tfgraph import contract
-from tfgraph.passes.causal_within import mask_candidates
+from tfgraph.passes.recognize.attention.causal_within import mask_candidates
 from tfgraph.runtime import CachedDecoder, Session
 from tfgraph.sources import load_source
 from tfgraph.tools.coverage import tiny_config

@@ -21,13 +21,13 @@ grpcclient = pytest.importorskip(
     "tritonclient.grpc", reason="needs tritonclient: pip install 'tfgraph[serve]'"
 )
 from tfgraph.errors import TfgraphError  # noqa: E402
-from tfgraph.serving.launcher import TritonServer, find_tritonserver  # noqa: E402
+from tfgraph.runtime.serving.launcher import TritonServer, find_tritonserver  # noqa: E402
 
 try:
     find_tritonserver()
 except TfgraphError as exc:
     pytest.skip(f"needs the Triton server environment: {exc}", allow_module_level=True)
-from tfgraph.serving.repository import write_repository  # noqa: E402
+from tfgraph.runtime.serving.repository import write_repository  # noqa: E402
 
 NAME, SLOTS, CAPACITY = "faults", 4, 4096
 MODEL = f"{NAME}_generate"

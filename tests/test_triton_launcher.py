@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from tfgraph.errors import TfgraphError
-from tfgraph.serving import install as server_install
-from tfgraph.serving.launcher import TritonServer, find_tritonserver, python_site_paths
+import tfgraph.runtime.serving.install as server_install
+from tfgraph.runtime.serving.launcher import TritonServer, find_tritonserver, python_site_paths
 
 try:
     find_tritonserver()
@@ -83,7 +83,7 @@ def test_missing_server_env_is_one_line_naming_the_install_command(tmp_path, mon
     assert "\n" not in message and str(tmp_path / "nowhere") in message
     assert server_install.INSTALL_COMMAND in message
     result = subprocess.run(
-        [sys.executable, "-m", "tfgraph.serving.install", "--check"],
+        [sys.executable, "-m", "tfgraph.runtime.serving.install", "--check"],
         capture_output=True,
         text=True,
         env={**os.environ, server_install.ENV_VAR: str(tmp_path / "nowhere")},

@@ -12,7 +12,7 @@ from tfgraph.errors import TfgraphError
 
 pytest.importorskip("tritonclient.grpc", reason="needs tritonclient: pip install 'tfgraph[serve]'")
 
-from tfgraph.serving.repository import (  # noqa: E402
+from tfgraph.runtime.serving.repository import (  # noqa: E402
     MARKER,
     check_config,
     parse_config,

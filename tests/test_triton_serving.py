@@ -1,5 +1,5 @@
 """The generation model served by a real Triton Inference Server (``nvidia-pytriton``'s
-``tritonserver`` from the server environment, ``python -m tfgraph.serving.install``; CPU,
+``tritonserver`` from the server environment, ``python -m tfgraph.runtime.serving.install``; CPU,
 Python backend on the server environment's numpy<2), over gRPC (tritonclient's streaming API,
 in this process, whatever its NumPy) and HTTP (Triton's ``generate_stream`` endpoint:
 tritonclient's HTTP client takes no decoupled models).
@@ -26,13 +26,13 @@ grpcclient = pytest.importorskip(
     "tritonclient.grpc", reason="needs tritonclient: pip install 'tfgraph[serve]'"
 )
 from tfgraph.errors import TfgraphError  # noqa: E402
-from tfgraph.serving.launcher import TritonServer, find_tritonserver  # noqa: E402
+from tfgraph.runtime.serving.launcher import TritonServer, find_tritonserver  # noqa: E402
 
 try:
     find_tritonserver()
 except TfgraphError as exc:
     pytest.skip(f"needs the Triton server environment: {exc}", allow_module_level=True)
-from tfgraph.serving.repository import write_repository  # noqa: E402
+from tfgraph.runtime.serving.repository import write_repository  # noqa: E402
 
 DECODER, SEQ2SEQ, TEXT = "llama", "t5", "words"
 SLOTS = "slots"  # llama-tiny in 2 cache slots (in-flight batching)

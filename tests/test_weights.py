@@ -17,8 +17,8 @@ import pytest
 
 import tfgraph
 from tfgraph.cli import main
-from tfgraph.precision.activations import fake_quantize
-from tfgraph.precision.weights import dequantize, reference_from_artifact
+from tfgraph.exporters.ort.weights.activations import fake_quantize
+from tfgraph.exporters.ort.weights.quantize import dequantize, reference_from_artifact
 from tfgraph.runtime import CachedDecoder, open_runner
 from tfgraph.sources import load_source
 from tfgraph.verify.generation_parity import compare_greedy

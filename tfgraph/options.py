@@ -12,8 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from tfgraph.errors import TfgraphError
-from tfgraph.precision.weights import DEFAULT_BLOCK_SIZE, check_weights
-from tfgraph.targets import Target, get_target
+from tfgraph.exporters.ort.weights.quantize import DEFAULT_BLOCK_SIZE, check_weights
+from tfgraph.exporters.targets import Target, get_target
 from tfgraph.verify.tolerance import FP32, PARITY_SHAPES, Tolerance
 
 MIN_OPSET = 18  # torch.onnx's dynamo exporter emits nothing older
@@ -21,7 +21,7 @@ MIN_OPSET = 18  # torch.onnx's dynamo exporter emits nothing older
 
 @dataclass(frozen=True)
 class ExportOptions:
-    """What to export and how. ``target``: a :class:`tfgraph.targets.Target` or a registered
+    """What to export and how. ``target``: a :class:`tfgraph.exporters.targets.Target` or a registered
     name (``ort``, ``onnx``, ``tensorrt@10.14``). ``precision`` (``fp16``, ``bf16``): the
     graph's floats outside the fp32 islands measured on the parity inputs, fp32 inputs and
     outputs with ``keep_io_types``. ``weights`` (``int8``, ``int4``): MatMul weights
@@ -76,9 +76,9 @@ class ExportOptions:
         """These options checked against their target (``target``: it, already looked up),
         with its defaults filled in: the target as a :class:`Target`, the opset, the accuracy
         level."""
-        from tfgraph.compile.paging import check_kv_layout
+        from tfgraph.exporters.ort.paging import check_kv_layout
         from tfgraph.precision.islands import check_precision
-        from tfgraph.precision.kv_cache import check_kv_dtype
+        from tfgraph.exporters.ort.int8_kv import check_kv_dtype
 
         target = target or get_target(self.target)
         check_precision(self.precision, self.keep_io_types, target)

@@ -20,7 +20,7 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from tfgraph.exporters.tensorrt import ProfileOptions, build_engine
+    from tfgraph.exporters.tensorrt.engines import ProfileOptions, build_engine
 
     def triple(text: str, what: str) -> tuple[int, int, int]:
         try:

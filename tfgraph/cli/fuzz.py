@@ -42,7 +42,7 @@ def run(args) -> int:
         raise TfgraphError(
             f"fuzz needs its test extras ({exc.name} is missing): pip install 'tfgraph[dev]'"
         ) from exc
-    from tfgraph.targets import get_target, target_names
+    from tfgraph.exporters.targets import get_target, target_names
 
     profiles = tuple(p.strip() for p in args.profiles.split(",") if p.strip())
     unknown = []

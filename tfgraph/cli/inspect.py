@@ -24,7 +24,7 @@ def add_parser(sub):
 def run(args) -> int:
     import onnx_ir as ir
 
-    from tfgraph.compile.fusions import count_fusions, op_histogram
+    from tfgraph.passes.pipeline.fusions import count_fusions, op_histogram
     from tfgraph.contract import signature_of
     from tfgraph.runtime.session import checked_model
 
@@ -52,7 +52,7 @@ def run(args) -> int:
         for layer in v.get("fused_layers", []):
             print(f"  fused {kind} in {layer['module'] or '<top level>'}: {layer['op']}")
     if args.target is not None:
-        from tfgraph.targets import get_target
+        from tfgraph.exporters.targets import get_target
 
         target = get_target(args.target)
         findings = target.compatibility(model)

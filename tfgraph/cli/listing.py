@@ -36,7 +36,7 @@ def run_models(args) -> int:
 
 
 def run_targets(args) -> int:
-    from tfgraph.targets import targets
+    from tfgraph.exporters.targets import targets
 
     rows = []
     for target in targets().values():

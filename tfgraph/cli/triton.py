@@ -53,7 +53,7 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from tfgraph.serving import write_repository
+    from tfgraph.runtime.serving import write_repository
 
     models = write_repository(
         args.path,

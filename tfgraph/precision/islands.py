@@ -41,7 +41,7 @@ import onnx_ir.passes.common as common
 import torch
 
 from tfgraph import contract
-from tfgraph.passes.convert_precision import FP16_MAX, ConvertPrecisionPass, fill_float_types
+from tfgraph.passes.lower.convert_precision import FP16_MAX, ConvertPrecisionPass, fill_float_types
 from tfgraph.passes.provenance import layer_name
 
 logger = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ def _float_values(model: ir.Model) -> list[str]:
 def run_exposed(model: ir.Model, names: list[str], feeds: list[dict]) -> list[dict]:
     """Run a copy of ``model`` with ``names`` (node outputs) exposed as graph outputs; one
     ``{name: array}`` per feed."""
-    from tfgraph.compile.pipeline import run_in_ort
+    from tfgraph.passes.pipeline.run import run_in_ort
 
     exposed = copy_model(model)
     present = {v.name for v in exposed.graph.outputs}

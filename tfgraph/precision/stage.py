@@ -8,10 +8,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tfgraph.compile.pipeline import PassRecord, check_model
+from tfgraph.passes.pipeline.run import PassRecord, check_model
 from tfgraph.precision.islands import apply_precision
-from tfgraph.precision.streamed_reference import is_streamed, placements, streamed_dequantized
-from tfgraph.precision.weights import dequantized_source, quantize
+from tfgraph.exporters.ort.weights.streamed_reference import is_streamed, placements, streamed_dequantized
+from tfgraph.exporters.ort.weights.quantize import dequantized_source, quantize
 
 
 def convert_precision(graph, source, options, shapes, records: list[PassRecord]) -> dict:
@@ -55,12 +55,12 @@ def quantize_weights(graph, source, options, records: list[PassRecord]) -> tuple
 
 
 def quantize_kv_cache(graph, source, options, shapes, records: list[PassRecord], scratch: Path):
-    """The cache of ``graph`` in int8 (:mod:`tfgraph.precision.kv_cache`): scales measured on
+    """The cache of ``graph`` in int8 (:mod:`tfgraph.exporters.ort.int8_kv`): scales measured on
     the parity inputs, the fake-quantized fp32 reference written to ``scratch/model.onnx``
     for parity (a large graph's without its weights: parity links the artifact's); (what the
     report says, the reference's path)."""
     from tfgraph.precision.islands import island_feeds
-    from tfgraph.precision.kv_cache import (
+    from tfgraph.exporters.ort.int8_kv import (
         FakeQuantized,
         cached_layers,
         calibrate,

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .instance_methods import instance_methods
+from tfgraph.sources.instance_methods import instance_methods
 
 logger = logging.getLogger(__name__)
 

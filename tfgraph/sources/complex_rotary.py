@@ -12,7 +12,7 @@ a ``torch`` in which those three make and unmake a :class:`Pair`: the real and i
 as a trailing axis of 2, the layout ``view_as_real`` gives. A pair multiplies as a complex
 number, and indexes, unsqueezes and moves like the complex tensor it stands for, so the model's
 own code (its broadcasting, its layouts) runs unchanged; the graph gets the real arithmetic
-``(a·c − b·d, a·d + b·c)``, which :mod:`tfgraph.passes.fold_rotary` sees like any rotary
+``(a·c − b·d, a·d + b·c)``, which :mod:`tfgraph.exporters.ort.fold_rotary` sees like any rotary
 embedding. What a pair cannot do raises :class:`ComplexTraceError` naming the operation, and
 the trace fails with it. Eager PyTorch (the parity reference) runs the original code.
 """

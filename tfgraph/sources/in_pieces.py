@@ -12,7 +12,7 @@ session's 5 GB put a 7B int4 export past 12 GiB. Past :data:`LARGE` elements:
   asked for.
 
 The rows come from the checkpoint for the fp32 streamed model (:func:`in_pieces`), from the
-artifact's bytes for the quantized reference (:mod:`tfgraph.precision.chunked_reference`).
+artifact's bytes for the quantized reference (:mod:`tfgraph.exporters.ort.weights.chunked_reference`).
 Each takes its module's place after the streamed model is built (its offload hook goes with
 the old module); activation quantization hooks are registered on the new one.
 """
@@ -77,7 +77,7 @@ def replace(model: nn.Module, owner_name: str, new: nn.Module) -> None:
 def in_pieces(model: nn.Module, keys: dict, checkpoint, overrides) -> None:
     """A huge embedding or head (a 250k-word vocabulary: 4.1 GB in fp32) computed from the
     checkpoint's rows in pieces, never loaded whole (the quantized reference's own come from
-    the artifact: :mod:`tfgraph.precision.chunked_reference`)."""
+    the artifact: :mod:`tfgraph.exporters.ort.weights.chunked_reference`)."""
     for owner_name, owner in list(model.named_modules()):
         name = f"{owner_name}.weight"
         if not huge(owner) or name not in keys or (overrides is not None and name in overrides):

@@ -32,7 +32,7 @@ entry point (kernel name)           as
 The wrappers compute what the fallbacks compute (the tests compare them eagerly); the custom
 ops' own PyTorch implementations are the sequential recurrences. What a wrapper cannot state
 (packed sequences: ``cu_seqlens``) raises, and the original runs. The cache pass
-(:mod:`tfgraph.passes.insert_recurrent_state`) then carries each op's state across steps.
+(:mod:`tfgraph.passes.cache.insert_recurrent_state`) then carries each op's state across steps.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from tfgraph.sources import recurrent_kernels  # noqa: F401 - registers tfgraph::linear_attention
 
-from .instance_methods import instance_methods
+from tfgraph.sources.instance_methods import instance_methods
 
 logger = logging.getLogger(__name__)
 

@@ -166,7 +166,7 @@ def check_cache_parity(
 def _decode_allowed(source: ModelSource, cases: list[dict]) -> float | None:
     """The largest error the decode steps' rule allowed, for an artifact whose kernels
     quantize activations (the bound of its rows: :func:`row_tolerance`); None otherwise."""
-    from tfgraph.precision.activations import quantizes_activations
+    from tfgraph.exporters.ort.weights.activations import quantizes_activations
 
     if not quantizes_activations(source):
         return None

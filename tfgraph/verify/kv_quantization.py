@@ -3,7 +3,7 @@
 Quantizing K/V moves the outputs by an amount no fp32 tolerance can hold, and how much depends
 on the model and the inputs. So the rule measures it: the **reference** is the fp32 graph with
 the same symmetric int8 quantize/dequantize on every key and value entering a cached attention
-(:class:`tfgraph.precision.kv_cache.FakeQuantized`), the math the int8 kernel does (measured:
+(:class:`tfgraph.exporters.ort.int8_kv.FakeQuantized`), the math the int8 kernel does (measured:
 5e-7 apart on one GroupQueryAttention). Its error against eager PyTorch, per output over the
 same cache-parity cases (prefill and decode steps), is the quantization's own effect E. The
 int8 artifact passes when its error against eager is within ``2·E + atol`` elementwise, plus
@@ -31,7 +31,7 @@ def check_int8_cache(source, model_file: Path, reference_file: Path, options, sh
     """The cache parity report of the int8 artifact at ``model_file`` against ``source``, with
     the bound measured on the fake-quantized fp32 graph at ``reference_file`` (its pending
     weights, if any, taken from the artifact's files first)."""
-    from tfgraph.precision.kv_cache import fill_reference
+    from tfgraph.exporters.ort.int8_kv import fill_reference
 
     fill_reference(reference_file, model_file.parent)
     effect = check_cache_parity(source, reference_file, shapes=shapes, tolerance=UNBOUNDED)

@@ -116,7 +116,7 @@ def eager_outputs(source: ModelSource, inputs: dict, precision: str) -> tuple[di
     gives, in fp32, its outputs without that quantization in place of the second."""
     want = {n: v.float().numpy() for n, v in source.eager(inputs).items()}
     if precision == "fp32":
-        from tfgraph.precision.activations import without_activation_quantization
+        from tfgraph.exporters.ort.weights.activations import without_activation_quantization
 
         plain = without_activation_quantization(source, inputs)
         if plain is None:

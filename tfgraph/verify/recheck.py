@@ -4,7 +4,7 @@ output fails, bisect to the first PyTorch module whose output diverges.
 The source is the one ``report.json`` names (a preset, a factory, a Hugging Face directory);
 the precision is the manifest's, and a quantized artifact is checked against eager with the
 weights dequantized from the artifact itself
-(:func:`tfgraph.precision.weights.reference_from_artifact`).
+(:func:`tfgraph.exporters.ort.weights.quantize.reference_from_artifact`).
 Parity runs as at export time, on this machine and with this ONNX Runtime.
 
 **Bisection** (:func:`bisect`). A copy of the graph exposes, for every module of the eager
@@ -42,7 +42,7 @@ RESULT_FILE = "parity.json"
 def load_artifact_source(directory: Path, *, trust_remote_code: bool = False):
     """(source, reference, report, manifest): the source ``report.json`` names and the eager
     reference parity uses (the dequantized weights of a quantized artifact)."""
-    from tfgraph.precision.weights import reference_from_artifact
+    from tfgraph.exporters.ort.weights.quantize import reference_from_artifact
     from tfgraph.sources import load_source
 
     report_file = directory / "report.json"
@@ -230,7 +230,7 @@ def bisect(source, model_file: Path, precision: str = "fp32", shape=(1, 7)) -> d
     """The first module (in eager finishing order) whose graph value leaves tolerance."""
     import torch
 
-    from tfgraph.precision.activations import activation_quantization_off, quantizes_activations
+    from tfgraph.exporters.ort.weights.activations import activation_quantization_off, quantizes_activations
     from tfgraph.precision.islands import TORCH_TYPES, island_feeds, judge, run_exposed
     from tfgraph.verify.activation_rule import judge_activations
 

@@ -1,0 +1,1 @@
+"""The ``onnx`` target: standard ONNX only, with a static KV cache written in place."""

@@ -1,0 +1,1 @@
+"""The ``tensorrt`` target: graphs TensorRT's ONNX parser takes, its static compat check and engines."""

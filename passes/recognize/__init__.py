@@ -1,0 +1,1 @@
+"""Recognition: subgraphs rewritten into the canonical ops of the ``tfgraph`` domain (norms, GELU)."""

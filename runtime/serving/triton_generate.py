@@ -1,0 +1,442 @@
+"""Triton Python-backend model: tfgraph's generation loop over an artifact, tokens streamed.
+
+:mod:`tfgraph.runtime.serving.repository` copies this file as ``model.py`` into ``NAME_generate/1/``
+beside a copy of the artifact (``artifact/``). The model is decoupled: every chosen token goes
+back as its own response (``token_id``, and ``token_text`` when the artifact carries a
+tokenizer), then an empty final response closes the stream.
+
+**Requests.** ``input_ids`` (INT64, one prompt) or ``text`` (a UTF-8 string, with a tokenizer);
+an encoder-decoder's prompt feeds its encoder. Request parameters: ``max_new_tokens``,
+``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``eos_token_id`` (and
+``pad_token_id``, ``decoder_start_token_id``); ``temperature``, ``top_k`` or ``top_p`` imply
+sampling unless ``do_sample`` is false. Anything else is refused with one error response
+naming what was wrong; the server keeps serving.
+
+**In-flight batching** (``batching: inflight``, written by ``tfgraph triton`` when the artifact
+takes per-row past lengths): ``execute`` checks each request (a request that cannot fit a
+slot is refused at once, naming the slot's capacity) and queues it; one scheduler thread owns
+a :class:`tfgraph.runtime.SlotBatcher` of ``slots`` cache slots of ``slot_capacity``
+positions. Before every decoding step it admits waiting requests into free slots (each is
+prefilled alone into its slot and streams its first token at once), then runs one step for
+every active slot together, each at its own length, position and sampling state. A request
+leaves its slot the moment it ends (its ``max_new_tokens``, its EOS), or when its client
+cancels or disconnects (checked every step; a response that cannot be sent frees the slot
+too), and the next waiting request takes it. Its tokens are those of ``tfgraph generate`` on
+that prompt alone, up to the fp32 noise of a batched step (tests/test_inflight.py).
+
+An encoder-decoder's slot also holds its request's cross-attention K/V (the encoder runs
+once per request, on its prompt alone) for up to ``slot_capacity`` prompt tokens.
+
+**Static batching** (``batching: static``: a cache without per-row lengths, a step graph that
+takes more per request, or asked for): ``execute`` checks each request and queues it; one
+scheduler thread decodes the queue in batches: it takes the oldest request, waits
+``batch_wait_ms`` (default 2) for others to arrive, and adds every waiting request with the
+same decoding settings (sampling on or off, temperature, top-k, top-p, EOS and pad ids) up to
+``concurrency`` rows (default 16) whose longest prompt plus largest ``max_new_tokens`` fits the
+model's positions — and, for a model without an ``attention_mask`` input (which would attend to
+the padding), the same prompt length. The batch runs as one left-padded generation
+(:func:`tfgraph.runtime.stream` with one ``max_new_tokens`` and one seed per row): each row
+streams its own tokens and ends at its own limit or EOS; requests that arrive meanwhile form
+the next batch when it ends. A row samples from its own seeded generator, so its tokens are
+those of ``tfgraph generate`` on that prompt alone up to fp32 noise in the padded batch
+(greedy: equal unless two logits tie within that noise).
+
+**Unloading** while streams are in flight: ``finalize`` asks them to stop; each ends with an
+error response ("model unloaded while generating") and its final flag.
+
+The Python backend's stub sees its own Python's site-packages (with tfgraph's launcher: the
+server environment's, ``numpy<2``, onnxruntime …; see :mod:`tfgraph.runtime.serving.install`), not
+tfgraph's: the config's ``python_paths`` parameter lists those, appended to ``sys.path`` with
+``site.addsitedir`` (their ``.pth`` files run: an editable tfgraph) before tfgraph is
+imported. Only the standard library is imported at the top of this file.
+"""
+
+import json
+import os
+import site
+import sys
+import threading
+import time
+
+PARAMETERS = {
+    "max_new_tokens": int,
+    "do_sample": bool,
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+    "seed": int,
+    "eos_token_id": int,
+    "pad_token_id": int,
+    "decoder_start_token_id": int,
+}
+SAMPLING = ("temperature", "top_k", "top_p")
+
+
+class Job:
+    """One request waiting for, or in, a batch."""
+
+    def __init__(self, prompt, config, limit, seed, start, sender):
+        self.prompt, self.config, self.limit, self.seed = prompt, config, limit, seed
+        self.start, self.sender, self.sent = start, sender, 0
+        self.request = None  # its SlotBatcher request, in-flight batching
+        c = config  # requests with equal keys can share a batch
+        self.key = (c.do_sample, c.temperature, c.top_k, c.top_p, c.eos_token_id,
+                    c.pad_token_id, start)  # fmt: skip
+
+
+class Metrics:
+    """The generation model's own gauges and counters on Triton's metrics endpoint (``/metrics``,
+    Prometheus text; labelled by model): ``tfgraph_slots`` (slots in all),
+    ``tfgraph_slots_active``, ``tfgraph_requests_waiting``, ``tfgraph_requests_ended_total``
+    by ``reason`` (``finished``, ``cancelled``: the client cancelled, ``unreachable``: a
+    response could not be sent) and ``tfgraph_model_rss_bytes`` (this model's process). A
+    server started without metrics, or a backend without custom metrics, records nothing."""
+
+    REASONS = ("finished", "cancelled", "unreachable")
+
+    def __init__(self, pb, model: str, batcher):
+        self.gauges, self.ended, self._families = {}, {}, []
+        try:
+            gauge, counter = pb.MetricFamily.GAUGE, pb.MetricFamily.COUNTER
+            for name, text in (
+                ("tfgraph_slots", "cache slots of the generation model"),
+                ("tfgraph_slots_active", "cache slots holding a request"),
+                ("tfgraph_requests_waiting", "requests waiting for a slot"),
+                ("tfgraph_model_rss_bytes", "resident memory of the generation model's process"),
+            ):
+                family = pb.MetricFamily(name=name, description=text, kind=gauge)
+                self._families.append(family)  # a family lives as long as its object
+                self.gauges[name] = family.Metric(labels={"model": model})
+            ended = pb.MetricFamily(
+                name="tfgraph_requests_ended_total",
+                description="requests that left their slot, by reason",
+                kind=counter,
+            )
+            self._families.append(ended)
+            for reason in self.REASONS:
+                self.ended[reason] = ended.Metric(labels={"model": model, "reason": reason})
+        except Exception:  # noqa: BLE001 - metrics are optional
+            self.gauges, self.ended = {}, {}
+        if batcher is not None and "tfgraph_slots" in self.gauges:
+            self.gauges["tfgraph_slots"].set(batcher.slots)
+        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+    def update(self, active: int, waiting: int) -> None:
+        if not self.gauges:
+            return
+        self.gauges["tfgraph_slots_active"].set(active)
+        self.gauges["tfgraph_requests_waiting"].set(waiting)
+        try:
+            with open("/proc/self/statm") as f:
+                rss = int(f.read().split()[1]) * self._page
+            self.gauges["tfgraph_model_rss_bytes"].set(rss)
+        except OSError:
+            pass
+
+    def count(self, reason: str) -> None:
+        metric = self.ended.get(reason)
+        if metric is not None:
+            metric.increment(1)
+
+
+class RequestError(Exception):
+    """A bad request: its message goes back to the client."""
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        for path in params.get("python_paths", "").split(os.pathsep):
+            if path and path not in sys.path:
+                site.addsitedir(path)  # appended: the stub's own packages come first
+        import triton_python_backend_utils as pb_utils
+
+        from tfgraph.runtime import CachedDecoder, open_runner
+
+        self.pb = pb_utils
+        here = os.path.join(args["model_repository"], args["model_version"], "artifact")
+        self.decoder = CachedDecoder(open_runner(os.path.join(here, "model.onnx")))
+        self.tokenizer = None
+        if os.path.isdir(os.path.join(here, "tokenizer")):
+            from tfgraph.runtime.tokenizer import load_tokenizer
+
+            self.tokenizer = load_tokenizer(here)
+        from tfgraph import contract
+
+        logits = self.decoder.session.signature.output(contract.LOGITS)
+        last = (logits.shape or [None])[-1] if logits is not None else None
+        self.vocab = last if isinstance(last, int) else None
+        # whether left-padded prompts are masked: else only equal lengths share a batch
+        if self.decoder.seq2seq:
+            roles = {p.role for p in self.decoder._all_inputs()}
+            self.masks_padding = contract.ENCODER_ATTENTION_MASK in roles
+        else:
+            self.masks_padding = self.decoder.mask_input is not None
+        self.max_rows = int(params.get("concurrency", "16"))
+        self.wait_s = float(params.get("batch_wait_ms", "2")) / 1000
+        self.pending = []  # Jobs in arrival order
+        self.ready = threading.Condition()
+        self.stopping = threading.Event()
+        self.batcher = None
+        schedule = self._schedule
+        if params.get("batching") == "inflight":
+            from tfgraph.runtime.inflight import SlotBatcher
+
+            slots = int(params.get("slots", str(self.max_rows)))
+            capacity = int(params.get("slot_capacity", "1024"))
+            encoder = int(params.get("encoder_capacity", str(capacity)))
+            self.batcher = SlotBatcher(self.decoder, slots, capacity, encoder_capacity=encoder)
+            schedule = self._schedule_inflight
+        self.metrics = Metrics(pb_utils, args["model_name"], self.batcher)
+        self.worker = threading.Thread(target=schedule, daemon=True)
+        self.worker.start()
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                job = self._prepare(request, sender)
+            except RequestError as exc:
+                self._fail(sender, str(exc))
+                continue
+            with self.ready:
+                self.pending.append(job)
+                self.ready.notify()
+        return None
+
+    def finalize(self):
+        self.stopping.set()
+        with self.ready:
+            self.ready.notify()
+        self.worker.join(timeout=60)
+        for job in self.pending:
+            self._fail(job.sender, "model unloaded before generating")
+
+    # --- a request ------------------------------------------------------------------------
+
+    def _prepare(self, request, sender):
+        """The request as a Job when it is valid; else RequestError with what is wrong."""
+        from tfgraph.errors import TfgraphError
+        from tfgraph.runtime import GenerationConfig
+
+        options = self._parameters(request)
+        ids = self.pb.get_input_tensor_by_name(request, "input_ids")
+        text = self.pb.get_input_tensor_by_name(request, "text")
+        if (ids is None) == (text is None):
+            what = "text" if self.tokenizer is not None else "(no text: no tokenizer here)"
+            raise RequestError(f"give exactly one prompt: input_ids or {what}")
+        if text is not None:
+            raw = text.as_numpy().reshape(-1)
+            if raw.size != 1:
+                raise RequestError(f"text takes one string, got {raw.size}")
+            value = raw[0]
+            try:
+                value = value.decode("utf-8") if isinstance(value, bytes) else str(value)
+            except UnicodeDecodeError as exc:
+                raise RequestError(
+                    f"text is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+                ) from None
+            prompt = list(self.tokenizer(value)["input_ids"])
+        else:
+            prompt = [int(t) for t in ids.as_numpy().reshape(-1)]
+        if not prompt:
+            raise RequestError("the prompt is empty: give at least one token")
+        if self.vocab is not None and any(not 0 <= t < self.vocab for t in prompt):
+            raise RequestError(f"input_ids must lie in [0, {self.vocab}): the vocabulary")
+        start = options.pop("decoder_start_token_id", 0)
+        seed = options.pop("seed", None)
+        limit = options.pop("max_new_tokens", GenerationConfig.max_new_tokens)
+        config = GenerationConfig(max_new_tokens=limit, **options)
+        try:
+            config.check()
+            if self.batcher is not None:  # it must fit a slot
+                self.batcher.check(prompt, config)
+            length = 1 if self.decoder.seq2seq else len(prompt)
+            self.decoder.check_positions(
+                length + limit - 1, f"a {length}-token prompt with {limit} new tokens"
+            )
+        except TfgraphError as exc:
+            raise RequestError(str(exc)) from exc
+        return Job(prompt, config, limit, seed, start, sender)
+
+    def _parameters(self, request) -> dict:
+        try:
+            given = json.loads(request.parameters() or "{}")
+        except json.JSONDecodeError as exc:
+            raise RequestError(f"request parameters are not JSON: {exc.msg}") from exc
+        unknown = sorted(set(given) - set(PARAMETERS))
+        if unknown:
+            raise RequestError(
+                f"unknown parameter(s) {', '.join(unknown)}: this model takes "
+                + ", ".join(PARAMETERS)
+            )
+        options = {}
+        for key, value in given.items():
+            kind = PARAMETERS[key]
+            if kind is bool:
+                if not isinstance(value, bool):
+                    raise RequestError(f"parameter {key} must be true or false, got {value!r}")
+            elif kind is int:
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise RequestError(f"parameter {key} must be an integer, got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise RequestError(f"parameter {key} must be a number, got {value!r}")
+            options[key] = kind(value)
+        if "do_sample" not in options and any(k in options for k in SAMPLING):
+            options["do_sample"] = True
+        return options
+
+    # --- batches ------------------------------------------------------------------------
+
+    def _schedule(self):
+        while not self.stopping.is_set():
+            with self.ready:
+                while not self.pending and not self.stopping.is_set():
+                    self.ready.wait()
+                if self.stopping.is_set():
+                    return
+            time.sleep(self.wait_s)  # let requests that arrive together join
+            with self.ready:
+                batch = self._take()
+            self._run(batch)
+
+    def _take(self):
+        """The oldest pending job and every pending job that can share its batch."""
+        first = self.pending[0]
+        batch, rest = [first], []
+        limit = self.decoder.max_positions
+        for job in self.pending[1:]:
+            fits = len(batch) < self.max_rows and job.key == first.key
+            if not self.masks_padding:
+                fits = fits and len(job.prompt) == len(first.prompt)
+            if fits and limit is not None and not self.decoder.seq2seq:
+                width = max(len(j.prompt) for j in (*batch, job))
+                fits = width + max(j.limit for j in (*batch, job)) - 1 <= limit
+            (batch if fits else rest).append(job)
+        self.pending[:] = rest
+        return batch
+
+    def _run(self, batch):
+        from tfgraph.runtime import stream
+        from tfgraph.runtime.generate import seq2seq_prompts
+
+        first = batch[0].config
+        prompts, extra = [job.prompt for job in batch], {}
+        finished = set()
+        try:
+            if self.decoder.seq2seq:
+                prompts, extra = seq2seq_prompts(
+                    self.decoder, prompts, first.pad_token_id, batch[0].start
+                )
+            steps = stream(
+                self.decoder,
+                prompts,
+                first,
+                extra=extra,
+                limits=[job.limit for job in batch],
+                seeds=[job.seed for job in batch],
+            )
+            for step in steps:
+                if self.stopping.is_set():
+                    for row, job in enumerate(batch):
+                        if row not in finished:
+                            self._fail(job.sender, "model unloaded while generating")
+                    return
+                for row, token in step.tokens.items():
+                    job = batch[row]
+                    job.sent += 1
+                    job.sender.send(self._response(token))
+                    eos = first.eos_token_id is not None and token == first.eos_token_id
+                    if job.sent == job.limit or eos:
+                        job.sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                        finished.add(row)
+        except Exception as exc:  # noqa: BLE001 - the clients hear of it, the server goes on
+            for row, job in enumerate(batch):
+                if row not in finished:
+                    self._fail(job.sender, f"generation failed: {type(exc).__name__}: {exc}")
+
+    # --- in-flight batching ------------------------------------------------------------
+
+    def _schedule_inflight(self):
+        batcher, jobs = self.batcher, {}  # jobs: slot -> Job
+        while not self.stopping.is_set():
+            with self.ready:
+                while not self.pending and not jobs and not self.stopping.is_set():
+                    self.ready.wait()
+                if self.stopping.is_set():
+                    break
+                admit = self.pending[: batcher.free]
+                del self.pending[: len(admit)]
+            for job in admit:  # each joins the running batch in a free slot
+                if self._cancelled(job):
+                    self.metrics.count("cancelled")
+                    continue
+                try:
+                    request = batcher.admit(job.prompt, job.config, job.seed, job.start)
+                except Exception as exc:  # noqa: BLE001 - this client hears of it
+                    self._fail(job.sender, f"generation failed: {type(exc).__name__}: {exc}")
+                    continue
+                jobs[request.slot] = job
+                job.request = request
+                self._deliver(jobs, request.slot, request.tokens[-1])
+            if batcher.active:
+                try:
+                    tokens = batcher.step()
+                except Exception as exc:  # noqa: BLE001 - the clients hear of it
+                    for slot, job in list(jobs.items()):
+                        batcher.release(slot)
+                        self._fail(job.sender, f"generation failed: {type(exc).__name__}: {exc}")
+                    jobs.clear()
+                    continue
+                for slot, token in tokens.items():
+                    self._deliver(jobs, slot, token)
+            for slot, job in list(jobs.items()):  # a client gone: its slot is free now
+                if self._cancelled(job):
+                    batcher.release(slot)
+                    jobs.pop(slot)
+                    self.metrics.count("cancelled")
+            self.metrics.update(len(batcher.active), len(self.pending))
+        for job in jobs.values():
+            self._fail(job.sender, "model unloaded while generating")
+
+    def _deliver(self, jobs, slot, token):
+        """Send ``token`` to the request in ``slot``; close its stream when it has ended; free
+        the slot when its client cannot be reached."""
+        job = jobs[slot]
+        try:
+            job.sender.send(self._response(token))
+            job.sent += 1
+            if job.request.finished:
+                job.sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:  # noqa: BLE001 - the client went away mid-stream
+            self.batcher.release(slot)
+            jobs.pop(slot)
+            self.metrics.count("unreachable")
+            return
+        if job.request.finished:
+            jobs.pop(slot)
+            self.metrics.count("finished")
+
+    @staticmethod
+    def _cancelled(job) -> bool:
+        is_cancelled = getattr(job.sender, "is_cancelled", None)
+        try:
+            return bool(is_cancelled()) if is_cancelled is not None else False
+        except Exception:  # noqa: BLE001 - a sender that cannot tell is not cancelled
+            return False
+
+    def _response(self, token: int):
+        import numpy as np
+
+        outputs = [self.pb.Tensor("token_id", np.array([token], np.int64))]
+        if self.tokenizer is not None:  # this token's piece of text
+            piece = self.tokenizer.decode([token])
+            outputs.append(self.pb.Tensor("token_text", np.array([piece.encode()], np.object_)))
+        return self.pb.InferenceResponse(output_tensors=outputs)
+
+    def _fail(self, sender, message: str):
+        sender.send(
+            self.pb.InferenceResponse(error=self.pb.TritonError(message)),
+            flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+        )
