@@ -7,12 +7,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tfgraph.passes.pipeline.run import check_model
 from tfgraph.contract import ENCODER_FILE
 from tfgraph.exporters.artifact import write_json
 from tfgraph.exporters.manifest import MANIFEST_FILE, build_manifest
 from tfgraph.exporters.onnx_file import save_onnx
 from tfgraph.passes.cache.split_encoder import split_encoder
+from tfgraph.passes.pipeline.run import check_model
 
 
 def write_artifact(graph, stage: Path, source, options, passes: list[dict], fusions: dict):

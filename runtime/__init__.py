@@ -2,12 +2,21 @@
 (CPU by default; CUDA when installed), ONNX's reference evaluator (bf16 artifacts), and token
 generation with KV-cached artifacts."""
 
-from tfgraph.runtime.generate import CachedDecoder, Generation, GenerationConfig, Step, generate, stream
+from tfgraph.runtime.generate import (
+    CachedDecoder,
+    Generation,
+    GenerationConfig,
+    Step,
+    generate,
+    stream,
+)
 from tfgraph.runtime.inflight import SlotBatcher, generate_inflight, inflight_support
 from tfgraph.runtime.reference import ReferenceRunner  # registers the onnx-reference runner
 from tfgraph.runtime.runner import RUNNERS, KVCache, Runner, open_runner
 from tfgraph.runtime.session import PROVIDERS, Session, model_path
-from tfgraph.runtime.tensorrt_runner import TensorRTRunner  # registers the tensorrt runner (needs TensorRT)
+from tfgraph.runtime.tensorrt_runner import (
+    TensorRTRunner,  # registers the tensorrt runner (needs TensorRT)
+)
 
 __all__ = [
     "PROVIDERS",

@@ -24,7 +24,6 @@ import numpy as np
 
 from tfgraph import contract
 from tfgraph.errors import TfgraphError
-
 from tfgraph.runtime.runner import KVCache, Runner
 
 logger = logging.getLogger(__name__)

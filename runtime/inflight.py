@@ -40,7 +40,6 @@ import numpy as np
 
 from tfgraph import contract
 from tfgraph.errors import TfgraphError
-
 from tfgraph.runtime.generate import CachedDecoder, GenerationConfig, choose
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,6 @@ import numpy as np
 
 from tfgraph import contract
 from tfgraph.errors import TfgraphError, first_line
-
 from tfgraph.runtime.runner import RUNNERS, KVCache, RoleKey
 from tfgraph.runtime.session import _PAST_ROLES, _PRESENT_PAST, checked_model, state_zeros
 

@@ -19,7 +19,6 @@ import numpy as np
 from tfgraph import contract
 from tfgraph.errors import TfgraphError, first_line
 from tfgraph.exporters.manifest import read_manifest
-
 from tfgraph.runtime.runner import RUNNERS, KVCache, RoleKey
 
 logger = logging.getLogger(__name__)

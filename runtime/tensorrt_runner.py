@@ -22,7 +22,6 @@ import numpy as np
 
 from tfgraph import contract
 from tfgraph.errors import TfgraphError
-
 from tfgraph.runtime.runner import RUNNERS, KVCache, RoleKey
 from tfgraph.runtime.session import _PAST_ROLES, _PRESENT_PAST  # KV and the recurrent states
 

@@ -21,10 +21,10 @@ import pytest
 from onnx import TensorProto, helper
 
 import tfgraph.passes.recognize.attention.rules as attention_rules
-from tfgraph.passes.recognize.attention.fuse import FuseAttentionPass
-from tfgraph.passes.lower.lower_attention import LowerAttentionPass
-from tfgraph.passes.rewrite_utils import DOMAIN, MISS_REASON_KEY, diagnose
 from tfgraph.exporters.targets import get_target
+from tfgraph.passes.lower.lower_attention import LowerAttentionPass
+from tfgraph.passes.recognize.attention.fuse import FuseAttentionPass
+from tfgraph.passes.rewrite_utils import DOMAIN, MISS_REASON_KEY, diagnose
 
 B, H, T, S, D = 2, 4, 5, 5, 8
 HQ, HKV, G = 4, 2, 2  # GQA: query heads, KV heads, repeat count

@@ -10,9 +10,9 @@ from pipeline_check import compile_and_prove
 from test_attention_rules_more import D, H, _attention, _Heads, _proven  # noqa: E402
 from torch import nn
 
+import tfgraph.passes.recognize.attention.rules as attention_rules
 from tfgraph import from_module
 from tfgraph.passes.pipeline.run import run_pipeline
-import tfgraph.passes.recognize.attention.rules as attention_rules
 from tfgraph.passes.recognize.attention.fuse import FuseAttentionPass
 from tfgraph.passes.rewrite_utils import diagnose
 from tfgraph.sources.trace import trace

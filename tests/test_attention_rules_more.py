@@ -10,10 +10,10 @@ import torch
 from pipeline_check import compile_and_prove
 from torch import nn
 
+import tfgraph.passes.recognize.attention.rules as attention_rules
 from tfgraph import from_module
 from tfgraph.passes.pipeline.fusions import count_fusions
 from tfgraph.passes.pipeline.run import run_pipeline
-import tfgraph.passes.recognize.attention.rules as attention_rules
 from tfgraph.passes.recognize.attention.classify_bias import ClassifyAttentionBiasPass
 from tfgraph.passes.recognize.attention.einsum import parse_batched_matmul
 from tfgraph.passes.recognize.attention.fuse import FuseAttentionPass

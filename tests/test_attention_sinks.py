@@ -11,10 +11,10 @@ import onnx_ir as ir
 import pytest
 
 import tfgraph
-from tfgraph.runtime import CachedDecoder, Session
-from tfgraph.sources import from_module
 import tfgraph.exporters.onnx.target as onnx_target
 import tfgraph.exporters.tensorrt.target as tensorrt
+from tfgraph.runtime import CachedDecoder, Session
+from tfgraph.sources import from_module
 from tfgraph.verify.generation_parity import compare_greedy
 
 PROMPTS = [[5, 9, 2, 7, 1], [3, 1]]

@@ -28,6 +28,7 @@ def test_huge_head_and_table_in_pieces_pass_parity(bloom_dir, tmp_path, monkeypa
     swapped = []
     swap = chunked_reference.swap_large
     import tfgraph.exporters.ort.weights.streamed_reference as streamed_reference
+
     def recorded(*args):
         swapped.extend(swap(*args))
         return swapped

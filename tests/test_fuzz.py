@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hypothesis_seed
 
+import tfgraph.passes.lower.lower_attention as lower_attention
 from tfgraph.cli import main
 from tfgraph.models.config import (
     ATTN_IMPLS,
@@ -27,7 +28,6 @@ from tfgraph.models.config import (
     ModelConfig,
 )
 from tfgraph.models.presets import PRESETS
-import tfgraph.passes.lower.lower_attention as lower_attention
 from tfgraph.tools.fuzz import ParityFailure, check_case, run_fuzz
 from tfgraph.tools.fuzz_cases import (
     PADDINGS,

@@ -8,8 +8,12 @@ import onnxruntime as ort
 import pytest
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
+from tfgraph.exporters.ort.weights.gather_nbits import (
+    dequantize_table,
+    is_embedding,
+    quantize_embeddings,
+)
 from tfgraph.passes.pipeline.run import run_pipeline
-from tfgraph.exporters.ort.weights.gather_nbits import dequantize_table, is_embedding, quantize_embeddings
 from tfgraph.sources import load_source
 from tfgraph.sources.trace import trace
 

@@ -23,11 +23,11 @@ import pytest
 import torch
 from torch import nn
 
+from tfgraph.exporters.targets import get_target
+from tfgraph.passes.lower.lower_gelu import LowerGeluPass
 from tfgraph.passes.pipeline.fusions import op_histogram
 from tfgraph.passes.recognize.fuse_gelu import FuseGeluPass, unfused_gelu_candidates
-from tfgraph.passes.lower.lower_gelu import LowerGeluPass
 from tfgraph.passes.rewrite_utils import MISS_REASON_KEY
-from tfgraph.exporters.targets import get_target
 
 SQRT_2 = math.sqrt(2.0)
 SQRT_2_PI = math.sqrt(2.0 / math.pi)

@@ -10,10 +10,10 @@ import onnx_ir as ir
 import pytest
 
 import tfgraph
+from tfgraph.exporters.tensorrt.target import SOFTCAP_MISS
 from tfgraph.passes.recognize.attention.classify_bias import ClassifyAttentionBiasPass, Subgraphs
 from tfgraph.runtime import CachedDecoder, Session
 from tfgraph.sources import from_module
-from tfgraph.exporters.tensorrt.target import SOFTCAP_MISS
 from tfgraph.verify.generation_parity import compare_greedy, encoder_inputs
 
 PROMPTS = [[5, 9, 2, 7, 1], [3, 1]]

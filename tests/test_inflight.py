@@ -332,6 +332,7 @@ def test_a_bias_read_unshifted_fails_the_exports_row_parity(
     repeat one token, over which any weighting is the same: a decoder-only T5 is the
     control.)"""
     import tfgraph.passes.cache.row_lengths as row_lengths
+
     shifted = row_lengths.RowGather.shifted
 
     def no_shift(self, sliced, past_len):  # F − P_b replaced by 0 for every row

@@ -25,8 +25,8 @@ import pytest
 import tfgraph
 import tfgraph.exporting as exporting
 from tfgraph import interrupts
-from tfgraph.passes.pipeline.run import CHECK_EACH_PASS_ENV
 from tfgraph.exporters.artifact import _host, sweep_stale
+from tfgraph.passes.pipeline.run import CHECK_EACH_PASS_ENV
 
 TESTS = Path(__file__).parent
 BOTH = (signal.SIGINT, signal.SIGTERM)

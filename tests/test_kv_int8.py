@@ -14,14 +14,14 @@ import pytest
 from onnx import numpy_helper
 
 import tfgraph
-import tfgraph.exporting
 import tfgraph.exporters.ort.int8_kv as kv_cache
+import tfgraph.exporting
 from tfgraph.errors import TfgraphError
 from tfgraph.exporters.ort.int8_kv import FakeQuantized, cached_layers, check_kv_dtype
+from tfgraph.exporters.targets import get_target
 from tfgraph.runtime import CachedDecoder, GenerationConfig, Session, SlotBatcher, generate
 from tfgraph.runtime.inflight import generate_inflight
 from tfgraph.sources import load_source
-from tfgraph.exporters.targets import get_target
 from tfgraph.verify.kv_quantization import check_int8_cache
 from tfgraph.verify.tolerance import PARITY_SHAPES
 
@@ -197,8 +197,9 @@ def test_per_channel_scales_are_stated(exported):
 
 
 def test_calibration_streams_from_the_size_the_artifact_goes_external():
-    from tfgraph.exporters.onnx_file import EXTERNAL_FROM
     import tfgraph.exporters.ort.int8_kv as kv_cache
+    from tfgraph.exporters.onnx_file import EXTERNAL_FROM
+
     assert kv_cache.STREAM_FROM == EXTERNAL_FROM
 
 

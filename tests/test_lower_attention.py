@@ -15,9 +15,9 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
+from tfgraph.exporters.targets import get_target
 from tfgraph.passes.lower.lower_attention import LowerAttentionPass
 from tfgraph.passes.rewrite_utils import MISS_REASON_KEY
-from tfgraph.exporters.targets import get_target
 
 B, D = 2, 16
 ATOL = 1e-5

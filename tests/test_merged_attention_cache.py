@@ -11,8 +11,8 @@ import pytest
 
 import tfgraph
 from tfgraph import contract
-from tfgraph.passes.recognize.attention.classify_bias import MASKED
 from tfgraph.passes.cache.merged_attention_cache import _masks_later_self_keys
+from tfgraph.passes.recognize.attention.classify_bias import MASKED
 from tfgraph.tools.coverage import config_for, tiny_config
 from tfgraph.tools.coverage_generation import greedy_vs_hf
 

@@ -7,8 +7,8 @@ import onnx_ir as ir
 import pytest
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-from tfgraph.passes.pipeline.run import run_pipeline
 from tfgraph.exporters.ort.weights.nbits import quantize_matmuls
+from tfgraph.passes.pipeline.run import run_pipeline
 from tfgraph.sources import load_source
 from tfgraph.sources.trace import trace
 
@@ -139,6 +139,7 @@ def test_a_transposed_weight_quantizes_in_column_chunks_to_the_same_bytes(monkey
     columns at a time from the parameter's rows (a 250k-word head is never transposed whole):
     the same bytes as quantizing it whole."""
     import tfgraph.exporters.ort.weights.nbits as nbits
+
     want = _linear_graph(100, 64)
     quantize_matmuls(want, 4, block_size=32, symmetric=False, accuracy_level=4)
     want = _materialized(want)

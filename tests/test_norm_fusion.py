@@ -11,13 +11,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tfgraph import from_module
+from tfgraph.exporters.targets import get_target
+from tfgraph.passes.lower.lower_norms import LowerNormsPass
 from tfgraph.passes.pipeline.fusions import count_fusions, op_histogram
 from tfgraph.passes.pipeline.run import check_model, run_pipeline
 from tfgraph.passes.recognize.fuse_norms import FuseNormsPass
-from tfgraph.passes.lower.lower_norms import LowerNormsPass
 from tfgraph.passes.recognize.norm_rules import SeedLayerNormRule
 from tfgraph.sources.trace import trace
-from tfgraph.exporters.targets import get_target
 
 C = 16
 EPS = 1e-5

@@ -13,8 +13,8 @@ from pipeline_check import compile_and_prove
 from test_attention_rules_more import _attention, _fuse
 from torch import nn
 
-from tfgraph import from_module
 import tfgraph.passes.recognize.attention.separable as separable_attention_rules
+from tfgraph import from_module
 from tfgraph.passes.rewrite_utils import diagnose
 from tfgraph.sources.trace import trace
 

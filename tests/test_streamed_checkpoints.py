@@ -30,10 +30,10 @@ import pytest
 import torch
 
 import tfgraph
-from tfgraph.cli import main
-from tfgraph.sources import checkpoint as checkpoint_module
 import tfgraph.exporters.onnx.target as onnx_target
 import tfgraph.exporters.tensorrt.target as tensorrt_target
+from tfgraph.cli import main
+from tfgraph.sources import checkpoint as checkpoint_module
 from tfgraph.tools.coverage import tiny_config
 from tfgraph.tools.random_checkpoint import write_random_checkpoint
 

@@ -10,8 +10,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from tfgraph.errors import TfgraphError
 import tfgraph.runtime.serving.install as server_install
+from tfgraph.errors import TfgraphError
 from tfgraph.runtime.serving.launcher import TritonServer, find_tritonserver, python_site_paths
 
 try:

@@ -5,10 +5,10 @@ norms become standard LayerNormalization or RMSNorm written out, GELU the standa
 Registering it makes ``--profile toy`` work everywhere.
 """
 
+from tfgraph.exporters.target import fused_ops
+from tfgraph.exporters.targets import Target, register
 from tfgraph.passes.lower.lower_attention import Lowered
 from tfgraph.passes.lower.lower_gelu import standard_gelu
-from tfgraph.exporters.targets import Target, register
-from tfgraph.exporters.target import fused_ops
 
 FUSED_AS = "MatMul-Softmax-MatMul (toy)"
 

@@ -16,22 +16,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tfgraph.passes.pipeline.fusions import count_fusions
-from tfgraph.exporters.ort.paging import page_artifact
-from tfgraph.passes.pipeline.run import run_pipeline
 from tfgraph.exporters import check_target, staged_directory, write_json
 from tfgraph.exporters.artifact import scratch_directory
 from tfgraph.exporters.budget import check_budget
 from tfgraph.exporters.manifest import MANIFEST_FILE, build_manifest
+from tfgraph.exporters.ort.paging import page_artifact
+from tfgraph.exporters.targets import get_target
 from tfgraph.exporters.write import write_artifact
 from tfgraph.interrupts import unwound
 from tfgraph.options import ExportOptions
+from tfgraph.passes.pipeline.fusions import count_fusions
+from tfgraph.passes.pipeline.run import run_pipeline
 from tfgraph.precision.stage import convert_precision, quantize_kv_cache, quantize_weights
 from tfgraph.progress import stage
 from tfgraph.sources import ModelSource, load_source
 from tfgraph.sources.trace import TraceCache
 from tfgraph.sources.tracing import trace_source
-from tfgraph.exporters.targets import get_target
 from tfgraph.verify.artifact import check_artifact, weights_error
 from tfgraph.verify.kv_quantization import check_int8_cache
 

@@ -76,9 +76,9 @@ class ExportOptions:
         """These options checked against their target (``target``: it, already looked up),
         with its defaults filled in: the target as a :class:`Target`, the opset, the accuracy
         level."""
+        from tfgraph.exporters.ort.int8_kv import check_kv_dtype
         from tfgraph.exporters.ort.paging import check_kv_layout
         from tfgraph.precision.islands import check_precision
-        from tfgraph.exporters.ort.int8_kv import check_kv_dtype
 
         target = target or get_target(self.target)
         check_precision(self.precision, self.keep_io_types, target)

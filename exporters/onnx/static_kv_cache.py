@@ -37,10 +37,9 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 
 from tfgraph import contract
-
+from tfgraph.passes.cache.row_lengths import expose_row_lengths, row_lengths_value
 from tfgraph.passes.canonical import require_lowered_attention
 from tfgraph.passes.rewrite_utils import insert_tape, replace_value
-from tfgraph.passes.cache.row_lengths import expose_row_lengths, row_lengths_value
 
 logger = logging.getLogger(__name__)
 

@@ -12,14 +12,13 @@
 
 from __future__ import annotations
 
+from tfgraph.exporters.onnx.static_kv_cache import StaticKVCachePass
+from tfgraph.exporters.target import SessionSettings, Target, fused_ops
+from tfgraph.exporters.targets import register
 from tfgraph.passes.lower.expand_attention_mask import ExpandAttentionMaskPass
 from tfgraph.passes.lower.lower_attention import AttentionCase, Lowered
 from tfgraph.passes.lower.lower_gelu import standard_gelu
 from tfgraph.passes.lower.lower_norms import NormCase
-from tfgraph.exporters.onnx.static_kv_cache import StaticKVCachePass
-
-from tfgraph.exporters.targets import register
-from tfgraph.exporters.target import SessionSettings, Target, fused_ops
 
 ATTENTION_OPSET = 23
 

@@ -34,6 +34,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from tfgraph.passes.cache.row_lengths import rows_read
 from tfgraph.passes.lower.lower_attention import MS_DOMAIN
 from tfgraph.passes.rewrite_utils import (
     add_initializer,
@@ -43,7 +44,6 @@ from tfgraph.passes.rewrite_utils import (
     replace_value,
     same_dims,
 )
-from tfgraph.passes.cache.row_lengths import rows_read
 
 logger = logging.getLogger(__name__)
 

@@ -43,7 +43,6 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 
 from tfgraph import contract
-
 from tfgraph.passes.canonical import require_lowered_attention
 from tfgraph.passes.provenance import module_name
 from tfgraph.passes.rewrite_utils import add_initializer, insert_tape, replace_value

@@ -25,9 +25,8 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 
 from tfgraph import contract
-
-from tfgraph.passes.canonical import require_lowered_attention
 from tfgraph.passes.cache.row_lengths import expose_row_lengths
+from tfgraph.passes.canonical import require_lowered_attention
 
 logger = logging.getLogger(__name__)
 

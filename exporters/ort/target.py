@@ -43,18 +43,17 @@ from __future__ import annotations
 
 import onnx_ir.passes.common as common
 
-from tfgraph.passes.lower.expand_attention_mask import ExpandAttentionMaskPass
 from tfgraph.exporters.ort.fold_rotary import FoldRotaryPass
 from tfgraph.exporters.ort.kernel_layouts import KernelLayoutsPass
+from tfgraph.exporters.ort.pack_qkv import PackQKVPass
+from tfgraph.exporters.ort.share_kv_buffer import ShareKVBufferPass
+from tfgraph.exporters.target import SessionSettings, Target, fused_ops
+from tfgraph.exporters.targets import register
+from tfgraph.passes.lower.expand_attention_mask import ExpandAttentionMaskPass
 from tfgraph.passes.lower.lower_attention import AttentionCase, Lowered
 from tfgraph.passes.lower.lower_gelu import ms_gelu
 from tfgraph.passes.lower.lower_norms import NormCase
 from tfgraph.passes.lower.lower_recurrent import contrib_kernel
-from tfgraph.exporters.ort.pack_qkv import PackQKVPass
-from tfgraph.exporters.ort.share_kv_buffer import ShareKVBufferPass
-
-from tfgraph.exporters.targets import register
-from tfgraph.exporters.target import SessionSettings, Target, fused_ops
 
 ORT_FUSED = {
     "attention": {

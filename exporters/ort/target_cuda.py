@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from tfgraph.exporters.targets import register
-from tfgraph.exporters.target import SessionSettings
 from tfgraph.exporters.ort.target import ORT, lower_norm_with_skip
+from tfgraph.exporters.target import SessionSettings
+from tfgraph.exporters.targets import register
 
 register(
     dataclasses.replace(

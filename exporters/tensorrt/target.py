@@ -21,15 +21,14 @@ runs the same graph in ONNX Runtime's CPU provider.
 
 from __future__ import annotations
 
+from tfgraph.exporters.onnx.static_kv_cache import StaticKVCachePass
+from tfgraph.exporters.target import SessionSettings, Target, fused_ops
+from tfgraph.exporters.targets import register, register_factory
+from tfgraph.exporters.tensorrt.compat import check_tensorrt
 from tfgraph.passes.lower.expand_attention_mask import ExpandAttentionMaskPass
 from tfgraph.passes.lower.lower_attention import AttentionCase, Lowered
 from tfgraph.passes.lower.lower_gelu import standard_gelu
 from tfgraph.passes.lower.lower_norms import NormCase
-from tfgraph.exporters.onnx.static_kv_cache import StaticKVCachePass
-
-from tfgraph.exporters.targets import register, register_factory
-from tfgraph.exporters.target import SessionSettings, Target, fused_ops
-from tfgraph.exporters.tensorrt.compat import check_tensorrt
 
 DEFAULT_VERSION = (10, 15)
 RMS_NORMALIZATION = (10, 15)  # first TensorRT whose parser takes RMSNormalization

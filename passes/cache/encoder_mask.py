@@ -28,10 +28,9 @@ import logging
 import onnx_ir as ir
 
 from tfgraph import contract
-
+from tfgraph.passes.cache.split_encoder import CROSS_KV_KEY
 from tfgraph.passes.canonical import DOMAIN, AttentionOp
 from tfgraph.passes.recognize.attention.key_padding_bias import build_key_bias
-from tfgraph.passes.cache.split_encoder import CROSS_KV_KEY
 
 logger = logging.getLogger(__name__)
 

@@ -50,10 +50,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 
 from tfgraph import contract
-
-from tfgraph.passes.canonical import AttentionOp
 from tfgraph.passes.cache.encoder_mask import add_encoder_mask
-from tfgraph.passes.recognize.attention.gating_softmax import is_gating_softmax
 from tfgraph.passes.cache.merged_attention_cache import (
     ROWS_REFUSED,
     after_cache,
@@ -63,12 +60,19 @@ from tfgraph.passes.cache.merged_attention_cache import (
     merged_layers,
     past_shape_source,
 )
-from tfgraph.passes.provenance import layer_name
-from tfgraph.passes.rewrite_utils import DOMAIN, LOWERED_FROM_KEY, dims_of, int_list, same_dims
-from tfgraph.passes.cache.row_lengths import PER_ROW, ROW_LENGTHS_FROM_KEY, ROW_LENGTHS_KEY, RowGather
+from tfgraph.passes.cache.row_lengths import (
+    PER_ROW,
+    ROW_LENGTHS_FROM_KEY,
+    ROW_LENGTHS_KEY,
+    RowGather,
+)
 from tfgraph.passes.cache.slice_machinery import Slicer
 from tfgraph.passes.cache.split_encoder import CROSS_KV_KEY
 from tfgraph.passes.cache.token_value_cache import cache_token_value
+from tfgraph.passes.canonical import AttentionOp
+from tfgraph.passes.provenance import layer_name
+from tfgraph.passes.recognize.attention.gating_softmax import is_gating_softmax
+from tfgraph.passes.rewrite_utils import DOMAIN, LOWERED_FROM_KEY, dims_of, int_list, same_dims
 
 logger = logging.getLogger(__name__)
 

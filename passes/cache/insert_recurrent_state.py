@@ -23,7 +23,6 @@ import logging
 import onnx_ir as ir
 
 from tfgraph import contract
-
 from tfgraph.passes.canonical import RECURRENT_OPS, CausalConvOp, LinearAttentionOp, is_canonical
 from tfgraph.passes.provenance import layer_name
 from tfgraph.passes.rewrite_utils import dims_of

@@ -33,7 +33,12 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from tfgraph.passes.recognize.attention.classify_bias import MASKED, SIZES, Subgraphs, evaluate_biases
+from tfgraph.passes.recognize.attention.classify_bias import (
+    MASKED,
+    SIZES,
+    Subgraphs,
+    evaluate_biases,
+)
 from tfgraph.passes.rewrite_utils import dims_of
 
 logger = logging.getLogger(__name__)

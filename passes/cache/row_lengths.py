@@ -47,7 +47,6 @@ import numpy as np
 import onnx_ir as ir
 
 from tfgraph import contract
-
 from tfgraph.passes.canonical import AttentionOp
 from tfgraph.passes.recognize.attention.key_padding_bias import LEFT_PAD_SHIFT_KEY
 from tfgraph.passes.rewrite_utils import dims_of

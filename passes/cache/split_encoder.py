@@ -21,7 +21,6 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 
 from tfgraph import contract
-
 from tfgraph.passes.rewrite_utils import dims_of
 
 logger = logging.getLogger(__name__)

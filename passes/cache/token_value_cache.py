@@ -24,7 +24,6 @@ import numpy as np
 import onnx_ir as ir
 
 from tfgraph import contract
-
 from tfgraph.passes.rewrite_utils import dims_of
 
 

@@ -38,7 +38,9 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from tfgraph.passes.cache.row_lengths import row_lengths_value
 from tfgraph.passes.canonical import AttentionOp, is_canonical
+from tfgraph.passes.recognize.attention.sink import sink_column, sink_softmax_ops
 from tfgraph.passes.rewrite_utils import (
     FUSED_AS_KEY,
     LOWERED_FROM_KEY,
@@ -47,8 +49,6 @@ from tfgraph.passes.rewrite_utils import (
     mark_missed,
     replace_value,
 )
-from tfgraph.passes.cache.row_lengths import row_lengths_value
-from tfgraph.passes.recognize.attention.sink import sink_column, sink_softmax_ops
 from tfgraph.passes.target_arg import require_target
 
 logger = logging.getLogger(__name__)

@@ -64,7 +64,10 @@ def contrib_kernel(tape: ir.tape.Tape, node: ir.Node) -> LoweredRecurrence:
 def standard_ops(tape: ir.tape.Tape, node: ir.Node, reason: str) -> LoweredRecurrence:
     """The canonical op in standard ONNX ops (:mod:`.recurrent_standard`), missed for
     ``reason``."""
-    from tfgraph.passes.lower.recurrent_standard import standard_causal_conv, standard_linear_attention
+    from tfgraph.passes.lower.recurrent_standard import (
+        standard_causal_conv,
+        standard_linear_attention,
+    )
 
     spec = RECURRENT_OPS[node.op_type].read(node)
     if isinstance(spec, CausalConvOp):

@@ -22,17 +22,17 @@ from dataclasses import dataclass
 import onnx_ir as ir
 import onnx_ir.passes.common as common
 
-from tfgraph.passes.recognize.attention.classify_bias import ClassifyAttentionBiasPass
-from tfgraph.passes.recognize.attention.fuse import FuseAttentionPass
-from tfgraph.passes.recognize.fuse_gelu import FuseGeluPass
-from tfgraph.passes.recognize.fuse_norms import FuseNormsPass
-from tfgraph.passes.recognize.attention.gather_after_contraction import GatherAfterContractionPass
 from tfgraph.passes.cache.insert_kv_cache import InsertKVCachePass
 from tfgraph.passes.cache.insert_recurrent_state import InsertRecurrentStatePass
 from tfgraph.passes.lower.lower_attention import LowerAttentionPass
 from tfgraph.passes.lower.lower_gelu import LowerGeluPass
 from tfgraph.passes.lower.lower_norms import LowerNormsPass
 from tfgraph.passes.lower.lower_recurrent import LowerRecurrentPass
+from tfgraph.passes.recognize.attention.classify_bias import ClassifyAttentionBiasPass
+from tfgraph.passes.recognize.attention.fuse import FuseAttentionPass
+from tfgraph.passes.recognize.attention.gather_after_contraction import GatherAfterContractionPass
+from tfgraph.passes.recognize.fuse_gelu import FuseGeluPass
+from tfgraph.passes.recognize.fuse_norms import FuseNormsPass
 from tfgraph.passes.target_arg import require_target
 
 

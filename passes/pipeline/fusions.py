@@ -30,17 +30,17 @@ from collections import Counter
 
 import onnx_ir as ir
 
+from tfgraph.exporters.targets import FUSION_KINDS, Target, all_fused_ops, get_target
 from tfgraph.passes.canonical import RECURRENT_OPS
+from tfgraph.passes.provenance import module_name
 from tfgraph.passes.recognize.attention.fuse import is_gating_softmax
 from tfgraph.passes.recognize.fuse_norms import is_norm_candidate
-from tfgraph.passes.provenance import module_name
 from tfgraph.passes.rewrite_utils import (
     EXCLUDED_KEY,
     FUSED_AS_KEY,
     LOWERED_FROM_KEY,
     MISS_REASON_KEY,
 )
-from tfgraph.exporters.targets import FUSION_KINDS, Target, all_fused_ops, get_target
 
 
 def _unfused_candidates(kind: str, model: ir.Model) -> set[int]:

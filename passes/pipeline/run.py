@@ -23,12 +23,12 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 
 from tfgraph import contract
-from tfgraph.passes.skeleton import skeleton
 from tfgraph.errors import TfgraphError, first_line
+from tfgraph.exporters.targets import Target, all_nonstandard_default_ops, get_target
 from tfgraph.passes import PIPELINES, PipelineOptions, build_pipeline, pass_names
 from tfgraph.passes.cache.insert_kv_cache import KVCacheError
 from tfgraph.passes.rewrite_utils import weight_bytes
-from tfgraph.exporters.targets import Target, all_nonstandard_default_ops, get_target
+from tfgraph.passes.skeleton import skeleton
 
 logger = logging.getLogger(__name__)
 

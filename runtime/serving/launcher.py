@@ -44,7 +44,6 @@ from itertools import count
 from pathlib import Path
 
 from tfgraph.errors import TfgraphError
-
 from tfgraph.runtime.serving.install import STUB, TritonInstall, find_tritonserver
 
 logger = logging.getLogger(__name__)

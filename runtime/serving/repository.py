@@ -30,7 +30,6 @@ from pathlib import Path
 from tfgraph import contract
 from tfgraph.errors import TfgraphError
 from tfgraph.exporters import staged_directory
-
 from tfgraph.runtime.serving.launcher import python_site_paths
 
 logger = logging.getLogger(__name__)
@@ -409,6 +408,7 @@ def generate_config(name: str, tokenizer: bool, batching: Batching | int, paths:
 
 def _write_generate(stage: Path, artifact: Path, name: str, batching: Batching) -> RepositoryModel:
     import tfgraph.runtime.serving.triton_generate as triton_generate
+
     version = stage / name / "1"
     version.mkdir(parents=True)
     shutil.copyfile(triton_generate.__file__, version / "model.py")

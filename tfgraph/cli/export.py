@@ -19,8 +19,8 @@ EXPORT_STEPS = ("load", "trace", "passes", "save", "parity")
 
 
 def add_parser(sub):
-    from tfgraph.passes import PIPELINES
     from tfgraph.exporters.targets import target_names
+    from tfgraph.passes import PIPELINES
 
     p = sub.add_parser("export", help="trace, optimize, export to ONNX and check parity")
     p.add_argument("model", help="preset name, package.module:function, or a HF model directory")

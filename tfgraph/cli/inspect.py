@@ -24,8 +24,8 @@ def add_parser(sub):
 def run(args) -> int:
     import onnx_ir as ir
 
-    from tfgraph.passes.pipeline.fusions import count_fusions, op_histogram
     from tfgraph.contract import signature_of
+    from tfgraph.passes.pipeline.fusions import count_fusions, op_histogram
     from tfgraph.runtime.session import checked_model
 
     path, _ = checked_model(args.path)  # format and external-data locations checked first

@@ -8,10 +8,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from tfgraph.exporters.ort.weights.quantize import dequantized_source, quantize
+from tfgraph.exporters.ort.weights.streamed_reference import (
+    is_streamed,
+    placements,
+    streamed_dequantized,
+)
 from tfgraph.passes.pipeline.run import PassRecord, check_model
 from tfgraph.precision.islands import apply_precision
-from tfgraph.exporters.ort.weights.streamed_reference import is_streamed, placements, streamed_dequantized
-from tfgraph.exporters.ort.weights.quantize import dequantized_source, quantize
 
 
 def convert_precision(graph, source, options, shapes, records: list[PassRecord]) -> dict:
@@ -59,7 +63,6 @@ def quantize_kv_cache(graph, source, options, shapes, records: list[PassRecord],
     the parity inputs, the fake-quantized fp32 reference written to ``scratch/model.onnx``
     for parity (a large graph's without its weights: parity links the artifact's); (what the
     report says, the reference's path)."""
-    from tfgraph.precision.islands import island_feeds
     from tfgraph.exporters.ort.int8_kv import (
         FakeQuantized,
         cached_layers,
@@ -69,6 +72,7 @@ def quantize_kv_cache(graph, source, options, shapes, records: list[PassRecord],
         scales_of,
         to_int8,
     )
+    from tfgraph.precision.islands import island_feeds
 
     start = time.perf_counter()
     layers = cached_layers(graph)

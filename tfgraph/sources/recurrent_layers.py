@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from tfgraph.sources import recurrent_kernels  # noqa: F401 - registers tfgraph::linear_attention
-
 from tfgraph.sources.instance_methods import instance_methods
 
 logger = logging.getLogger(__name__)

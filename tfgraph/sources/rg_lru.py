@@ -30,7 +30,6 @@ from collections.abc import Iterator
 import torch
 
 from tfgraph.sources import recurrent_kernels  # noqa: F401 - registers tfgraph::linear_attention
-
 from tfgraph.sources.instance_methods import instance_methods
 
 logger = logging.getLogger(__name__)

@@ -22,9 +22,9 @@ from onnxscript import rewriter
 from tfgraph import contract
 from tfgraph import onnxscript_private as private
 from tfgraph.errors import TfgraphError, first_line
-from tfgraph.passes.recognize.exact_no_op import exact
 from tfgraph.passes.lazy_weights import fold_weight_transposes
 from tfgraph.passes.provenance import module_name  # noqa: F401  (re-exported)
+from tfgraph.passes.recognize.exact_no_op import exact
 from tfgraph.sources import (
     block_indexer,
     complex_rotary,

@@ -42,9 +42,9 @@ from pathlib import Path
 from hypothesis import HealthCheck, Phase, given, reject, settings
 from hypothesis import seed as hypothesis_seed
 
+from tfgraph.exporters.targets import get_target
 from tfgraph.sources import ModelSource
 from tfgraph.sources.trace import TraceCache
-from tfgraph.exporters.targets import get_target
 from tfgraph.tools.fuzz_cases import PROFILES, FuzzCase, case_source, fusion_problems, fuzz_cases
 from tfgraph.verify.generation_parity import compare_greedy, encoder_inputs
 

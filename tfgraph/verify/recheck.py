@@ -230,7 +230,10 @@ def bisect(source, model_file: Path, precision: str = "fp32", shape=(1, 7)) -> d
     """The first module (in eager finishing order) whose graph value leaves tolerance."""
     import torch
 
-    from tfgraph.exporters.ort.weights.activations import activation_quantization_off, quantizes_activations
+    from tfgraph.exporters.ort.weights.activations import (
+        activation_quantization_off,
+        quantizes_activations,
+    )
     from tfgraph.precision.islands import TORCH_TYPES, island_feeds, judge, run_exposed
     from tfgraph.verify.activation_rule import judge_activations
 

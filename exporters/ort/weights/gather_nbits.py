@@ -20,8 +20,8 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from tfgraph.passes.lazy_weights import register
 from tfgraph.exporters.ort.weights.nbits import MS_DOMAIN, _Blocks, replace_node
+from tfgraph.passes.lazy_weights import register
 
 logger = logging.getLogger(__name__)
 

@@ -39,15 +39,15 @@ import onnx_ir as ir
 
 from tfgraph import contract
 from tfgraph.errors import TfgraphError
-from tfgraph.passes.lower.gemm_as_matmul import gemm_as_matmul
-from tfgraph.passes.lazy_weights import transposed
-from tfgraph.passes.provenance import layer_name
-from tfgraph.passes.rewrite_utils import weight_bytes
 from tfgraph.exporters.ort.weights.activations import ActivationQuantizer
 from tfgraph.exporters.ort.weights.dequantize import dequantize
 from tfgraph.exporters.ort.weights.gather_nbits import dequantize_table, quantize_embeddings
 from tfgraph.exporters.ort.weights.nbits import quantize_matmuls
 from tfgraph.exporters.ort.weights.streamed_reference import is_streamed, streamed_dequantized
+from tfgraph.passes.lazy_weights import transposed
+from tfgraph.passes.lower.gemm_as_matmul import gemm_as_matmul
+from tfgraph.passes.provenance import layer_name
+from tfgraph.passes.rewrite_utils import weight_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -23,11 +23,11 @@ import torch
 from torch import nn
 
 from tfgraph.errors import TfgraphError
-from tfgraph.passes.lazy_weights import DERIVED
 from tfgraph.exporters.ort.weights.activations import fake_quantize
 from tfgraph.exporters.ort.weights.chunked_reference import swap_large
 from tfgraph.exporters.ort.weights.dequantize import dequantize_rows
 from tfgraph.exporters.ort.weights.gather_nbits import dequantize_table
+from tfgraph.passes.lazy_weights import DERIVED
 from tfgraph.sources.streamed import PARAMETER, empty_model
 
 logger = logging.getLogger(__name__)

@@ -42,15 +42,14 @@ import onnx
 import onnx_ir as ir
 
 from tfgraph.contract import ATTENTION_MASK, ENCODER_ATTENTION_MASK, names_with_role
-
 from tfgraph.passes.canonical import DOMAIN, AttentionOp, drop_attention_bias
+from tfgraph.passes.probe_feeds import probe_feeds
 from tfgraph.passes.recognize.attention.causal_within import mask_candidates
 from tfgraph.passes.recognize.attention.key_padding_bias import (
     LEFT_PAD_SHIFT_KEY,
     compact_key_padding,
     shifts_with_left_padding,
 )
-from tfgraph.passes.probe_feeds import probe_feeds
 
 logger = logging.getLogger(__name__)
 
