@@ -9,10 +9,10 @@ from pathlib import Path
 
 from tfgraph.contract import ENCODER_FILE
 from tfgraph.exporters.artifact import write_json
+from tfgraph.exporters.compile import check_model
 from tfgraph.exporters.manifest import MANIFEST_FILE, build_manifest
 from tfgraph.exporters.onnx_file import save_onnx
 from tfgraph.passes.cache.split_encoder import split_encoder
-from tfgraph.passes.pipeline.run import check_model
 
 
 def write_artifact(graph, stage: Path, source, options, passes: list[dict], fusions: dict):

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from tfgraph.passes.pipeline.fusions import count_fusions, op_histogram
-from tfgraph.passes.pipeline.run import run_pipeline
+from tfgraph.exporters.compile import count_fusions, run_pipeline
+from tfgraph.passes.pipeline.fusions import op_histogram
 from tfgraph.verify.parity import check_parity
 
 
 def compile_and_prove(source, traced: ir.Model, pipeline: str, profile: str, tmp_path) -> dict:
     """Run ``pipeline`` on a copy of ``traced``; return fusions, op histogram and parity."""
     model = ir.from_proto(ir.to_proto(traced))
-    run_pipeline(model, pipeline, profile=profile, check_each_pass=True)
+    run_pipeline(model, pipeline, target=profile, check_each_pass=True)
     path = tmp_path / f"{pipeline}-{profile}.onnx"
     ir.save(model, path)
     return {

@@ -7,8 +7,7 @@ import torch
 from torch import nn
 
 from tfgraph import from_module, load_source
-from tfgraph.passes.pipeline.fusions import count_fusions
-from tfgraph.passes.pipeline.run import run_pipeline
+from tfgraph.exporters.compile import count_fusions, run_pipeline
 from tfgraph.passes.recognize.attention.classify_bias import ClassifyAttentionBiasPass
 from tfgraph.passes.recognize.attention.fuse import FuseAttentionPass
 from tfgraph.sources.trace import module_name, trace

@@ -5,8 +5,7 @@ from pipeline_check import compile_and_prove
 from torch import nn
 
 from tfgraph import from_module
-from tfgraph.passes.pipeline.fusions import count_fusions
-from tfgraph.passes.pipeline.run import run_pipeline
+from tfgraph.exporters.compile import count_fusions, run_pipeline
 from tfgraph.passes.recognize.attention.fuse import FuseAttentionPass
 from tfgraph.sources.trace import trace
 

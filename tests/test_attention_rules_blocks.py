@@ -19,7 +19,7 @@ from torch import nn
 import tfgraph.passes.recognize.attention.concat_keys as concat_keys_rules
 import tfgraph.passes.recognize.attention.einsum as einsum_rules
 from tfgraph import from_module
-from tfgraph.passes.pipeline.run import run_pipeline
+from tfgraph.exporters.compile import run_pipeline
 from tfgraph.passes.recognize.attention.einsum import broadcast_batched_matmul
 from tfgraph.passes.recognize.attention.fuse import FuseAttentionPass, is_gating_softmax
 from tfgraph.passes.rewrite_utils import apply_rules, diagnose

@@ -12,7 +12,7 @@ from torch import nn
 
 import tfgraph.passes.recognize.attention.rules as attention_rules
 from tfgraph import from_module
-from tfgraph.passes.pipeline.run import run_pipeline
+from tfgraph.exporters.compile import run_pipeline
 from tfgraph.passes.recognize.attention.fuse import FuseAttentionPass
 from tfgraph.passes.rewrite_utils import diagnose
 from tfgraph.sources.trace import trace

@@ -12,8 +12,7 @@ from torch import nn
 
 import tfgraph.passes.recognize.attention.rules as attention_rules
 from tfgraph import from_module
-from tfgraph.passes.pipeline.fusions import count_fusions
-from tfgraph.passes.pipeline.run import run_pipeline
+from tfgraph.exporters.compile import count_fusions, run_pipeline
 from tfgraph.passes.recognize.attention.classify_bias import ClassifyAttentionBiasPass
 from tfgraph.passes.recognize.attention.einsum import parse_batched_matmul
 from tfgraph.passes.recognize.attention.fuse import FuseAttentionPass

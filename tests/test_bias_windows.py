@@ -10,10 +10,10 @@ import torch
 
 import tfgraph
 from tfgraph import from_module
+from tfgraph.exporters.compile import run_pipeline
 from tfgraph.models import build
 from tfgraph.models import transformer as zoo_transformer
 from tfgraph.models.config import ModelConfig
-from tfgraph.passes.pipeline.run import run_pipeline
 from tfgraph.passes.recognize.attention.classify_bias import (
     CHECKED_KEY,
     LONG_SIZE,

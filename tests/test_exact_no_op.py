@@ -12,9 +12,8 @@ import torch
 from torch import nn
 
 from tfgraph import from_module
+from tfgraph.exporters.compile import count_fusions, run_pipeline
 from tfgraph.models.norms import SeedLayerNorm
-from tfgraph.passes.pipeline.fusions import count_fusions
-from tfgraph.passes.pipeline.run import run_pipeline
 from tfgraph.passes.recognize.fuse_norms import FuseNormsPass
 from tfgraph.passes.recognize.norm_rules import SeedLayerNormRule
 from tfgraph.sources.trace import trace

@@ -6,7 +6,7 @@ import onnx_ir as ir
 import pytest
 
 import tfgraph
-from tfgraph.passes.pipeline.run import check_model
+from tfgraph.exporters.compile import check_model
 from tfgraph.verify.parity import FP32
 
 REPORT_KEYS = {"parity", "fusions", "kv_cache", "profile", "opset"}

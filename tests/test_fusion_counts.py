@@ -2,7 +2,8 @@
 
 import onnx_ir as ir
 
-from tfgraph.passes.pipeline.fusions import MISS_REASON_KEY, count_fusions, op_histogram
+from tfgraph.exporters.compile import count_fusions
+from tfgraph.passes.pipeline.fusions import MISS_REASON_KEY, op_histogram
 
 TEXT = """
 <ir_version: 10, opset_import: ["" : 20]>

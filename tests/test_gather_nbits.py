@@ -8,19 +8,19 @@ import onnxruntime as ort
 import pytest
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
+from tfgraph.exporters.compile import run_pipeline
 from tfgraph.exporters.ort.weights.gather_nbits import (
     dequantize_table,
     is_embedding,
     quantize_embeddings,
 )
-from tfgraph.passes.pipeline.run import run_pipeline
 from tfgraph.sources import load_source
 from tfgraph.sources.trace import trace
 
 
 def _graph(preset: str) -> ir.Model:
     model = trace(load_source(preset))
-    run_pipeline(model, "default", profile="ort", kv_cache=True)
+    run_pipeline(model, "default", target="ort", kv_cache=True)
     return model
 
 

@@ -221,8 +221,7 @@ def test_softcapped_scores_with_alternating_windows_fuse_and_cache(target, tmp_p
 def test_a_tanh_not_scaled_by_its_cap_is_not_a_softcap():
     """Rejection: ``5 · tanh(scores / 4)`` is not a soft-cap; attention stays unfused, and the
     report says why."""
-    from tfgraph.passes.pipeline.fusions import count_fusions
-    from tfgraph.passes.pipeline.run import run_pipeline
+    from tfgraph.exporters.compile import count_fusions, run_pipeline
     from tfgraph.sources.trace import trace
 
     model = idiom_models.softcap_gpt()

@@ -20,7 +20,7 @@ import tfgraph.exporters.manifest
 import tfgraph.passes.pipeline.fusions, tfgraph.passes.pipeline.run
 import onnx_ir as ir
 from tfgraph.cli import main
-from tfgraph.passes.pipeline.fusions import count_fusions
+from tfgraph.exporters.compile import count_fusions
 from tfgraph.passes import build_pipeline
 from tfgraph.exporters.targets import get_target
 path = sys.argv[1]

@@ -18,54 +18,54 @@ PACKAGES = {
     "tfgraph.bench": "bench",
 }
 
-# module prefix → stage (the longest prefix wins)
+# module prefix → stage (the longest prefix wins). The top-level folders are the stages of the
+# pipeline: models/ → tfgraph/sources (load + trace) → passes/ → exporters/ (each target's own
+# passes, formats and engines, the artifact writer) → runtime/ (runners, generation, serving);
+# tfgraph/ also holds what spans them: precision policy, verify, export, tools, the CLI.
 STAGE_OF = {
-    "tfgraph": "core",  # the package itself: version, lazy names
+    "tfgraph": "core",  # the package itself: version, lazy names, errors, progress, interrupts
     "tfgraph.errors": "core",
     "tfgraph.contract": "core",
     "tfgraph.onnxscript_private": "core",
     "tfgraph.models": "models",
-    "tfgraph.passes": "passes",
-    "tfgraph.exporters.targets": "targets",
-    "tfgraph.compile": "compile",
-    "tfgraph.exporters": "artifact",
-    "tfgraph.runtime": "runtime",
     "tfgraph.sources": "sources",
+    "tfgraph.passes": "passes",
+    "tfgraph.exporters": "exporters",
+    "tfgraph.runtime": "runtime",
+    "tfgraph.runtime.serving": "serving",
+    "tfgraph.serving": "serving",  # the README's `python -m tfgraph.serving.install`
     "tfgraph.precision": "precision",
     "tfgraph.verify": "verify",
     "tfgraph.options": "export",
     "tfgraph.exporting": "export",
-    "tfgraph.runtime.serving": "serving",
     "tfgraph.tools": "tools",
     "tfgraph.bench": "bench",
     "tfgraph.cli": "cli",
     "tfgraph.__main__": "cli",
 }
 
-# stage → the stages it may import (besides itself and core). The order of the pipeline:
-# graph stages (passes, targets, compile, artifact, runtime) know no torch and no source;
-# sources know the models; precision and verify work on sources and graphs; export composes
-# the stages; tools, serving, bench and the CLI sit on top.
+# stage → the stages it may import (besides itself and core). Graph stages (passes, exporters'
+# graph code, runtime) know no source; passes know no target (a target object is handed in);
+# a target's folder knows the neutral passes, and its eager weight reference reads the
+# checkpoint through the sources; the runtime knows the artifact contract and the targets'
+# runners only; precision and verify work on sources and graphs; export composes the stages;
+# tools, serving, bench and the CLI sit on top.
 MAY_IMPORT = {
     "core": set(),
     "models": set(),
-    "passes": set(),
-    "targets": {"passes"},
-    "compile": {"passes", "targets"},
-    "artifact": {"passes", "targets", "compile"},
-    "runtime": {"targets", "artifact"},
     "sources": {"models", "passes"},
-    "precision": {"passes", "targets", "compile", "sources"},
-    "verify": {"passes", "targets", "compile", "artifact", "runtime", "sources", "precision"},
-    "export": {"passes", "targets", "compile", "artifact", "sources", "precision", "verify"},
-    "serving": {"artifact", "runtime"},
-    "tools": {"models", "targets", "compile", "runtime", "sources", "verify", "export"},
+    "passes": set(),
+    "exporters": {"passes", "sources"},
+    "runtime": {"exporters"},
+    "precision": {"passes", "exporters", "sources"},
+    "verify": {"passes", "exporters", "runtime", "sources", "precision"},
+    "export": {"passes", "exporters", "sources", "precision", "verify"},
+    "serving": {"exporters", "runtime"},
+    "tools": {"models", "passes", "exporters", "runtime", "sources", "verify", "export"},
     "bench": {
         "models",
         "passes",
-        "targets",
-        "compile",
-        "artifact",
+        "exporters",
         "runtime",
         "sources",
         "precision",

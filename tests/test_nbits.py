@@ -7,15 +7,15 @@ import onnx_ir as ir
 import pytest
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
+from tfgraph.exporters.compile import run_pipeline
 from tfgraph.exporters.ort.weights.nbits import quantize_matmuls
-from tfgraph.passes.pipeline.run import run_pipeline
 from tfgraph.sources import load_source
 from tfgraph.sources.trace import trace
 
 
 def _graph(preset: str) -> ir.Model:
     model = trace(load_source(preset))
-    run_pipeline(model, "default", profile="ort", kv_cache=True)
+    run_pipeline(model, "default", target="ort", kv_cache=True)
     return model
 
 

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tfgraph import from_module
+from tfgraph.exporters.compile import check_model, count_fusions, run_pipeline
 from tfgraph.exporters.targets import get_target
 from tfgraph.passes.lower.lower_norms import LowerNormsPass
-from tfgraph.passes.pipeline.fusions import count_fusions, op_histogram
-from tfgraph.passes.pipeline.run import check_model, run_pipeline
+from tfgraph.passes.pipeline.fusions import op_histogram
 from tfgraph.passes.recognize.fuse_norms import FuseNormsPass
 from tfgraph.passes.recognize.norm_rules import SeedLayerNormRule
 from tfgraph.sources.trace import trace
@@ -170,7 +170,7 @@ def test_ort_keeps_layernorm_residual_apart():
 def test_lowering_targets(kind, profile):
     fn = ln_div if kind == "LayerNorm" else rms_div
     model = _traced(fn, 20 if profile == "ort" else 23)
-    run_pipeline(model, "default", profile=profile)
+    run_pipeline(model, "default", target=profile)
     norms = {op for op in op_histogram(model) if "Norm" in op}
     assert norms == {EXPECTED_OPS[kind, profile]}
 

@@ -22,8 +22,8 @@ import pytest
 from onnx import TensorProto, helper
 
 import tfgraph
-from tfgraph.passes.pipeline.fusions import count_fusions, op_histogram
-from tfgraph.passes.pipeline.run import run_pipeline
+from tfgraph.exporters.compile import count_fusions, run_pipeline
+from tfgraph.passes.pipeline.fusions import op_histogram
 from tfgraph.passes.recognize.attention.fuse import FuseAttentionPass
 from tfgraph.passes.rewrite_utils import MISS_REASON_KEY
 
@@ -129,7 +129,7 @@ def test_default_pipeline_relowers_attention(name: str, profile: str) -> None:
     case = CASES[name]
     proto, feeds = build(case)
     model = ir.from_proto(proto)
-    run_pipeline(model, "default", profile=profile, check_each_pass=True)
+    run_pipeline(model, "default", target=profile, check_each_pass=True)
     ops = op_histogram(model)
     if profile == "ort":
         assert ops[case.ort_op] == 1 and "Attention" not in ops, ops
@@ -284,7 +284,7 @@ def test_rejected_node_survives_the_default_pipeline() -> None:
     proto, feeds = build(Case(causal=1))
     _set_attr(softcap=30.0)(proto)
     model = ir.from_proto(proto)
-    run_pipeline(model, "default", profile="ort", check_each_pass=True)
+    run_pipeline(model, "default", target="ort", check_each_pass=True)
     assert Counter(n.op_type for n in model.graph) == Counter({"Attention": 1})
     attention = count_fusions(model)["attention"]
     assert (attention["fused"], attention["total"]) == (0, 1)

@@ -26,7 +26,9 @@ def test_kernels_alone_compute_what_they_computed_in_the_graph(tmp_path, preset,
     session, sub_feeds = ort_probe._kernels_alone(str(path), SPEC, dict(feeds))
     # the nodes of the kernels-alone graph are the artifact's kernels, nothing else
     proto = onnx.load(path)
-    kernels = [n for n in proto.graph.node if (n.domain, n.op_type) in ort_probe.KERNELS]
+    kernels = [
+        n for n in proto.graph.node if (n.domain, n.op_type) in ort_probe.attention_kernels()
+    ]
     assert kernels
     names = [o.name for o in session.get_outputs()]
     assert names == [o for n in kernels for o in n.output if o]

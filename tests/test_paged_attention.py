@@ -22,8 +22,8 @@ from onnx.reference.op_run import OpRun
 
 import tfgraph
 from tfgraph import contract
+from tfgraph.exporters.compile import check_model
 from tfgraph.exporters.ort.paged_attention import PagedAttentionPass, lower_to_paged
-from tfgraph.passes.pipeline.run import check_model
 
 BLOCK = 16
 NO_KERNEL = "Could not find an implementation for PagedAttention(1)"

@@ -7,8 +7,9 @@ import onnx_ir as ir
 import pytest
 
 from tfgraph import load_source
+from tfgraph.exporters.compile import run_pipeline
 from tfgraph.passes import PIPELINES
-from tfgraph.passes.pipeline.run import CHECK_EACH_PASS_ENV, GraphCheckError, run_pipeline
+from tfgraph.passes.pipeline.run import CHECK_EACH_PASS_ENV, GraphCheckError
 from tfgraph.sources.trace import trace
 
 TEXT = """

@@ -4,8 +4,9 @@ import onnx_ir as ir
 import pytest
 
 from tfgraph import TfgraphError
+from tfgraph.exporters.compile import run_pipeline
 from tfgraph.passes import PIPELINES
-from tfgraph.passes.pipeline.run import GraphCheckError, run_pipeline
+from tfgraph.passes.pipeline.run import GraphCheckError
 
 TEXT = """
 <ir_version: 10, opset_import: ["" : 20]>

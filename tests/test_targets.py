@@ -10,13 +10,13 @@ import toy_target
 import tfgraph
 from tfgraph import TfgraphError
 from tfgraph.cli import main
+from tfgraph.exporters.compile import run_pipeline
 from tfgraph.exporters.ort.share_kv_buffer import ShareKVBufferPass
 from tfgraph.exporters.targets import get_target, target_names
 from tfgraph.passes import PIPELINES, PipelineOptions, build_pipeline, pass_names
 from tfgraph.passes.cache.insert_kv_cache import InsertKVCachePass
 from tfgraph.passes.lower.lower_attention import LowerAttentionPass
 from tfgraph.passes.pipeline.fusions import op_histogram
-from tfgraph.passes.pipeline.run import run_pipeline
 from tfgraph.sources import load_source
 from tfgraph.sources.trace import trace
 

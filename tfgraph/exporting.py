@@ -19,14 +19,13 @@ from pathlib import Path
 from tfgraph.exporters import check_target, staged_directory, write_json
 from tfgraph.exporters.artifact import scratch_directory
 from tfgraph.exporters.budget import check_budget
+from tfgraph.exporters.compile import count_fusions, run_pipeline
 from tfgraph.exporters.manifest import MANIFEST_FILE, build_manifest
 from tfgraph.exporters.ort.paging import page_artifact
 from tfgraph.exporters.targets import get_target
 from tfgraph.exporters.write import write_artifact
 from tfgraph.interrupts import unwound
 from tfgraph.options import ExportOptions
-from tfgraph.passes.pipeline.fusions import count_fusions
-from tfgraph.passes.pipeline.run import run_pipeline
 from tfgraph.precision.stage import convert_precision, quantize_kv_cache, quantize_weights
 from tfgraph.progress import stage
 from tfgraph.sources import ModelSource, load_source
@@ -186,7 +185,7 @@ def _compile(graph, source: ModelSource, options: ExportOptions, stage: Path):
     return run_pipeline(
         graph,
         options.pipeline,
-        profile=options.target,
+        target=options.target,
         check_each_pass=options.check_each_pass,
         dump_after=options.dump_after,
         dump_dir=stage,

@@ -30,7 +30,6 @@ from collections import Counter
 
 import onnx_ir as ir
 
-from tfgraph.exporters.targets import FUSION_KINDS, Target, all_fused_ops, get_target
 from tfgraph.passes.canonical import RECURRENT_OPS
 from tfgraph.passes.provenance import module_name
 from tfgraph.passes.recognize.attention.fuse import is_gating_softmax
@@ -68,18 +67,13 @@ def _unfused_candidates(kind: str, model: ir.Model) -> set[int]:
     return {id(n) for n in model.graph if is_norm_candidate(n)}
 
 
-def count_fusions(
-    model: ir.Model, pipeline: str = "default", *, target: Target | str | None = None
-) -> dict:
+def count_fusions(model: ir.Model, pipeline: str = "default", *, fused: dict) -> dict:
     """``{kind: {fused, total, missed: [{module, reason}], fused_modules: [...]}}``.
 
-    What counts as a fused op is the target's (``Target.fused``); without a target, any
-    registered target's (a bare ``.onnx`` file of unknown origin)."""
-    fused_by_kind = (
-        {k: get_target(target).fused(k) for k in FUSION_KINDS}
-        if target is not None
-        else all_fused_ops()
-    )
+    What counts as a fused op is ``fused`` (kind → ``{(domain, op_type)}``): the target's
+    (``Target.fused``), handed in by :func:`tfgraph.exporters.compile.count_fusions`, which
+    resolves a target name (or takes every target's for a file of unknown origin)."""
+    fused_by_kind = fused
     result = {}
     for kind, fused_ops in fused_by_kind.items():
         fused, missed = [], []

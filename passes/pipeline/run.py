@@ -24,7 +24,6 @@ import onnx_ir.passes.common as common
 
 from tfgraph import contract
 from tfgraph.errors import TfgraphError, first_line
-from tfgraph.exporters.targets import Target, all_nonstandard_default_ops, get_target
 from tfgraph.passes import PIPELINES, PipelineOptions, build_pipeline, pass_names
 from tfgraph.passes.cache.insert_kv_cache import KVCacheError
 from tfgraph.passes.rewrite_utils import weight_bytes
@@ -52,31 +51,30 @@ class GraphCheckError(TfgraphError):
 # Checks look at types and shapes, not at weight values: larger initializers are handed to the
 # checker as graph inputs of the same type and shape (never read: a lazily bound checkpoint
 # stays on disk), which keeps a check of GPT-2-small to a fraction of a second.
+_UNCHECKED = "tfgraph.unchecked"  # a custom domain: the checker takes its ops unvalidated
+
+
 def _checkable(model: ir.Model, nonstandard: frozenset) -> onnx.ModelProto:
     proto = skeleton(model)
     moved = False
     for node in proto.graph.node:
         if node.domain in ("", "ai.onnx") and node.op_type in nonstandard:
-            node.domain = "com.microsoft"
+            node.domain = _UNCHECKED
             moved = True
-    if moved and not any(o.domain == "com.microsoft" for o in proto.opset_import):
-        proto.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    if moved and not any(o.domain == _UNCHECKED for o in proto.opset_import):
+        proto.opset_import.append(onnx.helper.make_opsetid(_UNCHECKED, 1))
     return proto
 
 
-def check_model(model: ir.Model, after: str, target: Target | str | None = None) -> None:
+def check_model(model: ir.Model, after: str, nonstandard: frozenset = frozenset()) -> None:
     """ONNX checker and strict shape inference; raises naming the pass ``after``.
 
-    Ops that ``target`` emits in the default domain although ONNX has no such op (its
-    ``nonstandard_default_ops``; every target's when none is given) are shown to the checker
-    as a custom domain, which it does not validate. Inferred shapes are then recorded in the
-    graph (``ShapeInferencePass``).
+    Ops that the target emits in the default domain although ONNX has no such op (its
+    ``nonstandard_default_ops``, handed in as ``nonstandard`` by
+    :func:`tfgraph.exporters.compile.check_model`) are shown to the checker as a custom
+    domain, which it does not validate. Inferred shapes are then recorded in the graph
+    (``ShapeInferencePass``).
     """
-    nonstandard = (
-        get_target(target).nonstandard_default_ops
-        if target is not None
-        else all_nonstandard_default_ops()
-    )
     proto = _checkable(model, nonstandard)
     for name, check in (
         ("ONNX checker", lambda: onnx.checker.check_model(proto)),
@@ -280,7 +278,7 @@ def run_pipeline(
     model: ir.Model,
     name: str,
     *,
-    profile: Target | str = "ort",
+    target,
     check_each_pass: bool = False,
     dump_after: str | None = None,
     dump_dir: Path | None = None,
@@ -288,11 +286,12 @@ def run_pipeline(
     max_positions: int | None = None,
     row_lengths: bool = True,
 ) -> list[PassRecord]:
-    """Apply pipeline ``name`` for target ``profile`` in place; one record per pass, named
-    uniquely (:func:`tfgraph.passes.pass_names`). ``dump_after`` names one of those."""
+    """Apply pipeline ``name`` for ``target`` (a :class:`tfgraph.exporters.target.Target`
+    object: :func:`tfgraph.exporters.compile.run_pipeline` resolves names) in place; one
+    record per pass, named uniquely (:func:`tfgraph.passes.pass_names`). ``dump_after`` names
+    one of those."""
     if name not in PIPELINES:
         raise TfgraphError(f"unknown pipeline '{name}': choose one of {', '.join(PIPELINES)}")
-    target = get_target(profile)
     try:
         options = PipelineOptions(
             kv_cache=kv_cache, max_positions=max_positions, row_lengths=row_lengths
@@ -325,11 +324,11 @@ def run_pipeline(
         records.append(PassRecord(pass_name, seconds, bool(result.modified)))
         logger.info("pass %s: %.3f s, modified=%s", pass_name, seconds, result.modified)
         if check_each_pass:
-            check_model(model, pass_name, target)
+            check_model(model, pass_name, target.nonstandard_default_ops)
             if result.modified:
                 probe.after(model, pass_name)
         if dump_after == pass_name and dump_dir is not None:
             dump_dir.mkdir(parents=True, exist_ok=True)
             ir.save(model, dump_dir / f"after_{pass_name}.onnx")
-    check_model(model, f"pipeline '{name}'", target)
+    check_model(model, f"pipeline '{name}'", target.nonstandard_default_ops)
     return records

@@ -25,7 +25,8 @@ def run(args) -> int:
     import onnx_ir as ir
 
     from tfgraph.contract import signature_of
-    from tfgraph.passes.pipeline.fusions import count_fusions, op_histogram
+    from tfgraph.exporters.compile import count_fusions
+    from tfgraph.passes.pipeline.fusions import op_histogram
     from tfgraph.runtime.session import checked_model
 
     path, _ = checked_model(args.path)  # format and external-data locations checked first

@@ -8,13 +8,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from tfgraph.exporters.compile import check_model
 from tfgraph.exporters.ort.weights.quantize import dequantized_source, quantize
 from tfgraph.exporters.ort.weights.streamed_reference import (
     is_streamed,
     placements,
     streamed_dequantized,
 )
-from tfgraph.passes.pipeline.run import PassRecord, check_model
+from tfgraph.passes.pipeline.run import PassRecord
 from tfgraph.precision.islands import apply_precision
 
 
