@@ -38,14 +38,14 @@ class LiesAboutModifiedPass(AddBecomesSubPass):
 
 def test_probe_names_the_pass_that_changed_the_numbers(monkeypatch):
     monkeypatch.delenv(CHECK_EACH_PASS_ENV, raising=False)  # tests/conftest.py sets it
-    monkeypatch.setitem(PIPELINES, "wrong", lambda profile: [AddBecomesSubPass()])
+    monkeypatch.setitem(PIPELINES, "wrong", lambda target: [AddBecomesSubPass()])
     with pytest.raises(GraphCheckError, match="parity probe failed after AddBecomesSubPass"):
         run_pipeline(ir.from_onnx_text(TEXT), "wrong", check_each_pass=True)
     run_pipeline(ir.from_onnx_text(TEXT), "wrong")  # without the option: no probe
 
 
 def test_probe_is_on_with_the_environment_variable(monkeypatch):
-    monkeypatch.setitem(PIPELINES, "wrong", lambda profile: [AddBecomesSubPass()])
+    monkeypatch.setitem(PIPELINES, "wrong", lambda target: [AddBecomesSubPass()])
     monkeypatch.setenv(CHECK_EACH_PASS_ENV, "1")
     with pytest.raises(GraphCheckError, match="after AddBecomesSubPass"):
         run_pipeline(ir.from_onnx_text(TEXT), "wrong")
@@ -54,7 +54,7 @@ def test_probe_is_on_with_the_environment_variable(monkeypatch):
 def test_probe_trusts_an_unmodified_pass(monkeypatch):
     """The probe runs only when a pass says it changed the graph (cost); the check at the end
     of the pipeline is the parity against eager PyTorch."""
-    monkeypatch.setitem(PIPELINES, "quiet", lambda profile: [LiesAboutModifiedPass()])
+    monkeypatch.setitem(PIPELINES, "quiet", lambda target: [LiesAboutModifiedPass()])
     run_pipeline(ir.from_onnx_text(TEXT), "quiet", check_each_pass=True)
 
 
@@ -74,7 +74,7 @@ class LowerCanonicalPass(ir.passes.InPlacePass):
 
 def test_probe_failure_lists_the_passes_it_could_not_run_after(monkeypatch):
     steps = [FuseToCanonicalPass(), AddBecomesSubPass(), LowerCanonicalPass()]
-    monkeypatch.setitem(PIPELINES, "staged", lambda profile: steps)
+    monkeypatch.setitem(PIPELINES, "staged", lambda target: steps)
     model = ir.from_onnx_text(TEXT.replace('["" : 20]', '["" : 20, "tfgraph" : 1]'))
     want = (
         r"after LowerCanonicalPass \(or the unprobed FuseToCanonicalPass, AddBecomesSubPass\): "
@@ -87,7 +87,7 @@ def test_probe_failure_lists_the_passes_it_could_not_run_after(monkeypatch):
 def test_default_pipeline_is_probed_around_canonical_ops(caplog):
     source = load_source("gpt-tiny")
     model = trace(source)
-    with caplog.at_level(logging.INFO, logger="tfgraph.passes.pipeline.run"):
+    with caplog.at_level(logging.INFO, logger="tfgraph.passes.pipeline"):
         run_pipeline(model, "default", check_each_pass=True)
     text = caplog.text
     assert "parity probe skipped after FuseNormsPass: canonical tfgraph ops present" in text

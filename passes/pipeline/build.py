@@ -103,10 +103,10 @@ PIPELINES: dict[str, Callable[..., list[ir.passes.PassBase]]] = {
 def build_pipeline(
     target, options: PipelineOptions | None = None, *, name: str = "default"
 ) -> list[ir.passes.PassBase]:
-    """A fresh list of pass instances for ``target`` (a :class:`tfgraph.exporters.targets.Target`:
-    ``tfgraph.exporters.targets.get_target(name)``); ``KeyError`` for an unknown pipeline, ``ValueError``
-    for options the pipeline cannot take (only ``default`` fuses attention a KV cache can
-    attach to)."""
+    """A fresh list of pass instances for ``target`` (a :class:`tfgraph.exporters.target.Target`:
+    ``tfgraph.exporters.targets.get_target(name)``); ``KeyError`` for an unknown pipeline,
+    ``ValueError`` for options the pipeline cannot take (only ``default`` fuses attention a
+    KV cache can attach to)."""
     options = options or PipelineOptions()
     if name not in PIPELINES:
         raise KeyError(name)

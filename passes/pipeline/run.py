@@ -1,12 +1,12 @@
-"""Run a named pass pipeline: every pass timed and logged, checks after the pipeline (and after
-each pass with ``check_each_pass``), a failing check naming the pass that broke the graph.
+"""The one step runner of an export: every graph rewrite — the pipeline's passes, the precision
+steps, the encoder split, paging — timed, logged and recorded alike (:class:`Steps`), checked
+(the ONNX checker and strict shape inference, a failing check naming the step that broke the
+graph), dumped on request (``--dump-after``) and followed by the parity probe
+(:mod:`.probe`) with ``check_each_pass`` (or ``TFGRAPH_CHECK_EACH_PASS=1``).
 
-With ``check_each_pass`` (or ``TFGRAPH_CHECK_EACH_PASS=1`` in the environment) every pass that
-modified the graph is also followed by a *parity probe*: the graph runs in ONNX Runtime on one
-small random input and its outputs are compared with those of the graph before the pipeline
-(``|after − before| ≤ 1e-4 + 1e-3·|before|``). Canonical ``tfgraph`` ops do not run in ONNX
-Runtime, so the probe waits (and logs so) while any is in the graph: in the default pipeline it
-runs after the cleanup passes, after lowering and at the end.
+Pipeline passes are checked after the pipeline (after each with ``check_each_pass``); the steps
+after it always. A step that changes values by design (precision, quantization) re-bases the
+probe instead of being compared with the graph before it.
 """
 
 from __future__ import annotations
@@ -14,19 +14,22 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common
 
-from tfgraph import contract
-from tfgraph.errors import TfgraphError, first_line
+from tfgraph.errors import TfgraphError
 from tfgraph.passes import PIPELINES, PipelineOptions, build_pipeline, pass_names
 from tfgraph.passes.cache.insert_kv_cache import KVCacheError
-from tfgraph.passes.rewrite_utils import weight_bytes
+from tfgraph.passes.pipeline.probe import (  # noqa: F401 - re-exported
+    CHECK_EACH_PASS_ENV,
+    GraphCheckError,
+    ParityProbe,
+    run_in_ort,
+)
 from tfgraph.passes.skeleton import skeleton
 
 logger = logging.getLogger(__name__)
@@ -40,12 +43,6 @@ class PassRecord:
 
     def as_dict(self) -> dict:
         return {"name": self.name, "seconds": round(self.seconds, 4), "modified": self.modified}
-
-
-class GraphCheckError(TfgraphError):
-    """The ONNX checker or shape inference rejected the graph after a pass."""
-
-    exit_code = 1
 
 
 # Checks look at types and shapes, not at weight values: larger initializers are handed to the
@@ -92,186 +89,91 @@ def check_model(model: ir.Model, after: str, nonstandard: frozenset = frozenset(
     common.ShapeInferencePass()(model)
 
 
-CHECK_EACH_PASS_ENV = "TFGRAPH_CHECK_EACH_PASS"  # "1": check every pass, whatever the caller
-PROBE_ATOL, PROBE_RTOL = 1e-4, 1e-3
-CANONICAL_DOMAIN = "tfgraph"
-_PROBE_MAX_BYTES = 1 << 30  # larger models are not serialized once more per pass
-_PROBE_SIZES = {"batch": 2, "sequence": 5, "total_sequence": 5, "max_sequence": 5}
-_PROBE_OTHER_DIM = 3
+# the steps of an export after the pipeline: valid ``--dump-after`` names too
+EXPORT_STEPS = (
+    "ConvertPrecisionPass",
+    "MatMulNBitsQuantizer",
+    "QuantizeKVCachePass",
+    "SplitEncoderPass",
+    "PagedAttentionPass",
+)
 
 
-def _has_canonical_ops(model: ir.Model) -> bool:
-    nodes = ir.traversal.RecursiveGraphIterator(model.graph)
-    return any(n.domain == CANONICAL_DOMAIN for n in nodes)
+class Steps:
+    """Runs every rewrite of one export's graph the same way: one :class:`PassRecord` each (in
+    ``records``), the checks, the dump after ``dump_after``, the parity probe."""
+
+    def __init__(
+        self,
+        target,
+        *,
+        check_each_pass: bool = False,
+        dump_after: str | None = None,
+        dump_dir: Path | None = None,
+    ) -> None:
+        self.target = target  # a Target object: its nonstandard default-domain ops
+        self.check_each_pass = check_each_pass or os.environ.get(CHECK_EACH_PASS_ENV) == "1"
+        self.dump_after, self.dump_dir = dump_after, dump_dir
+        self.records: list[PassRecord] = []
+        self.probe = ParityProbe()
+        self._probing = False
+
+    def check(self, model: ir.Model, after: str) -> None:
+        check_model(model, after, self.target.nonstandard_default_ops)
+
+    def run(self, name: str, rewrite, model: ir.Model, *, check: bool = True, exact=True):
+        """``rewrite()`` (which changes ``model`` in place) as the step ``name``; its value.
+        ``exact=False``: values change by design, the probe re-bases on the result."""
+        logger.debug("running %s", name)
+        if self.check_each_pass and not self._probing:
+            self.probe.start(model)
+            self._probing = True
+        start = time.perf_counter()
+        value = rewrite()
+        seconds = time.perf_counter() - start
+        modified = bool(getattr(value, "modified", True))
+        self.records.append(PassRecord(name, seconds, modified))
+        logger.info("%s: %.3f s, modified=%s", name, seconds, modified)
+        if check or self.check_each_pass:
+            self.check(model, name)
+        if self.check_each_pass and modified:
+            self.probe.after(model, name) if exact else self.probe.start(model)
+        if self.dump_after == name and self.dump_dir is not None:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            ir.save(model, self.dump_dir / f"after_{name}.onnx")
+        return value
+
+    def pipeline(self, model: ir.Model, name: str, options: PipelineOptions) -> None:
+        """Pipeline ``name`` over ``model`` in place, a step per pass, checked at its end."""
+        passes = _build(self.target, name, options)
+        names = pass_names(passes)
+        if self.dump_after is not None and self.dump_after not in (*names, *EXPORT_STEPS):
+            raise TfgraphError(
+                f"--dump-after {self.dump_after}: pipeline '{name}' has no such pass; choose "
+                f"one of {', '.join(names)}"
+            )
+        for p, pass_name in zip(passes, names, strict=True):
+            self.run(pass_name, lambda p=p, n=pass_name: _call(p, n, model), model, check=False)
+        self.check(model, f"pipeline '{name}'")
 
 
-def _input_key(value: ir.Value) -> tuple:
-    return (str(value.dtype), str(value.shape))
+def _build(target, name: str, options: PipelineOptions) -> list:
+    if name not in PIPELINES:
+        raise TfgraphError(f"unknown pipeline '{name}': choose one of {', '.join(PIPELINES)}")
+    try:
+        return build_pipeline(target, options, name=name)
+    except ValueError as exc:
+        raise TfgraphError(f"{exc}: use --pipeline default with --kv-cache") from exc
 
 
-def _dim_size(dim) -> int:
-    if isinstance(dim, int):
-        return dim
-    name = str(dim.value) if dim.value is not None else ""
-    if name == contract.PAST_DIM:
-        return 0  # an empty cache: the graph must then compute what it did without one
-    return _PROBE_SIZES.get(name, _PROBE_OTHER_DIM)
-
-
-def _index_bound(value: ir.Value) -> int:
-    """Integers fed to a Gather of a constant table stay below its first dim (token ids)."""
-    bound = None
-    for node, index in value.uses():
-        table = node.inputs[0] if node.op_type == "Gather" and index == 1 else None
-        if table is not None and table.const_value is not None and table.shape:
-            rows = table.shape[0]
-            if isinstance(rows, int):
-                bound = rows if bound is None else min(bound, rows)
-    return bound or 2
-
-
-_MASKS = (contract.ATTENTION_MASK, contract.ENCODER_ATTENTION_MASK, contract.ENCODER_SLOT_MASK)
-
-
-def _probe_feed(value: ir.Value, role: str, rng: np.random.Generator) -> np.ndarray:
-    shape = [_dim_size(d) for d in value.shape] if value.shape is not None else []
-    dtype = value.dtype.numpy() if value.dtype is not None else np.float32
-    if role in (contract.PAST_LENGTH, contract.PAST_LENGTHS):
-        return np.zeros(shape, dtype)
-    if np.issubdtype(dtype, np.floating):
-        return rng.standard_normal(shape).astype(dtype)
-    if dtype == np.bool_ or role in _MASKS:
-        return np.ones(shape, dtype)
-    return rng.integers(0, _index_bound(value), shape).astype(dtype)
-
-
-def run_in_ort(
-    model: ir.Model | bytes,
-    feeds: list[dict[str, np.ndarray]],
-    initializers: dict[str, np.ndarray] | None = None,
-) -> list[dict]:
-    """Run an ``onnx_ir`` model (or a serialized one) in one ONNX Runtime CPU session (its own
-    optimizations off, one thread) on each feed; ``{output name: array}`` per feed.
-    ``initializers`` are handed to the session in place (``add_external_initializers``): the
-    serialized model then declares them as external data that is never read."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 4  # a probe that fails raises; ORT must not also print it
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.intra_op_num_threads = 1
-    if initializers:
-        values = [ort.OrtValue.ortvalue_from_numpy(a) for a in initializers.values()]
-        options.add_external_initializers(list(initializers), values)
-    data = model if isinstance(model, bytes) else ir.serde.serialize_model(model)
-    data = data if isinstance(data, bytes) else data.SerializeToString()
-    session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
-    names = [o.name for o in session.get_outputs()]
-    inputs = [i.name for i in session.get_inputs()]
-    return [
-        dict(zip(names, session.run(None, {n: feed[n] for n in inputs}), strict=True))
-        for feed in feeds
-    ]
-
-
-def _run_in_ort(model: ir.Model, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return run_in_ort(model, [feeds])[0]
-
-
-def _mismatch(got: np.ndarray, want: np.ndarray) -> str | None:
-    if got.shape != want.shape:
-        return f"shape {got.shape}, before {want.shape}"
-    got64, want64 = got.astype(np.float64), want.astype(np.float64)
-    if not np.array_equal(np.isnan(got64), np.isnan(want64)):
-        return "NaN where the graph before had none (or the reverse)"
-    diff = np.abs(np.nan_to_num(got64 - want64))
-    if np.all(diff <= PROBE_ATOL + PROBE_RTOL * np.abs(np.nan_to_num(want64))):
-        return None
-    return f"max |after - before| = {diff.max():.3g}"
-
-
-@dataclass
-class ParityProbe:
-    """The graph before the pipeline, run once on one small random input; each probe runs the
-    current graph on the same input and compares the outputs both graphs have."""
-
-    feeds: dict[str, np.ndarray] = field(default_factory=dict)
-    keys: dict[str, tuple] = field(default_factory=dict)
-    reference: dict[str, np.ndarray] | None = None
-    reference_inputs: frozenset[str] = frozenset()
-    pending: list[str] = field(default_factory=list)  # passes that changed it since a probe
-    rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
-
-    def start(self, model: ir.Model) -> None:
-        if _has_canonical_ops(model) or self._too_large(model):
-            logger.info("parity probe off: the graph before the pipeline does not run here")
-            return
-        self._feed(model)
-        self.reference_inputs = frozenset(self.feeds)
-        try:
-            self.reference = _run_in_ort(model, self.feeds)
-        except Exception as exc:
-            logger.info("parity probe off: the graph before the pipeline fails in ORT: %s", exc)
-
-    def after(self, model: ir.Model, pass_name: str) -> None:
-        if self.reference is None:
-            return
-        self.pending.append(pass_name)
-        if _has_canonical_ops(model):
-            logger.info("parity probe skipped after %s: canonical tfgraph ops present", pass_name)
-            return
-        guessed = self._feed(model)
-        try:
-            outputs = _run_in_ort(model, self.feeds)
-        except Exception as exc:
-            if guessed:  # inputs new since the reference: the probe's guess may be at fault
-                logger.info("parity probe skipped after %s (new inputs): %s", pass_name, exc)
-                return
-            first = first_line(exc)
-            raise GraphCheckError(
-                f"parity probe failed after {self._suspects()}: ONNX Runtime cannot run it: {first}"
-            ) from exc
-        self._compare(outputs, pass_name)
-        self.pending.clear()
-
-    def _suspects(self) -> str:
-        """The pass just run, and those that changed the graph unprobed before it."""
-        *before, last = self.pending
-        return f"{last} (or the unprobed {', '.join(before)})" if before else last
-
-    def _compare(self, outputs: dict[str, np.ndarray], pass_name: str) -> None:
-        common = [n for n in outputs if n in self.reference]
-        for name in common:
-            problem = _mismatch(outputs[name], self.reference[name])
-            if problem:
-                raise GraphCheckError(
-                    f"parity probe failed after {self._suspects()}: output '{name}' changed "
-                    f"({problem}; tolerance {PROBE_ATOL:g} + {PROBE_RTOL:g}·|before|)"
-                )
-        # the class name first (what a reader greps for), then the pass's unique name
-        base = pass_name.split("#")[0]
-        where = f" ({pass_name})" if base != pass_name else ""
-        logger.info("parity probe after %s: %d output(s) match%s", base, len(common), where)
-
-    def _feed(self, model: ir.Model) -> bool:
-        """Inputs for the graph's inputs, reusing the reference's; True when some are new."""
-        guessed = False
-        roles = {p.name: p.role for p in contract.signature_of(model).inputs}
-        for value in model.graph.inputs:
-            key = _input_key(value)
-            if self.keys.get(value.name) == key:
-                continue
-            if value.name in self.reference_inputs:  # the reference ran on another input
-                logger.info("parity probe off: input %s changed to %s", value.name, key)
-                self.reference = {}
-            self.feeds[value.name] = _probe_feed(value, roles[value.name], self.rng)
-            self.keys[value.name] = key
-            guessed = True
-        return guessed
-
-    @staticmethod
-    def _too_large(model: ir.Model) -> bool:
-        return weight_bytes(model) > _PROBE_MAX_BYTES
+def _call(p, pass_name: str, model: ir.Model):
+    try:
+        return p(model)
+    except KVCacheError as exc:
+        raise TfgraphError(f"cannot insert a KV cache: {exc}") from exc
+    except ir.passes.PreconditionError as exc:
+        cause = f": {exc.__cause__}" if exc.__cause__ else ""
+        raise TfgraphError(f"{pass_name} cannot run here: {exc}{cause}") from exc
 
 
 def run_pipeline(
@@ -290,45 +192,9 @@ def run_pipeline(
     object: :func:`tfgraph.exporters.compile.run_pipeline` resolves names) in place; one
     record per pass, named uniquely (:func:`tfgraph.passes.pass_names`). ``dump_after`` names
     one of those."""
-    if name not in PIPELINES:
-        raise TfgraphError(f"unknown pipeline '{name}': choose one of {', '.join(PIPELINES)}")
-    try:
-        options = PipelineOptions(
-            kv_cache=kv_cache, max_positions=max_positions, row_lengths=row_lengths
-        )
-        passes = build_pipeline(target, options, name=name)
-    except ValueError as exc:
-        raise TfgraphError(f"{exc}: use --pipeline default with --kv-cache") from exc
-    names = pass_names(passes)
-    if dump_after is not None and dump_after not in names:
-        raise TfgraphError(
-            f"--dump-after {dump_after}: pipeline '{name}' has no such pass; choose one of "
-            f"{', '.join(names)}"
-        )
-    check_each_pass = check_each_pass or os.environ.get(CHECK_EACH_PASS_ENV) == "1"
-    probe = ParityProbe()
-    if check_each_pass:
-        probe.start(model)
-    records = []
-    for p, pass_name in zip(passes, names, strict=True):
-        logger.debug("running pass %s", pass_name)
-        start = time.perf_counter()
-        try:
-            result = p(model)
-        except KVCacheError as exc:
-            raise TfgraphError(f"cannot insert a KV cache: {exc}") from exc
-        except ir.passes.PreconditionError as exc:
-            cause = f": {exc.__cause__}" if exc.__cause__ else ""
-            raise TfgraphError(f"{pass_name} cannot run here: {exc}{cause}") from exc
-        seconds = time.perf_counter() - start
-        records.append(PassRecord(pass_name, seconds, bool(result.modified)))
-        logger.info("pass %s: %.3f s, modified=%s", pass_name, seconds, result.modified)
-        if check_each_pass:
-            check_model(model, pass_name, target.nonstandard_default_ops)
-            if result.modified:
-                probe.after(model, pass_name)
-        if dump_after == pass_name and dump_dir is not None:
-            dump_dir.mkdir(parents=True, exist_ok=True)
-            ir.save(model, dump_dir / f"after_{pass_name}.onnx")
-    check_model(model, f"pipeline '{name}'", target.nonstandard_default_ops)
-    return records
+    steps = Steps(target, check_each_pass=check_each_pass, dump_after=dump_after, dump_dir=dump_dir)
+    options = PipelineOptions(
+        kv_cache=kv_cache, max_positions=max_positions, row_lengths=row_lengths
+    )
+    steps.pipeline(model, name, options)
+    return steps.records
