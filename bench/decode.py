@@ -93,6 +93,8 @@ QUICK_TOKENS = (32, 32)  # prompt, new tokens of a quick run
 def measure(
     size: str, root: Path, repeats: int, pasts=PASTS, prompt: int = PROMPT, new: int = NEW
 ) -> dict:
+    """One size: the cached engine (a fresh process), eager PyTorch without a cache and HF
+    ``generate``, their tokens/s and tokens, and the engine's step against the bandwidth bound."""
     import torch
     import transformers
 
@@ -106,7 +108,41 @@ def measure(
     result = shared.export(str(hf_dir), artifact, kv_cache=True)
     assert result.passed, result.report["parity"]["outputs"]
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    engine = _engine(artifact, prompt, new, repeats, pasts)
+    timings, tokens = _eager(model, prompt, new, repeats)
+    bandwidth = copy_bandwidth()
+    bound = weight_bytes / bandwidth
+    step_long = engine["step_seconds_past_1016"]
+    step_short = engine["step_seconds_past_128"]
+    return {
+        "layers": config.n_layer,
+        "d_model": config.n_embd,
+        "vocab": config.vocab_size,
+        "weight_bytes": weight_bytes,
+        "tokens_per_s": {
+            "tfgraph_cached": new / engine["seconds"],
+            "eager_no_cache": new / timings["eager_no_cache"],
+            "hf_generate": new / timings["hf_generate"],
+        },
+        "same_tokens_as_hf_generate": engine["tokens"] == tokens["hf_generate"],
+        "same_tokens_as_eager": engine["tokens"] == tokens["eager_no_cache"],
+        "ratio": {
+            "tfgraph_over_hf_generate": timings["hf_generate"] / engine["seconds"],
+            "tfgraph_over_eager_no_cache": timings["eager_no_cache"] / engine["seconds"],
+        },
+        "step_seconds": {"past_128": step_short, "past_1016": step_long},
+        "step_seconds_by_past": {str(p): engine[f"step_seconds_past_{p}"] for p in pasts},
+        "shared_buffer": engine["shared_buffer"],
+        "step_past_1016_over_128": step_long / step_short,
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "bandwidth_bound_step_seconds": bound,
+        "step_past_128_over_bound": step_short / bound,
+    }
 
+
+def _engine(artifact: Path, prompt: int, new: int, repeats: int, pasts) -> dict:
+    """:data:`PROBE`'s result: the cached engine timed in a fresh process without torch
+    (its steps at 128, 1016 and ``pasts``)."""
     out = subprocess.run(
         [
             sys.executable,
@@ -123,7 +159,13 @@ def measure(
         capture_output=True,
         text=True,
     ).stdout
-    engine = json.loads(out.strip().splitlines()[-1])
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _eager(model, prompt: int, new: int, repeats: int) -> tuple[dict, dict]:
+    """(median seconds, tokens) of eager PyTorch without a cache and of HF ``generate``, on
+    the same seeded prompt as the engine's, :data:`THREADS` threads."""
+    import torch
 
     torch.set_num_threads(THREADS)
     ids = torch.tensor([np.random.default_rng(0).integers(1, 200, prompt).tolist()])
@@ -157,34 +199,7 @@ def measure(
             tokens[name] = fn()
             runs.append(time.perf_counter() - t)
         timings[name] = statistics.median(runs[1:])
-    bandwidth = copy_bandwidth()
-    bound = weight_bytes / bandwidth
-    step_long = engine["step_seconds_past_1016"]
-    step_short = engine["step_seconds_past_128"]
-    return {
-        "layers": config.n_layer,
-        "d_model": config.n_embd,
-        "vocab": config.vocab_size,
-        "weight_bytes": weight_bytes,
-        "tokens_per_s": {
-            "tfgraph_cached": new / engine["seconds"],
-            "eager_no_cache": new / timings["eager_no_cache"],
-            "hf_generate": new / timings["hf_generate"],
-        },
-        "same_tokens_as_hf_generate": engine["tokens"] == tokens["hf_generate"],
-        "same_tokens_as_eager": engine["tokens"] == tokens["eager_no_cache"],
-        "ratio": {
-            "tfgraph_over_hf_generate": timings["hf_generate"] / engine["seconds"],
-            "tfgraph_over_eager_no_cache": timings["eager_no_cache"] / engine["seconds"],
-        },
-        "step_seconds": {"past_128": step_short, "past_1016": step_long},
-        "step_seconds_by_past": {str(p): engine[f"step_seconds_past_{p}"] for p in pasts},
-        "shared_buffer": engine["shared_buffer"],
-        "step_past_1016_over_128": step_long / step_short,
-        "copy_bandwidth_gb_s": bandwidth / 1e9,
-        "bandwidth_bound_step_seconds": bound,
-        "step_past_128_over_bound": step_short / bound,
-    }
+    return timings, tokens
 
 
 def run(quick: bool, workdir: Path, progress=lambda step: None) -> dict:

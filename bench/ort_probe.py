@@ -16,9 +16,9 @@ for floats); ``"fill"`` overrides that: ``"ones"``, ``"zeros"``, ``{"value": v}`
 writes those outputs into their inputs' buffers through an IOBinding, as a runtime with a
 shared past/present KV buffer does; the other outputs are allocated by ONNX Runtime.
 
-``kernels_only`` times the graph's attention kernels alone (:data:`KERNELS`): one run of the
-whole graph captures their inputs, then a graph holding only those nodes is timed on them,
-bound the same way. What a step costs beyond them is the rest of the graph; how they grow
+``kernels_only`` times the graph's attention kernels alone (:func:`attention_kernels`): one
+run of the whole graph captures their inputs, then a graph holding only those nodes is timed on
+them, bound the same way. What a step costs beyond them is the rest of the graph; how they grow
 with the past is the least any graph built on those kernels can grow.
 """
 
@@ -49,6 +49,7 @@ def probe(
             "optimize": optimize,
             "bind": bind or {},
             "kernels_only": kernels_only,
+            **({"kernels": sorted(attention_kernels())} if kernels_only else {}),
         }
     )
     out = subprocess.run(
@@ -68,13 +69,19 @@ def _status(key: str) -> float:
     return int(line.split()[1]) / 1024
 
 
-# the attention kernels ``kernels_only`` keeps: (domain, op type)
-KERNELS = {
-    ("com.microsoft", "GroupQueryAttention"),
-    ("com.microsoft", "MultiHeadAttention"),
-    ("com.microsoft", "Attention"),
-    ("", "Attention"),
-}
+def attention_kernels() -> set[tuple[str, str]]:
+    """The attention kernels ``kernels_only`` keeps, as (domain, op type): ONNX Runtime's
+    (their names from the ``ort`` target, :mod:`tfgraph.exporters.ort.ops`) and ONNX's own
+    ``Attention``. Imported on demand: the fresh probe process gets them in its spec, so it
+    never loads the exporters (their import would add to the RSS it measures)."""
+    from tfgraph.exporters.ort import ops
+
+    return {
+        (ops.MS_DOMAIN, ops.GROUP_QUERY_ATTENTION),
+        (ops.MS_DOMAIN, ops.MULTI_HEAD_ATTENTION),
+        (ops.MS_DOMAIN, ops.ATTENTION),
+        ("", "Attention"),  # the standard ONNX op (opset 23)
+    }
 
 
 def _session(model, spec: dict):
@@ -123,7 +130,8 @@ def _kernels_alone(model: str, spec: dict, feeds: dict):
 
     proto = onnx.load(model)
     graph = proto.graph
-    kernels = [n for n in graph.node if (n.domain or "", n.op_type) in KERNELS]
+    wanted = {tuple(k) for k in spec["kernels"]} if "kernels" in spec else attention_kernels()
+    kernels = [n for n in graph.node if (n.domain or "", n.op_type) in wanted]
     if not kernels:
         raise SystemExit(f"{model}: no attention kernel to time alone")
     constants = {i.name for i in graph.initializer}

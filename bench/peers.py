@@ -38,20 +38,25 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tfgraph.exporters.ort import ops as ort_ops
+
 logger = logging.getLogger(__name__)
 
 PEERS = ("tfgraph", "unfused", "ort_transformers_optimizer", "onnxscript_optimize_for_ort")
-ATTENTION_OPS = frozenset({"Attention", "MultiHeadAttention", "GroupQueryAttention"})
+# fused ops counted in any domain: ONNX Runtime's (named by the ``ort`` target) and ONNX's own
+ATTENTION_OPS = frozenset(
+    {ort_ops.ATTENTION, ort_ops.MULTI_HEAD_ATTENTION, ort_ops.GROUP_QUERY_ATTENTION}
+)
 NORM_OPS = frozenset(
     {
         "LayerNormalization",
-        "SimplifiedLayerNormalization",
-        "SkipLayerNormalization",
-        "SkipSimplifiedLayerNormalization",
+        ort_ops.SIMPLIFIED_LAYER_NORM,
+        ort_ops.SKIP_LAYER_NORM,
+        ort_ops.SKIP_SIMPLIFIED_LAYER_NORM,
         "RMSNormalization",
     }
 )
-GELU_OPS = frozenset({"Gelu", "FastGelu", "BiasGelu"})
+GELU_OPS = frozenset({ort_ops.GELU, ort_ops.FAST_GELU, ort_ops.BIAS_GELU})
 PARITY_SHAPE = (1, 16)  # (batch, sequence) of the parity check against eager PyTorch
 ORT_OPT_LEVEL = 1  # optimize_model's default for model_type="gpt2"
 

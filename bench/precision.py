@@ -29,17 +29,10 @@ import time
 from pathlib import Path
 
 from tfgraph.bench import shared
-from tfgraph.bench.exporters import (
-    PREFILL,
-    QUICK_TRIALS,
-    TRIALS,
-    _failure,
-    _time,
-    genai_peer,
-    model_configs,
-    save_model,
-    tfgraph_peer,
-)
+from tfgraph.bench.exporter_genai import genai_peer
+from tfgraph.bench.exporter_models import model_configs, save_model
+from tfgraph.bench.exporter_probes import PREFILL, QUICK_TRIALS, TRIALS, failure_line, time_graph
+from tfgraph.bench.exporter_tfgraph import tfgraph_peer
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +54,11 @@ def _weight_bytes(directory: Path) -> int:
 
 
 def _timings(built: dict, repeats: int, trials: int = TRIALS) -> dict:
-    steps = {str(p): _time(*built["step"](p), repeats, trials=trials) for p in DECODE_PASTS}
+    steps = {str(p): time_graph(*built["step"](p), repeats, trials=trials) for p in DECODE_PASTS}
     return {
         "decode_step_seconds": statistics.mean(steps.values()),
         "step_seconds": steps,
-        "prefill_seconds": _time(*built["prefill"](), repeats, trials=trials),
+        "prefill_seconds": time_graph(*built["prefill"](), repeats, trials=trials),
     }
 
 
@@ -88,7 +81,7 @@ def measure_model(
             entry = _timings(built, repeats, trials)
             entry["weight_bytes"] = _weight_bytes(work / "tfgraph")
         except Exception as exc:  # noqa: BLE001 - a variant that fails is a row
-            row["variants"][variant] = {"error": _failure(exc)}
+            row["variants"][variant] = {"error": failure_line(exc)}
             continue
         entry["bandwidth_bound_seconds"] = entry["weight_bytes"] / bandwidth
         entry["tokens_per_s"] = 1.0 / entry["decode_step_seconds"]
@@ -104,7 +97,7 @@ def measure_model(
             entry["tokens_per_s"] = 1.0 / entry["decode_step_seconds"]
             row["genai_int4"] = entry
         except Exception as exc:  # noqa: BLE001 - recorded with its reason
-            row["genai_int4"] = {"error": _failure(exc)}
+            row["genai_int4"] = {"error": failure_line(exc)}
     fp32 = row["variants"].get("fp32", {})
     int4 = row["variants"].get("int4", {})
     if "tokens_per_s" in fp32 and "tokens_per_s" in int4:

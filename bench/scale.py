@@ -34,7 +34,9 @@ from pathlib import Path
 
 import psutil
 
-from tfgraph.bench.exporters import genai_graphs, save_tokenizer, tfgraph_graphs
+from tfgraph.bench.exporter_genai import genai_graphs
+from tfgraph.bench.exporter_models import save_tokenizer
+from tfgraph.bench.exporter_tfgraph import tfgraph_graphs
 from tfgraph.bench.ort_probe import probe
 
 logger = logging.getLogger(__name__)
