@@ -63,7 +63,7 @@ def _export(n_layers: int, out_dir: Path) -> tuple[dict, float]:
 
     source = _source(n_layers)
     start = time.perf_counter()
-    result = tfgraph.export(source, out_dir, pipeline="default", profile="ort")
+    result = tfgraph.export(source, out_dir, pipeline="default", target="ort")
     wall = time.perf_counter() - start
     if not result.passed:
         logger.warning("compile_cost: %d layers exported but parity failed", n_layers)

@@ -5,7 +5,7 @@ unfused and tfgraph exports are the prefill section's: :mod:`tfgraph.bench.share
 once with ``pipeline="none"``: the traced graph, nothing fused. Each peer starts from it:
 
 - ``unfused``: that export itself;
-- ``tfgraph``: ``tfgraph.export(..., pipeline="default", profile="ort")`` of the same module;
+- ``tfgraph``: ``tfgraph.export(..., pipeline="default", target="ort")`` of the same module;
 - ``ort_transformers_optimizer``: ``onnxruntime.transformers.optimizer.optimize_model`` with
   ``model_type="gpt2"`` (its Python fusions after ORT's basic optimizations, ``opt_level=1``,
   the level ORT picks for GPT-2);
@@ -115,7 +115,7 @@ def _build_unfused(ctx: Context) -> Built:
 def _build_tfgraph(ctx: Context) -> Built:
     from tfgraph.bench import shared
 
-    result = shared.export(ctx.source, ctx.workdir / "tfgraph", pipeline="default", profile="ort")
+    result = shared.export(ctx.source, ctx.workdir / "tfgraph", pipeline="default", target="ort")
     fusions = {
         kind: {k: counts.get(k) for k in ("fused", "total")}
         for kind, counts in result.report["fusions"].items()
@@ -123,7 +123,7 @@ def _build_tfgraph(ctx: Context) -> Built:
     }
     return Built(
         result.out_dir / "model.onnx",
-        "tfgraph.export(pipeline='default', profile='ort')",
+        "tfgraph.export(pipeline='default', target='ort')",
         {"export_parity_passed": result.passed, "fusion_stats": fusions},
     )
 
@@ -324,7 +324,7 @@ def _context(setup: Setup, workdir: Path, progress) -> Context:
         lambda: tfgraph.from_module(build(setup.preset), origin=f"preset:{setup.preset}"),
     )
     progress(f"export {setup.preset} unfused (pipeline none)")
-    result = shared.export(source, workdir / "unfused", pipeline="none", profile="ort")
+    result = shared.export(source, workdir / "unfused", pipeline="none", target="ort")
     return Context(source, PRESETS[setup.preset], result.out_dir / "model.onnx", workdir)
 
 

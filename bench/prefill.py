@@ -7,7 +7,7 @@ five configurations at batch 1:
 
 - ``eager``: the PyTorch module (``torch.no_grad()``, ``torch.set_num_threads(threads)``);
 - ``unfused``: ``tfgraph.export(..., pipeline="none")`` run in ONNX Runtime;
-- ``ort``, ``onnx``, ``tensorrt``: ``tfgraph.export(..., pipeline="default", profile=P)`` run
+- ``ort``, ``onnx``, ``tensorrt``: ``tfgraph.export(..., pipeline="default", target=P)`` run
   in ONNX Runtime. The ``tensorrt`` graph holds standard ops only; TensorRT is not installed,
   so it runs on ONNX Runtime's CPU provider too (``NOTES`` says so in the result).
 
@@ -48,7 +48,7 @@ from tfgraph.bench.ort_probe import measure, probe
 logger = logging.getLogger(__name__)
 
 CONFIGS = ("eager", "unfused", "ort", "onnx", "tensorrt")
-EXPORTS = {  # configuration → (pipeline, profile)
+EXPORTS = {  # configuration → (pipeline, target)
     "unfused": ("none", "ort"),
     "ort": ("default", "ort"),
     "onnx": ("default", "onnx"),
@@ -147,12 +147,12 @@ def _export_all(
         lambda: tfgraph.from_module(module, origin=f"preset:{spec.preset}"),
     )
     parity, models = {}, {}
-    for config, (pipeline, profile) in EXPORTS.items():
+    for config, (pipeline, target) in EXPORTS.items():
         progress(f"prefill {label} export {config}")
         out = workdir / "prefill" / label / config
         shutil.rmtree(out, ignore_errors=True)  # a previous run's artifact
         try:
-            result = shared.export(source, out, pipeline=pipeline, profile=profile)
+            result = shared.export(source, out, pipeline=pipeline, target=target)
         except Exception as exc:  # one failed export skips its configuration, not the suite
             logger.exception("prefill: exporting %s %s failed", label, config)
             parity[config] = False

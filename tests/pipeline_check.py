@@ -1,4 +1,4 @@
-"""Compile a traced graph with a pipeline and profile, then prove it against eager PyTorch."""
+"""Compile a traced graph with a pipeline and target, then prove it against eager PyTorch."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from tfgraph.passes.pipeline.fusions import op_histogram
 from tfgraph.verify.parity import check_parity
 
 
-def compile_and_prove(source, traced: ir.Model, pipeline: str, profile: str, tmp_path) -> dict:
+def compile_and_prove(source, traced: ir.Model, pipeline: str, target: str, tmp_path) -> dict:
     """Run ``pipeline`` on a copy of ``traced``; return fusions, op histogram and parity."""
     model = ir.from_proto(ir.to_proto(traced))
-    run_pipeline(model, pipeline, target=profile, check_each_pass=True)
-    path = tmp_path / f"{pipeline}-{profile}.onnx"
+    run_pipeline(model, pipeline, target=target, check_each_pass=True)
+    path = tmp_path / f"{pipeline}-{target}.onnx"
     ir.save(model, path)
     return {
         "fusions": count_fusions(model, pipeline),

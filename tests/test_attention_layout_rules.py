@@ -60,9 +60,9 @@ def test_repeat_interleave_is_absorbed_as_gqa():
 def test_tile_order_is_not_mistaken_for_gqa(tmp_path):
     assert _kv_heads(KV(interleave=False)) == HQ  # expansion kept: still exact
     source = from_module(KV(interleave=False))
-    for profile in ("ort", "onnx"):
-        traced = trace(source, opset=20 if profile == "ort" else 23)
-        result = compile_and_prove(source, traced, "default", profile, tmp_path)
+    for target in ("ort", "onnx"):
+        traced = trace(source, opset=20 if target == "ort" else 23)
+        result = compile_and_prove(source, traced, "default", target, tmp_path)
         assert result["parity"]["passed"], result["parity"]["outputs"]
         attention = result["fusions"]["attention"]
         assert attention["fused"] == attention["total"] == 1

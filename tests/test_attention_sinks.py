@@ -64,7 +64,7 @@ def test_layers_with_equal_sinks_fuse(tmp_path):
 )
 def test_standard_targets_decompose_sinks_and_say_why(target, reason, tmp_path):
     source = from_module(idiom_models.sink_gpt("concat"), origin="idiom:sink_gpt")
-    result = tfgraph.export(source, tmp_path / "art", profile=target, kv_cache=True)
+    result = tfgraph.export(source, tmp_path / "art", target=target, kv_cache=True)
     attention = result.report["fusions"]["attention"]
     assert (attention["fused"], attention["total"]) == (0, 2)
     assert all(reason in m["reason"] for m in attention["missed"]), attention["missed"]

@@ -40,7 +40,7 @@ def test_prefill_quick_schema(tmp_path, monkeypatch):
     assert model["ratios"]["eager"]["16"]["eager_over_config_latency"] == 1.0
     assert model["ratios"]["unfused"]["16"]["config_over_unfused_peak_rss"] == 1.0
     assert "prefill gpt-tiny ort 16" in messages
-    for config in prefill.EXPORTS:  # exported once per profile into the workdir
+    for config in prefill.EXPORTS:  # exported once per target into the workdir
         assert (tmp_path / "prefill" / "gpt-tiny" / config / "model.onnx").is_file()
 
 

@@ -23,7 +23,7 @@ def test_a_quick_scope_shares_sources_traces_and_identical_exports(tmp_path):
         assert not shared.warm()
         source = shared.source(KEY, _source)
         assert shared.source(KEY, lambda: pytest.fail("made twice")) is source
-        unfused = shared.export(source, tmp_path / "unfused", pipeline="none", profile="ort")
+        unfused = shared.export(source, tmp_path / "unfused", pipeline="none", target="ort")
         fused = shared.export(source, tmp_path / "fused", pipeline="default", target="ort")
         assert unfused.passed and fused.passed
         assert shared.warm()

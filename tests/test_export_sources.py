@@ -9,7 +9,7 @@ import tfgraph
 from tfgraph.exporters.compile import check_model
 from tfgraph.verify.parity import FP32
 
-REPORT_KEYS = {"parity", "fusions", "kv_cache", "profile", "opset"}
+REPORT_KEYS = {"parity", "fusions", "kv_cache", "target", "opset"}
 
 
 def _check_artifact(result, *, files=("model.onnx",)):
@@ -156,7 +156,7 @@ def test_a_trace_cache_traces_once_per_opset(tmp_path):
     cache = TraceCache()
     plain = tfgraph.export(source, tmp_path / "plain", trace_cache=cache)
     cached = tfgraph.export(source, tmp_path / "cached", kv_cache=True, trace_cache=cache)
-    standard = tfgraph.export(source, tmp_path / "onnx", profile="onnx", trace_cache=cache)
+    standard = tfgraph.export(source, tmp_path / "onnx", target="onnx", trace_cache=cache)
     assert cache.hits == 1  # the KV-cached export reused the ort trace; onnx (opset 23) traced
     assert plain.passed and cached.passed and standard.passed
     assert "trace" in cached.report["timings"]

@@ -1,7 +1,7 @@
 """The differential fuzzer (``tfgraph.tools.fuzz``, ``python -m tfgraph fuzz``).
 
 - a bounded campaign over the whole model space passes through the same code path as the CLI
-  (every profile, KV cache and greedy generation included);
+  (every target, KV cache and greedy generation included);
 - a deliberately broken lowering is caught, and the failure prints the config and the seed;
 - Hypothesis shrinks a failure to a minimal config, and leaves no ``.hypothesis`` directory;
 - the strategy reaches every family, position scheme, norm, FFN, attention implementation,
@@ -38,7 +38,7 @@ from tfgraph.tools.fuzz_cases import (
     fuzz_cases,
 )
 
-# every profile, KV cache and generation: a decoder, an encoder-decoder, two encoders (≈ 70 s)
+# every target, KV cache and generation: a decoder, an encoder-decoder, two encoders (≈ 70 s)
 CAMPAIGN_EXAMPLES, CAMPAIGN_SEED = 4, 1
 TINY = FuzzCase(
     config=ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, max_seq_len=64),
@@ -82,9 +82,9 @@ def test_campaign_passes(tmp_path):
 
 def test_broken_lowering_fails_with_config_and_seed(broken_scale, tmp_path):
     with pytest.raises(ParityFailure) as info:
-        check_case(TINY, tmp_path, profiles=("onnx",), cache=False, reproduce="--seed 7")
+        check_case(TINY, tmp_path, targets=("onnx",), cache=False, reproduce="--seed 7")
     message = str(info.value)
-    assert "[parity] export profile=onnx" in message
+    assert "[parity] export target=onnx" in message
     assert f"config: {dataclasses.asdict(TINY.config)}" in message
     assert "'weight_seed': 0" in message and "--seed 7" in message
     replay = json.loads(message.split("--replay '")[1].split("'")[0])
@@ -92,12 +92,12 @@ def test_broken_lowering_fails_with_config_and_seed(broken_scale, tmp_path):
 
 
 def test_cli_reports_a_broken_lowering(broken_scale, capsys):
-    argv = ["fuzz", "--examples", "3", "--seed", "2", "--profiles", "ort", "--no-cache"]
+    argv = ["fuzz", "--examples", "3", "--seed", "2", "--targets", "ort", "--no-cache"]
     assert main([*argv, "--keep-going"]) == 1
     out, err = capsys.readouterr()
     assert "parity failures" in out and "FAILED" in out
-    assert "[parity] export profile=ort" in out and "config: {'family': " in out
-    assert "python -m tfgraph fuzz --examples 3 --seed 2 --profiles ort --no-cache" in out
+    assert "[parity] export target=ort" in out and "config: {'family': " in out
+    assert "python -m tfgraph fuzz --examples 3 --seed 2 --targets ort --no-cache" in out
     assert "--seed 2" in err and "[1/3]" in err
 
 
@@ -131,14 +131,25 @@ def test_cli_fuzz_one_example(capsys):
 
 
 def test_cli_replays_a_case(capsys):
-    argv = ["fuzz", "--replay", json.dumps(TINY.as_dict()), "--profiles", "ort", "--no-cache"]
+    argv = ["fuzz", "--replay", json.dumps(TINY.as_dict()), "--targets", "ort", "--no-cache"]
     assert main(argv) == 0
     assert "passed" in capsys.readouterr().out
 
 
-def test_cli_refuses_unknown_profiles(capsys):
-    assert main(["fuzz", "--profiles", "ort,tpu"]) == 2
-    assert "--profiles" in capsys.readouterr().err
+def test_cli_refuses_unknown_targets(capsys):
+    assert main(["fuzz", "--targets", "ort,tpu"]) == 2
+    assert "--targets" in capsys.readouterr().err
+    assert main(["fuzz", "--profiles", "ort"]) == 2  # the old name is no option any more
+    assert "unrecognized arguments: --profiles" in capsys.readouterr().err
+
+
+def test_replay_reads_the_old_cache_key():
+    """Replay JSON printed before the rename stored ``cache_profile``; it still reads."""
+    old = TINY.as_dict()
+    old["cache_profile"] = "tensorrt"
+    del old["cache_target"]
+    assert FuzzCase.from_dict(old) == dataclasses.replace(TINY, cache_target="tensorrt")
+    assert "cache_profile" not in TINY.as_dict()
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "t5-tiny", "palm-tiny", "seed-layernorm-tiny"])
@@ -199,7 +210,7 @@ def test_strategy_covers_the_model_space():
 
 def test_new_forms_pass_every_check(tmp_path):
     """One case with the issue-14 forms at once: a selection mask over ALiBi, soft-capped
-    scores, a sliding window and a hand-ordered RMSNorm, on every profile and cached."""
+    scores, a sliding window and a hand-ordered RMSNorm, on every target and cached."""
     cfg = ModelConfig(
         d_model=32,
         n_heads=4,
@@ -236,8 +247,8 @@ def test_is_causal_under_a_position_table_caches(tmp_path):
         norm_order="x*w/s",
     )
     case = FuzzCase(config=cfg, weight_seed=2, input_seed=856, parity_shapes=((1, 2),))
-    timings = check_case(case, tmp_path, profiles=("ort",))
-    assert "generate profile=ort" in timings  # cached, and generation equal to eager
+    timings = check_case(case, tmp_path, targets=("ort",))
+    assert "generate target=ort" in timings  # cached, and generation equal to eager
 
 
 def test_softcap_misses_count_only_when_stated():

@@ -1,4 +1,4 @@
-"""GELU: recognition (``FuseGeluPass``) and lowering per profile (``LowerGeluPass``).
+"""GELU: recognition (``FuseGeluPass``) and lowering per target (``LowerGeluPass``).
 
 Rule unit tests on tiny graphs: exported from tiny torch modules for the forms as people write
 them, and from ONNX text for operand orders and the near-misses (one per reason to reject).
@@ -32,7 +32,7 @@ from tfgraph.passes.rewrite_utils import MISS_REASON_KEY
 SQRT_2 = math.sqrt(2.0)
 SQRT_2_PI = math.sqrt(2.0 / math.pi)
 TOLERANCE = {"none": 1e-6, "tanh": 1e-5}
-PROFILES = ("ort", "onnx", "tensorrt")
+TARGETS = ("ort", "onnx", "tensorrt")
 
 
 # --- forms as people write them, exported by torch.onnx (dynamo) --------------------------------
@@ -139,16 +139,16 @@ def test_each_form_fuses_into_one_gelu(name):
     assert not FuseGeluPass()(model).modified
 
 
-@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", FORMS)
-def test_lowered_gelu_matches_original_and_eager(name, profile):
+def test_lowered_gelu_matches_original_and_eager(name, target):
     module, _, approximate = FORMS[name]
     x = _input()
     original = _run(_form(name), x.numpy())
     model = _form(name)
     FuseGeluPass()(model)
-    assert LowerGeluPass(get_target(profile))(model).modified
-    assert not LowerGeluPass(get_target(profile))(model).modified
+    assert LowerGeluPass(get_target(target))(model).modified
+    assert not LowerGeluPass(get_target(target))(model).modified
     onnx.checker.check_model(ir.serde.serialize_model(model), full_check=True)
     lowered = _run(model, x.numpy())
     tol = TOLERANCE[approximate]
@@ -168,7 +168,7 @@ def _canonical(approximate: str, opset: int = 20) -> ir.Model:
 
 
 @pytest.mark.parametrize(
-    ("profile", "opset", "approximate", "expected"),
+    ("target", "opset", "approximate", "expected"),
     [
         ("ort", 20, "none", "com.microsoft::Gelu"),
         ("ort", 20, "tanh", "com.microsoft::FastGelu"),
@@ -179,18 +179,18 @@ def _canonical(approximate: str, opset: int = 20) -> ir.Model:
         ("tensorrt", 20, "tanh", "Gelu"),
     ],
 )
-def test_lowering_ops_per_profile(profile, opset, approximate, expected):
+def test_lowering_ops_per_target(target, opset, approximate, expected):
     model = _canonical(approximate, opset)
-    assert LowerGeluPass(get_target(profile))(model).modified
+    assert LowerGeluPass(get_target(target))(model).modified
     assert op_histogram(model) == Counter({expected: 1})
     (node,) = model.graph
-    if profile == "ort":
+    if target == "ort":
         assert model.opset_imports["com.microsoft"] == 1
         assert not node.attributes
     else:
         assert "com.microsoft" not in model.opset_imports
         assert node.attributes.get_string("approximate") == approximate
-    assert not LowerGeluPass(get_target(profile))(model).modified
+    assert not LowerGeluPass(get_target(target))(model).modified
 
 
 @pytest.mark.parametrize(
@@ -200,10 +200,10 @@ def test_lowering_ops_per_profile(profile, opset, approximate, expected):
         ("tanh", {"Constant": 5, "Pow": 1, "Mul": 4, "Add": 2, "Tanh": 1}),
     ],
 )
-@pytest.mark.parametrize("profile", ["onnx", "tensorrt"])
-def test_lowering_below_opset_20_expands_and_reports(profile, approximate, expected):
+@pytest.mark.parametrize("target", ["onnx", "tensorrt"])
+def test_lowering_below_opset_20_expands_and_reports(target, approximate, expected):
     model = _canonical(approximate, opset=18)
-    assert LowerGeluPass(get_target(profile))(model).modified
+    assert LowerGeluPass(get_target(target))(model).modified
     assert op_histogram(model) == Counter(expected)
     (candidate,) = unfused_gelu_candidates(model)
     assert candidate.metadata_props[MISS_REASON_KEY] == "Gelu needs opset 20"

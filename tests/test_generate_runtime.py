@@ -169,7 +169,7 @@ def test_generate_text_with_the_artifact_tokenizer(tmp_path, capsys):
 
 
 def test_ort_cache_is_shared_buffers_appended_in_place(cached_gpt):
-    """ort profile: past and present are one preallocated buffer per layer; a step writes the
+    """ort target: past and present are one preallocated buffer per layer; a step writes the
     new position in place (same memory, nothing copied) and the graph has no cache Concat."""
     import onnx
 

@@ -1,5 +1,5 @@
 """Hugging Face models built from configs (random init, nothing downloaded), saved with
-``save_pretrained`` and loaded as a user would: every profile folds every norm, with parity."""
+``save_pretrained`` and loaded as a user would: every target folds every norm, with parity."""
 
 import pytest
 from pipeline_check import compile_and_prove
@@ -119,24 +119,24 @@ def hf_dirs(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("name", "attn"), CASES)
-def test_hf_model_all_profiles(name, attn, hf_dirs, tmp_path):
+def test_hf_model_all_targets(name, attn, hf_dirs, tmp_path):
     source = load_source(str(hf_dirs[name]), attn_implementation=attn)
-    for opset, profiles in ((20, ("ort",)), (23, ("onnx", "tensorrt"))):
+    for opset, targets in ((20, ("ort",)), (23, ("onnx", "tensorrt"))):
         traced = trace(source, opset=opset)
-        for profile in profiles:
-            result = compile_and_prove(source, traced, "default", profile, tmp_path)
-            assert result["parity"]["passed"], (profile, result["parity"]["outputs"])
+        for target in targets:
+            result = compile_and_prove(source, traced, "default", target, tmp_path)
+            assert result["parity"]["passed"], (target, result["parity"]["outputs"])
             norm = result["fusions"]["norm"]
-            assert norm["fused"] == norm["total"] == NORMS[name], (profile, norm["missed"])
+            assert norm["fused"] == norm["total"] == NORMS[name], (target, norm["missed"])
             gelu = result["fusions"]["gelu"]
-            assert gelu["fused"] == gelu["total"], (profile, gelu["missed"])
+            assert gelu["fused"] == gelu["total"], (target, gelu["missed"])
             attention = result["fusions"]["attention"]
             assert attention["fused"] == attention["total"] == ATTENTION[name], (
-                profile,
+                target,
                 attention["missed"],
             )
             recurrent = result["fusions"]["recurrent"]
             assert recurrent["total"] == RECURRENT.get(name, 0), recurrent
-            assert recurrent["fused"] == (recurrent["total"] if profile == "ort" else 0)
-            if profile != "ort":
+            assert recurrent["fused"] == (recurrent["total"] if target == "ort" else 0)
+            if target != "ort":
                 assert not any(op.startswith("com.microsoft") for op in result["ops"])

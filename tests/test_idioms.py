@@ -31,7 +31,7 @@ CASES = [
 @pytest.mark.parametrize(("factory", "target"), CASES)
 def test_is_causal_models_fuse_and_cache(factory, target, tmp_path):
     source = from_module(getattr(idiom_models, factory)(), origin=f"idiom:{factory}")
-    result = tfgraph.export(source, tmp_path / "art", profile=target, kv_cache=True)
+    result = tfgraph.export(source, tmp_path / "art", target=target, kv_cache=True)
     report = result.report
     assert report["parity"]["passed"], report["parity"]["outputs"]
     assert report["parity"]["prefill"]["passed"] and report["parity"]["decode"]["passed"]
@@ -200,7 +200,7 @@ def test_softcapped_scores_with_alternating_windows_fuse_and_cache(target, tmp_p
     turn: fused into ``softcap`` (GroupQueryAttention's and Attention-23's attribute; for
     TensorRT tanh in the standard ops, reported missed), cached, greedy tokens equal eager."""
     source = from_module(idiom_models.softcap_gpt(), origin="idiom:softcap_gpt")
-    result = tfgraph.export(source, tmp_path / "art", profile=target, kv_cache=True)
+    result = tfgraph.export(source, tmp_path / "art", target=target, kv_cache=True)
     attention = result.report["fusions"]["attention"]
     if target == "tensorrt":  # standard ops with tanh: not claimed as TensorRT's fused MHA
         assert (attention["fused"], attention["total"]) == (0, 4)

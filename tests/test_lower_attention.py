@@ -1,4 +1,4 @@
-"""Lowering of ``tfgraph.Attention``: op choice per profile, then numbers against numpy.
+"""Lowering of ``tfgraph.Attention``: op choice per target, then numbers against numpy.
 
 Each test builds one canonical node by hand, lowers it, asserts the ops produced, and runs the
 result in ONNX Runtime (its own graph optimizations off) against :func:`reference_attention`.
@@ -191,14 +191,14 @@ def ops(model: ir.Model) -> Counter:
     return Counter((n.domain, n.op_type) for n in model.graph)
 
 
-def lower(model: ir.Model, profile: str) -> ir.Model:
-    result = LowerAttentionPass(get_target(profile))(model)
+def lower(model: ir.Model, target: str) -> ir.Model:
+    result = LowerAttentionPass(get_target(target))(model)
     assert result.modified
-    assert LowerAttentionPass(get_target(profile))(result.model).modified is False
+    assert LowerAttentionPass(get_target(target))(result.model).modified is False
     return result.model
 
 
-def check_structure(model: ir.Model, profile: str, case: Case) -> None:
+def check_structure(model: ir.Model, target: str, case: Case) -> None:
     histogram = ops(model)
     assert not [op for op in histogram if op[0] == "tfgraph"]
     for node in model.graph:  # reports keep the PyTorch module name
@@ -206,10 +206,10 @@ def check_structure(model: ir.Model, profile: str, case: Case) -> None:
             node.metadata_props.get("pkg.torch.onnx.name_scopes")
             == SCOPE["pkg.torch.onnx.name_scopes"]
         )
-    if profile == "ort":
+    if target == "ort":
         assert histogram[case.ort_op] == 1
         assert model.opset_imports.get("com.microsoft") == 1
-    elif profile == "onnx":
+    elif target == "onnx":
         assert histogram[ATTENTION] == 1
         assert not [op for op in histogram if op[0] == "com.microsoft"]
         node = next(n for n in model.graph if n.op_type == "Attention")
@@ -236,13 +236,13 @@ def check_tensorrt(model: ir.Model) -> None:
     assert softmax.attributes.get_int("axis") == -1
 
 
-@pytest.mark.parametrize("profile", ["ort", "onnx", "tensorrt"])
+@pytest.mark.parametrize("target", ["ort", "onnx", "tensorrt"])
 @pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("name", list(CASES))
-def test_lowering_matches_reference(name: str, heads: str, profile: str) -> None:
+def test_lowering_matches_reference(name: str, heads: str, target: str) -> None:
     case, (hq, hkv) = CASES[name], HEADS[heads]
-    model = lower(build(case, hq, hkv, OPSET[profile]), profile)
-    check_structure(model, profile, case)
+    model = lower(build(case, hq, hkv, OPSET[target]), target)
+    check_structure(model, target, case)
     data = feeds(case, hq, hkv)
     np.testing.assert_allclose(run_ort(model, data), expected(case, hq, hkv, data), atol=ATOL)
 
@@ -283,13 +283,13 @@ def test_symbolic_lengths(
     """S == T is proved only by the same named dim; otherwise the mask is built from shapes."""
     case = CASES[name]
     data = feeds(case, 8, 2)
-    for profile in ("ort", "onnx", "tensorrt"):
+    for target in ("ort", "onnx", "tensorrt"):
         seq = ("seq", kv_seq)
-        model = build(case, 8, 2, OPSET[profile], seq=seq, bias_shape=(1, 8, *seq))
-        model = lower(model, profile)
-        if profile == "ort":
+        model = build(case, 8, 2, OPSET[target], seq=seq, bias_shape=(1, 8, *seq))
+        model = lower(model, target)
+        if target == "ort":
             assert ops(model)[ort_op] == 1
-        if profile == "onnx":
+        if target == "onnx":
             node = next(n for n in model.graph if n.op_type == "Attention")
             assert node.attributes.get_int("is_causal") == onnx_is_causal
         np.testing.assert_allclose(run_ort(model, data), expected(case, 8, 2, data), atol=ATOL)

@@ -118,7 +118,7 @@ X = np.random.default_rng(0).standard_normal((3, 7, C)).astype(np.float32) * 3 +
 @pytest.mark.parametrize("fn", list(FORMS), ids=lambda f: f.__name__)
 def test_form_folds_and_lowers_exactly(fn):
     op_type, n_inputs = FORMS[fn]
-    for opset, profiles in ((20, ("ort",)), (23, ("onnx", "tensorrt"))):
+    for opset, targets in ((20, ("ort",)), (23, ("onnx", "tensorrt"))):
         traced = _traced(fn, opset)
         run_pipeline(traced, "cleanup")
         want = _run(traced, X)[0]
@@ -135,13 +135,13 @@ def test_form_folds_and_lowers_exactly(fn):
             "total": 1,
             "missed": [],
         }
-        for profile in profiles:
+        for target in targets:
             lowered = _copy(model)
-            assert LowerNormsPass(get_target(profile))(lowered).modified
-            check_model(lowered, f"lowering for {profile}")
+            assert LowerNormsPass(get_target(target))(lowered).modified
+            check_model(lowered, f"lowering for {target}")
             assert not any(n.domain == "tfgraph" for n in lowered.graph)
             got = _run(lowered, X)[0]
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6, err_msg=profile)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6, err_msg=target)
 
 
 EXPECTED_OPS = {
@@ -166,13 +166,13 @@ def test_ort_keeps_layernorm_residual_apart():
     assert hist["LayerNormalization"] == 1
 
 
-@pytest.mark.parametrize(("kind", "profile"), list(EXPECTED_OPS))
-def test_lowering_targets(kind, profile):
+@pytest.mark.parametrize(("kind", "target"), list(EXPECTED_OPS))
+def test_lowering_targets(kind, target):
     fn = ln_div if kind == "LayerNorm" else rms_div
-    model = _traced(fn, 20 if profile == "ort" else 23)
-    run_pipeline(model, "default", target=profile)
+    model = _traced(fn, 20 if target == "ort" else 23)
+    run_pipeline(model, "default", target=target)
     norms = {op for op in op_histogram(model) if "Norm" in op}
-    assert norms == {EXPECTED_OPS[kind, profile]}
+    assert norms == {EXPECTED_OPS[kind, target]}
 
 
 class Residual(nn.Module):

@@ -1,12 +1,12 @@
 """A standard ONNX ``Attention`` (SDPA exported at opset ≥ 23) recognized and re-lowered.
 
 Each positive graph is one hand-built ``Attention`` node; the ``default`` pipeline must turn it
-into the profile's kernel (``ort``: GroupQueryAttention / MultiHeadAttention; ``onnx``:
+into the target's kernel (``ort``: GroupQueryAttention / MultiHeadAttention; ``onnx``:
 ``Attention``-23 again; ``tensorrt``: standard ops only) and compute what the original computes
 in ONNX Runtime. Each negative graph turns one knob of a positive one so that exactly one
-``check`` of :mod:`tfgraph.passes.recognize.attention.onnx_attention` rejects it: the node stays, reported
-as missed with that reason. Every graph goes through the pass twice; the second run finds
-nothing to do.
+``check`` of :mod:`tfgraph.passes.recognize.attention.onnx_attention` rejects it: the node
+stays, reported as missed with that reason. Every graph goes through the pass twice; the
+second run finds nothing to do.
 """
 
 from __future__ import annotations
@@ -123,17 +123,17 @@ def fuse(proto: onnx.ModelProto) -> tuple[ir.Model, bool]:
     return model, modified
 
 
-@pytest.mark.parametrize("profile", ["ort", "onnx", "tensorrt"])
+@pytest.mark.parametrize("target", ["ort", "onnx", "tensorrt"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_default_pipeline_relowers_attention(name: str, profile: str) -> None:
+def test_default_pipeline_relowers_attention(name: str, target: str) -> None:
     case = CASES[name]
     proto, feeds = build(case)
     model = ir.from_proto(proto)
-    run_pipeline(model, "default", target=profile, check_each_pass=True)
+    run_pipeline(model, "default", target=target, check_each_pass=True)
     ops = op_histogram(model)
-    if profile == "ort":
+    if target == "ort":
         assert ops[case.ort_op] == 1 and "Attention" not in ops, ops
-    elif profile == "onnx":
+    elif target == "onnx":
         assert ops["Attention"] == 1 and not any("::" in op for op in ops), ops
     else:
         assert not any("Attention" in op or "::" in op for op in ops), ops
@@ -300,10 +300,10 @@ def test_untouched_pipeline_counts_exported_attention_as_fused() -> None:
 
 
 def test_export_sdpa_preset_at_opset_23_for_ort(tmp_path) -> None:
-    """End to end: SDPA traced at opset 23 is one ``Attention`` per layer; the ``ort`` profile
+    """End to end: SDPA traced at opset 23 is one ``Attention`` per layer; the ``ort`` target
     gets its contrib kernels for every one (GQA 8:2, repeat_kv absorbed), and parity holds."""
     out = tmp_path / "llama-sdpa"
-    result = tfgraph.export("llama-tiny-sdpa", out, profile="ort", opset=23)
+    result = tfgraph.export("llama-tiny-sdpa", out, target="ort", opset=23)
     assert result.passed, result.report["parity"]["outputs"]
     attention = result.report["fusions"]["attention"]
     assert attention["fused"] == attention["total"] == 2, attention["missed"]

@@ -49,7 +49,7 @@ class BreakGraphPass(ir.passes.InPlacePass):
 
 
 def test_check_each_pass_names_the_breaking_pass(monkeypatch):
-    monkeypatch.setitem(PIPELINES, "broken", lambda profile: [BreakGraphPass()])
+    monkeypatch.setitem(PIPELINES, "broken", lambda target: [BreakGraphPass()])
     model = ir.from_onnx_text(TEXT.replace("[N, 4]", "[2, 4]"))
     with pytest.raises(GraphCheckError, match="after BreakGraphPass"):
         run_pipeline(model, "broken", check_each_pass=True)

@@ -1,9 +1,9 @@
-"""Every zoo preset through every pipeline and profile, proven against eager PyTorch (fp32).
+"""Every zoo preset through every pipeline and target, proven against eager PyTorch (fp32).
 
 - ``none`` (the graph as traced): parity, and one attention core per attention layer, each
   named after its PyTorch module. Encoder-decoder presets are one graph (inputs ``input_ids``,
   ``decoder_input_ids``, ``attention_mask``), so parity covers the whole model.
-- ``default`` for profiles ``ort`` (opset 20), ``onnx`` and ``tensorrt`` (opset 23): parity,
+- ``default`` for targets ``ort`` (opset 20), ``onnx`` and ``tensorrt`` (opset 23): parity,
   every norm folded (``fused == total``; exact-semantics exclusions listed as excluded) and
   every attention core fused (``ort``: GroupQueryAttention / MultiHeadAttention; ``onnx``:
   Attention-23; ``tensorrt``: standard ops only, in the MatMul-Softmax-MatMul form TensorRT
@@ -42,12 +42,12 @@ ATTENTION_OPS = {
 }
 
 
-def _assert_attention_fused(result, profile, cores):
+def _assert_attention_fused(result, target, cores):
     attention = result["fusions"]["attention"]
     assert attention["fused"] == attention["total"] == cores, attention["missed"]
     ops = {op for op in result["ops"] if "Attention" in op}
-    assert ops <= ATTENTION_OPS[profile], ops
-    if profile != "tensorrt":
+    assert ops <= ATTENTION_OPS[target], ops
+    if target != "tensorrt":
         assert ops, "a fused attention op"
     else:
         assert not any("::" in op for op in result["ops"]), "tensorrt gets standard ops only"
@@ -67,7 +67,7 @@ def _assert_norms_folded(result, allowed_ops):
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
-def test_preset_all_profiles(name, tmp_path):
+def test_preset_all_targets(name, tmp_path):
     source = load_source(name)
     cfg = PRESETS[name]
 
@@ -93,11 +93,11 @@ def test_preset_all_profiles(name, tmp_path):
         assert ort["fusions"]["norm"]["fused"] == norms_before  # every norm found was folded
 
     traced23 = trace(source, opset=23)
-    for profile in ("onnx", "tensorrt"):
-        result = compile_and_prove(source, traced23, "default", profile, tmp_path)
+    for target in ("onnx", "tensorrt"):
+        result = compile_and_prove(source, traced23, "default", target, tmp_path)
         _assert_parity(result)
         _assert_norms_folded(result, STANDARD_NORM_OPS)
-        _assert_attention_fused(result, profile, _attention_cores(cfg))
+        _assert_attention_fused(result, target, _attention_cores(cfg))
         assert not any(op.startswith("com.microsoft") for op in result["ops"])
     if seed:  # the (σ+ε) norm is reported, excluded, with its reason, never folded
         misses = ort["fusions"]["norm"]["missed"]

@@ -54,7 +54,7 @@ SWEEPS: dict[str, tuple[set[str], str]] = {
         {"llama-tiny-4-False-4"},
         "per-MatMul quantization against MatMulNBitsQuantizer on three presets",
     ),
-    "test_zoo_pipelines.py::test_preset_all_profiles": (
+    "test_zoo_pipelines.py::test_preset_all_targets": (
         {"llama-tiny", "t5-tiny", "bert-tiny"},
         "every preset x every pipeline and target: a decoder, an encoder-decoder and an encoder "
         "stay in the default tier",
@@ -81,7 +81,7 @@ SWEEPS: dict[str, tuple[set[str], str]] = {
         "the zoo's fp16 sweep with the cache",
     ),
     "test_precision.py::test_hugging_face_fp16": ({"gpt2"}, "HF architectures in fp16"),
-    "test_hf_pipelines.py::test_hf_model_all_profiles": (
+    "test_hf_pipelines.py::test_hf_model_all_targets": (
         {"gpt2-eager", "t5-eager", "qwen3_next-eager", "mamba-eager"},
         "HF architectures x attention implementations x targets",
     ),

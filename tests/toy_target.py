@@ -2,7 +2,7 @@
 
 Attention becomes MatMul-Softmax-MatMul and nothing else (no fused kernel, no custom domain),
 norms become standard LayerNormalization or RMSNorm written out, GELU the standard op.
-Registering it makes ``--profile toy`` work everywhere.
+Registering it makes ``--target toy`` work everywhere.
 """
 
 from tfgraph.exporters.target import fused_ops

@@ -27,9 +27,7 @@ def add_parser(sub):
     p.add_argument("-o", "--output", required=True, type=Path, help="artifact directory")
     p.add_argument("--pipeline", default="default", choices=list(PIPELINES))
     p.add_argument(
-        "--profile",
         "--target",
-        dest="profile",
         default="ort",
         metavar="TARGET",
         help=f"target backend: {', '.join(target_names())}, or tensorrt@X.Y "
@@ -175,7 +173,7 @@ def options_from_args(args):
 
     return ExportOptions(
         pipeline=args.pipeline,
-        target=args.profile,
+        target=args.target,
         opset=args.opset,
         check_each_pass=args.check_each_pass,
         external_data=True if args.external_data else None,

@@ -1,4 +1,4 @@
-"""``tfgraph fuzz``: differential fuzzing, random zoo models through every profile.
+"""``tfgraph fuzz``: differential fuzzing, random zoo models through every target.
 
 hypothesis (via ``tfgraph.tools.fuzz``) is imported in ``run`` only."""
 
@@ -12,13 +12,13 @@ from tfgraph.errors import TfgraphError
 
 
 def add_parser(sub):
-    p = sub.add_parser("fuzz", help="differential fuzzing: random zoo models through every profile")
+    p = sub.add_parser("fuzz", help="differential fuzzing: random zoo models through every target")
     p.add_argument("--examples", type=int, default=20, help="examples to draw (default 20)")
     p.add_argument("--seed", type=int, default=0, help="campaign seed (same seed, same cases)")
     p.add_argument(
-        "--profiles",
+        "--targets",
         default="ort,onnx,tensorrt",
-        help="comma-separated profiles to export each example for (default: all)",
+        help="comma-separated targets to export each example for (default: all)",
     )
     p.add_argument(
         "--no-cache",
@@ -44,23 +44,23 @@ def run(args) -> int:
         ) from exc
     from tfgraph.exporters.targets import get_target, target_names
 
-    profiles = tuple(p.strip() for p in args.profiles.split(",") if p.strip())
+    targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
     unknown = []
-    for name in profiles:
+    for name in targets:
         try:
             get_target(name)
         except TfgraphError:
             unknown.append(name)
-    if unknown or not profiles:
-        raise TfgraphError(f"--profiles {args.profiles!r}: choose from {', '.join(target_names())}")
+    if unknown or not targets:
+        raise TfgraphError(f"--targets {args.targets!r}: choose from {', '.join(target_names())}")
     if args.replay is not None:
-        return _fuzz_replay(args.replay, profiles, not args.no_cache, FuzzCase, check_case)
+        return _fuzz_replay(args.replay, targets, not args.no_cache, FuzzCase, check_case)
     if args.examples < 1:
         raise TfgraphError(f"--examples must be at least 1, got {args.examples}")
     report = run_fuzz(
         args.examples,
         args.seed,
-        profiles=profiles,
+        targets=targets,
         cache=not args.no_cache,
         keep_going=args.keep_going,
         progress=_fuzz_progress,
@@ -80,7 +80,7 @@ def run(args) -> int:
     return 1
 
 
-def _fuzz_replay(text: str, profiles, cache: bool, case_cls, check) -> int:
+def _fuzz_replay(text: str, targets, cache: bool, case_cls, check) -> int:
     """``fuzz --replay JSON``: check one case, as a failure message prints it."""
     try:
         case = case_cls.from_dict(json.loads(text))
@@ -88,7 +88,7 @@ def _fuzz_replay(text: str, profiles, cache: bool, case_cls, check) -> int:
         raise TfgraphError(f"--replay needs a case as JSON, as a failure prints: {exc}") from exc
     print(f"replay: {case.summary()}", file=sys.stderr, flush=True)
     try:
-        timings = check(case, profiles=profiles, cache=cache)
+        timings = check(case, targets=targets, cache=cache)
     except AssertionError as exc:
         print(exc)
         return 1

@@ -1,4 +1,4 @@
-"""Differential fuzzing: random zoo models through every profile, against eager PyTorch.
+"""Differential fuzzing: random zoo models through every target, against eager PyTorch.
 
 A Hypothesis strategy (:func:`~tfgraph.tools.fuzz_cases.fuzz_cases`, with the rest of the
 case space in :mod:`tfgraph.tools.fuzz_cases`) draws a :class:`FuzzCase`: a valid
@@ -6,12 +6,12 @@ case space in :mod:`tfgraph.tools.fuzz_cases`) draws a :class:`FuzzCase`: a vali
 query/KV heads, head size, width, layers, positions, norm kind and placement, FFN, attention
 implementation, sliding window, …; tiny: d_model ≤ 64, vocab ≤ 128) plus the inputs (parity
 shapes, padding, weight and input seeds, generation prompts). :func:`check_case` builds the
-module and, per profile, exports it (``tfgraph.export``) and checks
+module and, per target, exports it (``tfgraph.export``) and checks
 
 - parity against eager PyTorch passed;
 - for every fusion kind, ``fused == total`` and ``total`` is the number of candidates the
   config has (the seed's ``(σ+ε)`` norm is never folded: it must be reported ``excluded``);
-- decoders and encoder-decoders: the KV-cached export (``ort`` and one other profile) passes
+- decoders and encoder-decoders: the KV-cached export (``ort`` and one other target) passes
   its prefill and decode parity, and greedy generation (batch 2, prompts of different lengths)
   equals eager full recompute token for token.
 
@@ -45,7 +45,7 @@ from hypothesis import seed as hypothesis_seed
 from tfgraph.exporters.targets import get_target
 from tfgraph.sources import ModelSource
 from tfgraph.sources.trace import TraceCache
-from tfgraph.tools.fuzz_cases import PROFILES, FuzzCase, case_source, fusion_problems, fuzz_cases
+from tfgraph.tools.fuzz_cases import TARGETS, FuzzCase, case_source, fusion_problems, fuzz_cases
 from tfgraph.verify.generation_parity import compare_greedy, encoder_inputs
 
 logger = logging.getLogger(__name__)
@@ -145,14 +145,14 @@ def describe_exception(exc: BaseException) -> str:
 
 
 def _export(
-    source: ModelSource, case: FuzzCase, ctx: CaseContext, out: Path, profile: str, kv_cache: bool
+    source: ModelSource, case: FuzzCase, ctx: CaseContext, out: Path, target: str, kv_cache: bool
 ):
     from tfgraph.exporting import export
 
     return export(
         source,
         out,
-        profile=profile,
+        target=target,
         kv_cache=kv_cache,
         parity_shapes=case.parity_shapes,
         trace_cache=ctx.traces,
@@ -168,11 +168,11 @@ def _check_report(case: FuzzCase, ctx: CaseContext, stage: str, report: dict) ->
         raise FusionIncomplete(case, stage, " | ".join(problems), ctx.reproduce)
 
 
-def check_export(source: ModelSource, case: FuzzCase, ctx: CaseContext, profile: str) -> None:
-    """Uncached export at ``profile``: parity and complete fusions."""
-    stage = f"export profile={profile}"
+def check_export(source: ModelSource, case: FuzzCase, ctx: CaseContext, target: str) -> None:
+    """Uncached export at ``target``: parity and complete fusions."""
+    stage = f"export target={target}"
     with ctx.stage(case, stage):
-        result = _export(source, case, ctx, ctx.workdir / profile, profile, kv_cache=False)
+        result = _export(source, case, ctx, ctx.workdir / target, target, kv_cache=False)
     _check_report(case, ctx, stage, result.report)
 
 
@@ -188,18 +188,18 @@ def _quiet(name: str) -> Iterator[None]:
         log.setLevel(level)
 
 
-def check_cached(source: ModelSource, case: FuzzCase, ctx: CaseContext, profile: str) -> None:
-    """KV-cached export at ``profile``: cache parity, fusions, greedy generation vs eager."""
+def check_cached(source: ModelSource, case: FuzzCase, ctx: CaseContext, target: str) -> None:
+    """KV-cached export at ``target``: cache parity, fusions, greedy generation vs eager."""
     from tfgraph.runtime import CachedDecoder, Session
 
-    stage = f"export --kv-cache profile={profile}"
-    out = ctx.workdir / f"{profile}-kv"
+    stage = f"export --kv-cache target={target}"
+    out = ctx.workdir / f"{target}-kv"
     with ctx.stage(case, stage):
-        result = _export(source, case, ctx, out, profile, kv_cache=True)
+        result = _export(source, case, ctx, out, target, kv_cache=True)
     _check_report(case, ctx, stage, result.report)
     if case.precision != "fp32":  # its cache parity used the precision's rule; fp16 logits
         return  # of a random model tie often, so tokens against fp32 eager say little
-    stage = f"generate profile={profile}"
+    stage = f"generate target={target}"
     with ctx.stage(case, stage):
         decoder = CachedDecoder(Session(out))
         prompts, extra = case.prompts(), {}
@@ -219,17 +219,17 @@ def check_cached(source: ModelSource, case: FuzzCase, ctx: CaseContext, profile:
         logger.info("generation diverged at a near tie (step %s)", comparison.divergence())
 
 
-def cache_profiles(case: FuzzCase, profiles: tuple[str, ...]) -> list[str]:
-    """``ort`` and the case's other profile, among those asked for (else the first asked)."""
-    chosen = [p for p in ("ort", case.cache_profile) if p in profiles]
-    return chosen or list(profiles[:1])
+def cache_targets(case: FuzzCase, targets: tuple[str, ...]) -> list[str]:
+    """``ort`` and the case's other target, among those asked for (else the first asked)."""
+    chosen = [t for t in ("ort", case.cache_target) if t in targets]
+    return chosen or list(targets[:1])
 
 
 def check_case(
     case: FuzzCase,
     workdir: str | Path | None = None,
     *,
-    profiles: tuple[str, ...] = PROFILES,
+    targets: tuple[str, ...] = TARGETS,
     cache: bool = True,
     reproduce: str = "",
 ) -> dict[str, float]:
@@ -238,11 +238,11 @@ def check_case(
         ctx = CaseContext(Path(tmp), reproduce)
         with ctx.stage(case, "build"):
             source = case_source(case)
-        for profile in profiles:
-            check_export(source, case, ctx, profile)
+        for target in targets:
+            check_export(source, case, ctx, target)
         if cache and case.config.family != "encoder":
-            for profile in cache_profiles(case, profiles):
-                check_cached(source, case, ctx, profile)
+            for target in cache_targets(case, targets):
+                check_cached(source, case, ctx, target)
     return ctx.timings
 
 
@@ -385,7 +385,7 @@ def run_fuzz(
     examples: int,
     seed: int,
     *,
-    profiles: tuple[str, ...] = PROFILES,
+    targets: tuple[str, ...] = TARGETS,
     cache: bool = True,
     keep_going: bool = False,
     workdir: str | Path | None = None,
@@ -394,15 +394,15 @@ def run_fuzz(
 ) -> FuzzReport:
     """Check ``examples`` cases drawn with ``seed``; stops at the first failure and shrinks it
     (``keep_going``: runs them all, no shrinking). Failures are in the report, not raised."""
-    if not profiles:
-        raise ValueError(f"profiles {list(profiles)}: choose from {', '.join(PROFILES)}")
-    for name in profiles:
+    if not targets:
+        raise ValueError(f"targets {list(targets)}: choose from {', '.join(TARGETS)}")
+    for name in targets:
         get_target(name, error=ValueError)
     report = FuzzReport(requested=examples, seed=seed)
-    reproduce = _reproduce_command(examples, seed, profiles, cache)
+    reproduce = _reproduce_command(examples, seed, targets, cache)
     recorder = _Recorder(
         report,
-        lambda case: check(case, workdir, profiles=profiles, cache=cache, reproduce=reproduce),
+        lambda case: check(case, workdir, targets=targets, cache=cache, reproduce=reproduce),
         progress,
     )
 
@@ -422,8 +422,8 @@ def run_fuzz(
     return report
 
 
-def _reproduce_command(examples: int, seed: int, profiles: tuple[str, ...], cache: bool) -> str:
+def _reproduce_command(examples: int, seed: int, targets: tuple[str, ...], cache: bool) -> str:
     command = f"python -m tfgraph fuzz --examples {examples} --seed {seed}"
-    if tuple(profiles) != PROFILES:
-        command += f" --profiles {','.join(profiles)}"
+    if tuple(targets) != TARGETS:
+        command += f" --targets {','.join(targets)}"
     return command + ("" if cache else " --no-cache")

@@ -39,9 +39,9 @@ HEAD_DIMS = (8, 16, 4, 12, 6, 2, 10, 5)  # multiples of 8 and not, odd too
 VOCABS = (64, 128, 50, 97)
 ROPE_FRACTIONS = (1.0, 0.5, 0.25, 0.75)
 PADDINGS = ("model", "none", "left", "single")  # of an attention_mask input (see _padding)
-PROFILES = ("ort", "onnx", "tensorrt")  # the targets each example is exported for
-CACHE_PROFILES = ("onnx", "tensorrt")  # the second profile of the KV-cached export
-PRECISIONS = ("fp32", "fp16")  # drawn per case (every profile takes both)
+TARGETS = ("ort", "onnx", "tensorrt")  # the targets each example is exported for
+CACHE_TARGETS = ("onnx", "tensorrt")  # the second target of the KV-cached export
+PRECISIONS = ("fp32", "fp16")  # drawn per case (every target takes both)
 GELU_FFNS = ("gelu", "gelu-tanh", "geglu")
 SOFTCAPS = (50.0, 20.0, 5.0)  # Gemma 2 caps attention scores at 50
 
@@ -60,7 +60,7 @@ class FuzzCase:
     padding: str = "model"
     prompt_lengths: tuple[int, int] = (6, 3)
     new_tokens: int = 4
-    cache_profile: str = "onnx"
+    cache_target: str = "onnx"
     precision: str = "fp32"  # every export of the case; fp16 adds islands and the fp16 rule
 
     def as_dict(self) -> dict:
@@ -78,6 +78,8 @@ class FuzzCase:
     @classmethod
     def from_dict(cls, data: dict) -> FuzzCase:
         data = dict(data)
+        if "cache_profile" in data:  # replay JSON printed before the key was renamed
+            data["cache_target"] = data.pop("cache_profile")
         data["config"] = ModelConfig(**data["config"])
         data["parity_shapes"] = tuple(tuple(s) for s in data.get("parity_shapes", ((1, 7),)))
         data["prompt_lengths"] = tuple(data.get("prompt_lengths", (6, 3)))
@@ -258,7 +260,7 @@ def fuzz_cases(draw) -> FuzzCase:
         padding=draw(st.sampled_from(PADDINGS)),
         prompt_lengths=draw(_prompt_lengths()),
         new_tokens=draw(st.integers(2, 6)),
-        cache_profile=draw(st.sampled_from(CACHE_PROFILES)),
+        cache_target=draw(st.sampled_from(CACHE_TARGETS)),
         precision=draw(st.sampled_from(PRECISIONS)),
     )
 
