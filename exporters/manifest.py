@@ -81,7 +81,6 @@ def build_manifest(
         "kv_layout": signature.kv_layout,
         "opsets": dict(sorted(model.opset_imports.items())),
         "pipeline": pipeline,
-        "profile": target.label,
         "target": _target_entry(target),
         "passes": passes,
         "fusions": {k: {"fused": v["fused"], "total": v["total"]} for k, v in fusions.items()},

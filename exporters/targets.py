@@ -77,7 +77,7 @@ def get_target(target: Target | str, *, error: type[Exception] | None = None) ->
         from tfgraph.errors import TfgraphError as error  # noqa: N813
     versioned = ", ".join(f"{n}@X.Y" for n in _FACTORIES)
     raise error(
-        f"unknown profile/target '{target}': choose one of {', '.join(_TARGETS)}"
+        f"unknown target '{target}': choose one of {', '.join(_TARGETS)}"
         + (f" (or {versioned})" if versioned else "")
     )
 

@@ -1,43 +1,63 @@
-"""The artifact stage of ``export``: the graph (and a seq2seq's encoder) saved into the staged
-directory, a Hugging Face directory's tokenizer files copied, ``manifest.json`` written (the
-runner reads it before parity runs)."""
+"""The artifact stage of ``export``: the graph (and a seq2seq's encoder, split off as a step of
+the export's step runner) saved into the staged directory, a Hugging Face directory's tokenizer
+files copied, ``manifest.json`` built from the saved graph and written (the runner reads it
+before parity runs). ``options`` is the ``saving`` view."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 from tfgraph.contract import ENCODER_FILE
 from tfgraph.exporters.artifact import write_json
-from tfgraph.exporters.compile import check_model
+from tfgraph.exporters.compile import count_fusions
 from tfgraph.exporters.manifest import MANIFEST_FILE, build_manifest
 from tfgraph.exporters.onnx_file import save_onnx
 from tfgraph.passes.cache.split_encoder import split_encoder
 
 
-def write_artifact(graph, stage: Path, source, options, passes: list[dict], fusions: dict):
-    """(manifest, files): ``graph`` saved into ``stage`` as the target's artifact; with a KV
-    cache, an encoder-decoder's encoder split into its own file (it runs once per prompt)."""
+class Saved(NamedTuple):
+    manifest: dict
+    files: list[str]  # the artifact's files, the step graph first
+    fusions: dict  # the per-layer fusion report of the graph as saved
+
+
+def split(graph, options, steps):
+    """With a KV cache, an encoder-decoder's encoder split off ``graph`` (it runs once per
+    prompt): the encoder graph, or None for a decoder."""
+    if not options.kv_cache:
+        return None
+    encoder = steps.run(
+        "SplitEncoderPass",
+        lambda: split_encoder(graph),
+        graph,
+        exact=None,
+        changed=lambda e: e is not None,
+    )
+    if encoder is not None:
+        steps.check(encoder, "SplitEncoderPass")
+    return encoder
+
+
+def write_artifact(graph, stage: Path, source, options, steps, encoder=None):
+    """(manifest, files, fusions): ``graph`` (and ``encoder``) saved into ``stage`` as the
+    target's artifact; the manifest says what was done to it (``steps.records``) and what
+    fused (``fusions``, counted once, on the graph as saved)."""
     target = options.target
     files: list[str] = []
-    encoder = None
-    if options.kv_cache:
-        encoder = split_encoder(graph)
-        if encoder is not None:
-            check_model(encoder, "split_encoder", target)
-            check_model(graph, "split_encoder", target)
-            files += save_onnx(
-                encoder, stage, external_data=options.external_data, name=ENCODER_FILE
-            )
+    if encoder is not None:
+        files += save_onnx(encoder, stage, external_data=options.external_data, name=ENCODER_FILE)
     files = save_onnx(graph, stage, external_data=options.external_data) + files
     files += copy_tokenizer(source.origin, stage)
+    fusions = count_fusions(graph, options.pipeline, target=target)
     manifest = build_manifest(
         graph,
         kv_cache=options.kv_cache,
         origin=source.origin,
         pipeline=options.pipeline,
         target=target,
-        passes=passes,
+        passes=[r.as_dict() for r in steps.records],
         fusions=fusions,
         files=files,
         max_positions=source.info.get("max_positions"),
@@ -46,7 +66,7 @@ def write_artifact(graph, stage: Path, source, options, passes: list[dict], fusi
     manifest["precision"] = options.precision
     manifest["target"]["runner"] = target.runner_for(options.precision)
     write_json(stage / MANIFEST_FILE, manifest)
-    return manifest, files
+    return Saved(manifest, files, fusions)
 
 
 TOKENIZER_FILES = (

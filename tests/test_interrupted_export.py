@@ -9,6 +9,7 @@ model: its trace is cached across the cases, so that a case costs the stages bef
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -60,15 +61,17 @@ def _drive(spec_path: str) -> None:
     before = [signal.getsignal(s) for s in interrupts.SIGNALS]
     _cache_traces()
     case: dict = {}
-    real_run = exporting.Stages.run
+    real_timed = exporting.Stages.timed
 
-    def run(self, name, fn, *args, **kwargs):
-        if name == case["stage"]:
-            case["reached"] = True
-            fn = _interrupting(fn, case)
-        return real_run(self, name, fn, *args, **kwargs)
+    @contextlib.contextmanager
+    def timed(self, name):
+        with real_timed(self, name):
+            if name == case["stage"]:
+                case["reached"] = True
+                _interrupt(case)
+            yield
 
-    exporting.Stages.run = run
+    exporting.Stages.timed = timed
     for i, spec in enumerate(cases):
         case.clear()
         case.update(spec, reached=False)
@@ -99,17 +102,14 @@ def _default_handlers() -> dict:
     }
 
 
-def _interrupting(fn, case: dict):
-    def interrupted(*args, **kwargs):
-        sub = Path(case["parent"]) / "sub"
-        case["present"] = sorted(os.listdir(sub)) if sub.is_dir() else []
-        if case["how"] == "raise":
-            signal.raise_signal(case["signum"])  # the handler runs before this returns
-        else:
-            time.sleep(120)  # until the test sends the signal
-        return fn(*args, **kwargs)
-
-    return interrupted
+def _interrupt(case: dict) -> None:
+    """The signal, as the stage starts: what is beside the output is recorded first."""
+    sub = Path(case["parent"]) / "sub"
+    case["present"] = sorted(os.listdir(sub)) if sub.is_dir() else []
+    if case["how"] == "raise":
+        signal.raise_signal(case["signum"])  # the handler runs before this returns
+    else:
+        time.sleep(120)  # until the test sends the signal
 
 
 def _cache_traces() -> None:
@@ -225,7 +225,7 @@ def test_an_interrupt_at_each_stage_leaves_nothing(tmp_path, model):
 def test_every_stage_is_interrupted_by_some_case():
     """A stage added to ``export`` is added to CONFIGS too."""
     source = Path(exporting.__file__).read_text()
-    stages = set(re.findall(r'stages\.run\(\s*"([^"]+)"', source))
+    stages = set(re.findall(r'stages\.timed\(\s*"([^"]+)"', source))
     covered = {stage for _, names in CONFIGS.values() for stage in names}
     assert stages and stages <= covered, stages - covered
 

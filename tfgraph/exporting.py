@@ -13,19 +13,18 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tfgraph.exporters import check_target, staged_directory, write_json
 from tfgraph.exporters.artifact import scratch_directory
 from tfgraph.exporters.budget import check_budget
-from tfgraph.exporters.compile import count_fusions, run_pipeline
-from tfgraph.exporters.manifest import MANIFEST_FILE, build_manifest
-from tfgraph.exporters.ort.paging import page_artifact
+from tfgraph.exporters.ort.paging import page, paged_report
 from tfgraph.exporters.targets import get_target
-from tfgraph.exporters.write import write_artifact
+from tfgraph.exporters.write import split, write_artifact
 from tfgraph.interrupts import unwound
 from tfgraph.options import ExportOptions
+from tfgraph.passes.pipeline.run import Steps
 from tfgraph.precision.stage import convert_precision, quantize_kv_cache, quantize_weights
 from tfgraph.progress import stage
 from tfgraph.sources import ModelSource, load_source
@@ -53,20 +52,33 @@ def _no_progress(step: str) -> None:
 
 
 class Stages:
-    """Runs the stages of one export: tells ``progress`` as each starts, times each."""
+    """The stages of one export: tells ``progress`` as each starts, times each."""
 
     def __init__(self, progress: Callable[[str], None]) -> None:
         self.progress = progress
         self.timings: dict[str, float] = {}
 
-    def run(self, name: str, fn, *args, **kwargs):
+    @contextlib.contextmanager
+    def timed(self, name: str):
         self.progress(name)
         start = time.perf_counter()
         with stage(name):  # a listener (the CLI) sees it start, tick and end
-            value = fn(*args, **kwargs)
-        self.timings[name] = round(time.perf_counter() - start, 3)
+            yield
+        self.timings[name] = round(self.timings.get(name, 0) + time.perf_counter() - start, 3)
         logger.info("%s: %.2f s", name, self.timings[name])
-        return value
+
+
+@dataclass
+class Rewritten:
+    """What the steps after the pipeline did: their report entries, and the eager model the
+    artifact must compute (the source, or its dequantized copy; an int8 cache's reference)."""
+
+    reference: object
+    precision: dict | None = None
+    weights: dict | None = None
+    kv_quantization: dict | None = None
+    kv_reference: Path | None = None
+    paged: dict | None = None
 
 
 @unwound  # SIGINT, SIGTERM and SIGHUP unwind: nothing is left behind
@@ -79,140 +91,126 @@ def export(
     trace_cache: TraceCache | None = None,
     **fields,
 ) -> ExportResult:
-    """Export ``model`` (a MODEL string as the CLI takes it, or a :class:`ModelSource`) into
-    ``out_dir`` with ``options`` (:class:`tfgraph.options.ExportOptions`), or the same fields
-    as keyword arguments (``profile`` is the old name of ``target``). ``trace_cache`` reuses an
-    earlier export's trace of the same source and opset."""
+    """Export ``model`` (a MODEL string, or a :class:`ModelSource`) into ``out_dir`` with
+    ``options`` (or its fields as keywords); ``trace_cache``: an earlier export's trace."""
     out_dir = Path(out_dir)
     options = ExportOptions.of(options, fields)
     target = get_target(options.target)  # an unknown target is refused first
     check_target(out_dir)  # before any slow work
     options = options.resolved(target)
     stages = Stages(progress)
-
-    source = model if isinstance(model, ModelSource) else stages.run("load", _load, model, options)
-    budget = check_budget(source, options, out_dir)  # disk and memory, before the slow work
-    source, graph = stages.run("trace", trace_source, model, source, options, trace_cache)
+    with stages.timed("load"):
+        source = model if isinstance(model, ModelSource) else _load(model, options)
+    budget = check_budget(source, options.view("quantizing"), out_dir)  # disk, memory: first
+    with stages.timed("trace"):
+        source, graph = trace_source(model, source, options.view("tracing"), trace_cache)
     shapes = _within(options.parity_shapes, source.info.get("max_positions"))
     with staged_directory(out_dir) as stage, contextlib.ExitStack() as cleanup:
-        records = stages.run("passes", _compile, graph, source, options, stage)
-        precision = weights = None
-        reference = source
-        if options.precision != "fp32":
-            precision = stages.run(
-                "precision", convert_precision, graph, source, options, shapes, records
-            )
-        if options.weights is not None:
-            graph, weights, reference = stages.run(
-                "weights", quantize_weights, graph, source, options, records
-            )
-        kv_reference = None
-        if options.kv_dtype != "fp32":
-            scratch = cleanup.enter_context(scratch_directory(out_dir.parent, "kv"))
-            kv_quant, kv_reference = stages.run(
-                "kv cache", quantize_kv_cache, graph, source, options, shapes, records, scratch
-            )
-        fusions = count_fusions(graph, options.pipeline, target=options.target)
-        passes = [r.as_dict() for r in records]
-        manifest, files = stages.run(
-            "save", write_artifact, graph, stage, source, options, passes, fusions
-        )
-        if kv_reference is not None:  # an int8 cache: the bound measured on its reference
-            parity = stages.run(
-                "parity", check_int8_cache, reference, stage / files[0], kv_reference, options,
-                shapes,
-            )  # fmt: skip
-        else:
-            parity = stages.run(
-                "parity", check_artifact, reference, stage / files[0], options, shapes
-            )
-        paged = None
-        if options.kv_layout == "paged" and parity["passed"]:  # parity ran on the GQA graph
-            paged = stages.run(
-                "paging", page_artifact, graph, stage, options,
-                lambda g: _resave(g, stage, files[0], manifest, options),
-            )  # fmt: skip
-            manifest = paged["manifest"]
-            fusions = count_fusions(graph, options.pipeline, target=options.target)
-        report = _report(source, options, graph, manifest, parity, fusions, passes, stages)
-        report["kv_layout"] = options.kv_layout
-        if paged is not None:
-            report["paged"] = paged["report"]
-        report["precision"] = precision or {"precision": "fp32"}
-        report["weights"] = weights
-        report["kv_dtype"] = options.kv_dtype
-        if kv_reference is not None:
-            report["kv_quantization"] = kv_quant
-        report["budget"] = budget
-        if weights is not None:
-            weights["error_vs_fp32"] = stages.run(
-                "quantization error", weights_error, source, reference, stage / files[0],
-                options, shapes,
-            )  # fmt: skip
+        scratch = _Scratch(cleanup, out_dir.parent)
+        steps = Steps(target, **asdict(options.view("checking")), dump_dir=stage)
+        with stages.timed("passes"):
+            steps.pipeline(graph, options.pipeline, options.pipeline_options(_positions(source)))
+        graph, done = _rewrite(graph, source, options, shapes, steps, stages, scratch)
+        encoder = split(graph, options.view("saving"), steps)
+        # parity runs the artifact, or (paged) the shared-buffer graph that is then paged
+        proof = scratch("paged") if options.kv_layout == "paged" else stage
+        with stages.timed("save"):
+            saved = write_artifact(graph, proof, source, options.view("saving"), steps, encoder)
+        with stages.timed("parity"):
+            parity = _parity(done, proof / saved.files[0], options, shapes)
+        if proof != stage:
+            with stages.timed("paging"):
+                saved = _paged(graph, stage, source, options, steps, encoder, parity, done)
+        if done.weights is not None:
+            with stages.timed("quantization error"):
+                done.weights["error_vs_fp32"] = weights_error(
+                    source, done.reference, proof / saved.files[0], options.view("verifying"),
+                    shapes,
+                )  # fmt: skip
+        report = _report(source, options, graph, saved, parity, done, budget, stages)
         write_json(stage / "report.json", report)
-    return ExportResult(out_dir, manifest, report)
+    return ExportResult(out_dir, saved.manifest, report)
 
 
-def _resave(graph, stage: Path, name: str, manifest: dict, options: ExportOptions) -> dict:
-    """The step graph saved again over ``name`` (its weights where the first save put them)
-    and the manifest's signature, layout and fusions rebuilt from it."""
-    import onnx_ir as ir
+class _Scratch:
+    """``scratch(kind)``: a scratch directory beside the artifact, removed when the export ends."""
 
-    ir.save(graph, stage / name)
-    fresh = build_manifest(
-        graph, kv_cache=True, origin=manifest["model"], pipeline=options.pipeline,
-        target=options.target, passes=manifest["passes"],
-        fusions=count_fusions(graph, options.pipeline, target=options.target),
-        files=manifest["files"], max_positions=manifest["max_positions"],
-    )  # fmt: skip
-    updated = dict(manifest)
-    for key in ("inputs", "outputs", "kv_layout", "opsets", "fusions"):
-        updated[key] = fresh[key]
-    updated["graphs"] = {**manifest["graphs"], name: fresh["graphs"][name]}
-    write_json(stage / MANIFEST_FILE, updated)
-    return updated
+    def __init__(self, cleanup: contextlib.ExitStack, parent: Path) -> None:
+        self.cleanup, self.parent = cleanup, parent
+
+    def __call__(self, kind: str) -> Path:
+        return self.cleanup.enter_context(scratch_directory(self.parent, kind))
+
+
+def _rewrite(graph, source, options, shapes, steps, stages, scratch) -> tuple:
+    """The steps after the pipeline that the options ask for: precision, weights, int8 KV."""
+    done = Rewritten(reference=source)
+    quantizing = options.view("quantizing")
+    if options.precision != "fp32":
+        with stages.timed("precision"):
+            done.precision = convert_precision(graph, source, quantizing, shapes, steps)
+    if options.weights is not None:
+        with stages.timed("weights"):
+            graph, done.weights, done.reference = quantize_weights(graph, source, quantizing, steps)
+    if options.kv_dtype != "fp32":
+        directory = scratch("kv")  # the reference's, beside the staging directory
+        with stages.timed("kv cache"):
+            done.kv_quantization, done.kv_reference = quantize_kv_cache(
+                graph, source, quantizing, shapes, steps, directory
+            )
+    return graph, done
+
+
+def _parity(done: Rewritten, model_file: Path, options: ExportOptions, shapes) -> dict:
+    verifying = options.view("verifying")
+    if done.kv_reference is not None:  # an int8 cache: the bound measured on its reference
+        return check_int8_cache(done.reference, model_file, done.kv_reference, verifying, shapes)
+    return check_artifact(done.reference, model_file, verifying, shapes)
+
+
+def _paged(graph, stage: Path, source, options, steps, encoder, parity, done):
+    """The artifact, paged when parity passed on its shared-buffer graph (else as it is, with
+    the failing report), saved."""
+    if parity["passed"]:
+        page(graph, options.kv_block_size, steps)
+    saved = write_artifact(graph, stage, source, options.view("saving"), steps, encoder)
+    if parity["passed"]:
+        done.paged = paged_report(graph, stage / saved.files[0], options.kv_block_size)
+    return saved
 
 
 def _load(model: str, options: ExportOptions) -> ModelSource:
-    return load_source(
-        model,
-        trust_remote_code=options.trust_remote_code,
-        attn_implementation=options.attn_implementation,
-    )
+    return load_source(model, **asdict(options.view("loading")))
 
 
-def _compile(graph, source: ModelSource, options: ExportOptions, stage: Path):
-    return run_pipeline(
-        graph,
-        options.pipeline,
-        target=options.target,
-        check_each_pass=options.check_each_pass,
-        dump_after=options.dump_after,
-        dump_dir=stage,
-        kv_cache=options.kv_cache,
-        max_positions=source.info.get("max_positions"),
-        row_lengths=options.row_lengths,
-    )
+def _positions(source: ModelSource) -> int | None:
+    return source.info.get("max_positions")
 
 
-def _report(source, options, graph, manifest, parity, fusions, passes, stages) -> dict:
-    target = options.target
-    return {
+def _report(source, options, graph, saved, parity, done, budget, stages) -> dict:
+    report = {
         "model": source.origin,
         "source": source.info,
         "parity": parity,
-        "fusions": fusions,
+        "fusions": saved.fusions,
         "kv_cache": options.kv_cache,
-        "profile": target.label,
-        "target": manifest["target"],
+        "target": saved.manifest["target"],
         "opset": graph.opset_imports.get("", options.opset),
         "pipeline": options.pipeline,
-        "precision": None,
-        "weights": None,
-        "compatibility": target.compatibility(graph),  # e.g. TensorRT's parser, statically
-        "passes": passes,
+        "precision": done.precision or {"precision": "fp32"},
+        "weights": done.weights,
+        "compatibility": options.target.compatibility(graph),  # e.g. TensorRT's parser
+        "passes": saved.manifest["passes"],
         "timings": stages.timings,
+        "kv_layout": options.kv_layout,
+        "kv_dtype": options.kv_dtype,
+        "budget": budget,
     }
+    if done.paged is not None:
+        report["paged"] = done.paged
+    if done.kv_quantization is not None:
+        report["kv_quantization"] = done.kv_quantization
+    return report
 
 
 def _within(shapes, max_positions: int | None):

@@ -3,13 +3,14 @@
 The CLI builds the same object from its flags (``tfgraph.cli.export.options_from_args``);
 :func:`tfgraph.export` takes it or the same fields as keyword arguments. :meth:`resolved`
 checks the choices against the target before any slow work and fills in the target's
-defaults (its opset, its MatMulNBits accuracy level).
+defaults (its opset, its MatMulNBits accuracy level). Each stage is handed its *view*
+(:meth:`ExportOptions.view`): the few fields it reads, never the whole object.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, make_dataclass
 
 from tfgraph.errors import TfgraphError
 from tfgraph.exporters.ort.weights.quantize import DEFAULT_BLOCK_SIZE, check_weights
@@ -21,8 +22,8 @@ MIN_OPSET = 18  # torch.onnx's dynamo exporter emits nothing older
 
 @dataclass(frozen=True)
 class ExportOptions:
-    """What to export and how. ``target``: a :class:`tfgraph.exporters.targets.Target` or a registered
-    name (``ort``, ``onnx``, ``tensorrt@10.14``). ``precision`` (``fp16``, ``bf16``): the
+    """What to export and how. ``target``: a :class:`tfgraph.exporters.target.Target` or a
+    registered name (``ort``, ``onnx``, ``tensorrt@10.14``). ``precision`` (``fp16``, ``bf16``): the
     graph's floats outside the fp32 islands measured on the parity inputs, fp32 inputs and
     outputs with ``keep_io_types``. ``weights`` (``int8``, ``int4``): MatMul weights
     block-wise in ``MatMulNBits``; ``accuracy_level`` (4 quantizes activations per block, 0
@@ -50,23 +51,19 @@ class ExportOptions:
     # per-row past lengths in the cached graph (in-flight batching) where the target takes them;
     # False: machinery for the new rows only, one past length for the batch
     row_lengths: bool = True
-    kv_dtype: str = "fp32"  # int8: the KV cache quantized (tfgraph/precision/kv_cache.py)
+    kv_dtype: str = "fp32"  # int8: the KV cache quantized (tfgraph/exporters/ort/int8_kv.py)
     kv_scales: str = "per-tensor"  # the int8 cache's scales: per-tensor or per-channel
     # paged: the cache in blocks of kv_block_size positions (PagedAttention, ort-cuda;
-    # tfgraph/compile/paging.py)
+    # tfgraph/exporters/ort/paging.py)
     kv_layout: str = "shared"
     kv_block_size: int = 16
 
     @classmethod
     def of(cls, options: ExportOptions | None, fields: dict) -> ExportOptions:
-        """``options`` with ``fields`` replaced (``profile`` is the old name of ``target``;
-        ``target`` wins when both are given)."""
+        """``options`` with ``fields`` replaced (``target=None`` keeps the options' target)."""
         fields = dict(fields)
-        profile = fields.pop("profile", None)
         if fields.get("target") is None:
             fields.pop("target", None)
-            if profile is not None:
-                fields["target"] = profile
         unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise TypeError(f"export() got unexpected keyword arguments: {', '.join(unknown)}")
@@ -88,6 +85,45 @@ class ExportOptions:
         opset = target.opset if self.opset is None else self.opset
         check_opset(opset)
         return dataclasses.replace(self, target=target, accuracy_level=level, opset=opset)
+
+    def view(self, stage: str):
+        """The fields stage ``stage`` reads (:data:`VIEWS`), as a small frozen object."""
+        cls = _VIEW_CLASSES[stage]
+        return cls(**{f: getattr(self, f) for f in VIEWS[stage]})
+
+    def pipeline_options(self, max_positions: int | None):
+        """What the pass pipeline is asked for (the source's position limit sizes tables)."""
+        from tfgraph.passes import PipelineOptions
+
+        return PipelineOptions(
+            kv_cache=self.kv_cache, max_positions=max_positions, row_lengths=self.row_lengths
+        )
+
+
+# stage → the fields it reads: each stage function is handed ``options.view(stage)``
+VIEWS = {
+    "loading": ("trust_remote_code", "attn_implementation"),
+    "tracing": ("trust_remote_code", "attn_implementation", "opset"),
+    "checking": ("check_each_pass", "dump_after"),
+    "quantizing": (
+        "target",
+        "precision",
+        "keep_io_types",
+        "weights",
+        "block_size",
+        "symmetric",
+        "quantize_lm_head",
+        "quantize_embeddings",
+        "accuracy_level",
+        "kv_scales",
+    ),
+    "saving": ("target", "pipeline", "precision", "kv_cache", "external_data"),
+    "verifying": ("kv_cache", "precision", "tolerance", "weights"),
+}
+_VIEW_CLASSES = {
+    stage: make_dataclass(f"{stage.capitalize()}Options", fields, frozen=True)
+    for stage, fields in VIEWS.items()
+}
 
 
 def check_opset(opset: int) -> None:

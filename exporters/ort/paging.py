@@ -1,8 +1,9 @@
-"""``--kv-layout paged``: the export stage that pages a finished ``ort-cuda`` artifact's KV cache.
+"""``--kv-layout paged``: the export step that pages an ``ort-cuda`` artifact's KV cache.
 
-The shared-buffer graph is what parity runs (GroupQueryAttention has a CPU kernel); after it
-passes, :func:`tfgraph.exporters.ort.paged_attention.lower_to_paged` rewrites every cached layer into
-``com.microsoft.PagedAttention`` (CUDA only), and the artifact is saved again with the paged
+The shared-buffer graph is what parity runs (GroupQueryAttention has a CPU kernel; ``export``
+saves it in a scratch directory); after it passes,
+:func:`tfgraph.exporters.ort.paged_attention.lower_to_paged` rewrites every cached layer into
+``com.microsoft.PagedAttention`` (CUDA only), and the artifact is saved with the paged
 signature. What is proven, and what is not, goes into ``report.json`` ``paged``:
 
 - the graph is well-formed: ONNX Runtime's CPU session creation on the saved file gets past
@@ -61,27 +62,28 @@ def check_kv_layout(options, target) -> None:
         )
 
 
-def page_artifact(graph: ir.Model, stage: Path, options, save) -> dict:
-    """Page ``graph`` (the artifact's step graph, saved in ``stage`` and proven by parity),
-    save it again with ``save(graph)`` (which returns the manifest), and check it; the report
-    entry ``paged``."""
+def page(graph: ir.Model, block_size: int, steps) -> None:
+    """Page ``graph`` in place (its shared-buffer copy already saved for parity): a step of the
+    export's step runner."""
     from tfgraph.exporters.ort.paged_attention import lower_to_paged
 
-    try:
-        lower_to_paged(graph, options.kv_block_size)
-    except ValueError as error:
-        raise TfgraphError(f"{error} (export without --kv-layout paged)") from None
-    manifest = save(graph)
-    layers = sum(1 for n in graph.graph if n.op_type == "PagedAttention")
+    def rewrite() -> None:
+        try:
+            lower_to_paged(graph, block_size)
+        except ValueError as error:
+            raise TfgraphError(f"{error} (export without --kv-layout paged)") from None
+
+    steps.run("PagedAttentionPass", rewrite, graph, exact=None)  # no CPU kernel: not probed
+
+
+def paged_report(graph: ir.Model, model_file: Path, block_size: int) -> dict:
+    """The report entry ``paged`` of the saved paged artifact ``model_file``."""
     return {
-        "manifest": manifest,
-        "report": {
-            "layers": layers,
-            "block_size": options.kv_block_size,
-            "session_check": _session_check(stage / manifest["files"][0]),
-            "parity": "measured on the shared-buffer graph before paging (PagedAttention has no "
-            "CPU kernel); the paged graph's numbers are unverified until run on a GPU",
-        },
+        "layers": sum(1 for n in graph.graph if n.op_type == "PagedAttention"),
+        "block_size": block_size,
+        "session_check": _session_check(model_file),
+        "parity": "measured on the shared-buffer graph before paging (PagedAttention has no "
+        "CPU kernel); the paged graph's numbers are unverified until run on a GPU",
     }
 
 

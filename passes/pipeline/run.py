@@ -116,28 +116,37 @@ class Steps:
         self.dump_after, self.dump_dir = dump_after, dump_dir
         self.records: list[PassRecord] = []
         self.probe = ParityProbe()
-        self._probing = False
+        self._probing = self._ended = False
 
     def check(self, model: ir.Model, after: str) -> None:
         check_model(model, after, self.target.nonstandard_default_ops)
 
-    def run(self, name: str, rewrite, model: ir.Model, *, check: bool = True, exact=True):
+    def run(self, name: str, rewrite, model: ir.Model, *, check=True, exact=True, changed=None):
         """``rewrite()`` (which changes ``model`` in place) as the step ``name``; its value.
-        ``exact=False``: values change by design, the probe re-bases on the result."""
+        ``exact=False``: values change by design, the probe re-bases on the result;
+        ``exact=None``: the graph's signature changes (the encoder split) or it stops running
+        on the CPU (paging): the probe ends. ``changed(value)``: whether it modified the
+        graph (default: the value's ``modified``, else True)."""
         logger.debug("running %s", name)
-        if self.check_each_pass and not self._probing:
+        if self.check_each_pass and not self._probing and not self._ended:
             self.probe.start(model)
             self._probing = True
         start = time.perf_counter()
         value = rewrite()
         seconds = time.perf_counter() - start
-        modified = bool(getattr(value, "modified", True))
+        modified = bool(changed(value) if changed else getattr(value, "modified", True))
         self.records.append(PassRecord(name, seconds, modified))
         logger.info("%s: %.3f s, modified=%s", name, seconds, modified)
         if check or self.check_each_pass:
             self.check(model, name)
-        if self.check_each_pass and modified:
-            self.probe.after(model, name) if exact else self.probe.start(model)
+        if self.check_each_pass and modified and self._probing:
+            if exact is None:
+                self._probing = False  # and stays off: later graphs are not comparable
+                self._ended = True
+            elif exact:
+                self.probe.after(model, name)
+            else:
+                self.probe.start(model)
         if self.dump_after == name and self.dump_dir is not None:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
             ir.save(model, self.dump_dir / f"after_{name}.onnx")

@@ -1,53 +1,52 @@
 """The precision and weights stages of ``export``, after the fp32 pipeline: the graph's floats
 in fp16/bf16 outside the measured fp32 islands, MatMul weights in int4/int8 with the eager
-reference that computes as the quantized kernels do. Each appends its record to the pass
-list and checks the graph it leaves."""
+reference that computes as the quantized kernels do, the KV cache in int8. Each is one step of
+the export's step runner (:class:`tfgraph.passes.pipeline.run.Steps`): recorded, checked,
+dumped and probed as every pass is. ``options`` is the ``quantizing`` view."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
-from tfgraph.exporters.compile import check_model
 from tfgraph.exporters.ort.weights.quantize import dequantized_source, quantize
 from tfgraph.exporters.ort.weights.streamed_reference import (
     is_streamed,
     placements,
     streamed_dequantized,
 )
-from tfgraph.passes.pipeline.run import PassRecord
 from tfgraph.precision.islands import apply_precision
 
 
-def convert_precision(graph, source, options, shapes, records: list[PassRecord]) -> dict:
+def convert_precision(graph, source, options, shapes, steps) -> dict:
     """Convert ``graph`` in place to ``options.precision``; what the report says of it."""
-    start = time.perf_counter()
-    report = apply_precision(
-        graph, source, options.precision, keep_io_types=options.keep_io_types, shapes=shapes
+    return steps.run(
+        "ConvertPrecisionPass",
+        lambda: apply_precision(
+            graph, source, options.precision, keep_io_types=options.keep_io_types, shapes=shapes
+        ),
+        graph,
+        exact=False,
     )
-    seconds = round(time.perf_counter() - start, 3)
-    check_model(graph, "ConvertPrecisionPass", options.target)
-    records.append(PassRecord("ConvertPrecisionPass", seconds, True))
-    return report
 
 
-def quantize_weights(graph, source, options, records: list[PassRecord]) -> tuple:
+def quantize_weights(graph, source, options, steps) -> tuple:
     """(the graph with ``MatMulNBits`` weights, what the report says of them, the eager
     reference: ``source`` with the dequantized weights, quantizing activations where the
     kernels do)."""
-    start = time.perf_counter()
-    graph, report = quantize(
+    graph, report = steps.run(
+        "MatMulNBitsQuantizer",
+        lambda: quantize(
+            graph,
+            options.weights,
+            block_size=options.block_size,
+            symmetric=options.symmetric,
+            lm_head=options.quantize_lm_head,
+            embeddings=options.quantize_embeddings,
+            accuracy_level=options.accuracy_level,
+        ),
         graph,
-        options.weights,
-        block_size=options.block_size,
-        symmetric=options.symmetric,
-        lm_head=options.quantize_lm_head,
-        embeddings=options.quantize_embeddings,
-        accuracy_level=options.accuracy_level,
+        exact=False,
     )
-    seconds = round(time.perf_counter() - start, 3)
-    check_model(graph, "MatMulNBitsQuantizer", options.target)
-    records.append(PassRecord("MatMulNBitsQuantizer", seconds, True))
     quantized = report.pop("_quantized")
     if is_streamed(source):  # a checkpoint's weights: streamed, dequantized per block
         placed = placements(quantized)
@@ -59,7 +58,7 @@ def quantize_weights(graph, source, options, records: list[PassRecord]) -> tuple
     return graph, report, reference
 
 
-def quantize_kv_cache(graph, source, options, shapes, records: list[PassRecord], scratch: Path):
+def quantize_kv_cache(graph, source, options, shapes, steps, scratch: Path):
     """The cache of ``graph`` in int8 (:mod:`tfgraph.exporters.ort.int8_kv`): scales measured on
     the parity inputs, the fake-quantized fp32 reference written to ``scratch/model.onnx``
     for parity (a large graph's without its weights: parity links the artifact's); (what the
@@ -75,18 +74,18 @@ def quantize_kv_cache(graph, source, options, shapes, records: list[PassRecord],
     )
     from tfgraph.precision.islands import island_feeds
 
-    start = time.perf_counter()
-    layers = cached_layers(graph)
-    ranges = calibrate(graph, island_feeds(graph, source, shapes), options.kv_scales)
-    scales = scales_of(ranges)
-    reference = FakeQuantized(graph, layers, scales)
-    try:
-        path = scratch / "model.onnx"
-        save_reference(graph, path)
-    finally:
-        reference.undo()
-    to_int8(graph, layers, scales, options.kv_scales, ranges)
-    seconds = round(time.perf_counter() - start, 3)
-    check_model(graph, "QuantizeKVCachePass", options.target)
-    records.append(PassRecord("QuantizeKVCachePass", seconds, True))
+    path = scratch / "model.onnx"
+
+    def rewrite() -> None:
+        layers = cached_layers(graph)
+        ranges = calibrate(graph, island_feeds(graph, source, shapes), options.kv_scales)
+        scales = scales_of(ranges)
+        reference = FakeQuantized(graph, layers, scales)
+        try:
+            save_reference(graph, path)
+        finally:
+            reference.undo()
+        to_int8(graph, layers, scales, options.kv_scales, ranges)
+
+    steps.run("QuantizeKVCachePass", rewrite, graph, exact=False)
     return kv_quantization(graph), path
