@@ -23,9 +23,10 @@ each past a preallocated buffer of a fixed capacity that past and present share:
    total length (that axis is the capacity now; ONNX Runtime sized buffers by the stale name).
 
 A step's cost is then flat in the past length (the attention scores all C positions). The
-graph is left unchanged unless every use of every past input is that ``Concat`` or a
-``Shape`` and every attention over a buffer is found with its scores' key axis last (an
-attention sink concatenated to the scores keeps the copying cache; logged).
+cache stays copying unless every use of every past input is that ``Concat`` or a ``Shape``
+and every attention over a buffer is found with its scores' key axis last (an attention sink
+concatenated to the scores keeps the copying cache; logged). The nodes lowering left dead are
+removed first either way, so ``modified`` is True whenever any were.
 """
 
 from __future__ import annotations
@@ -195,7 +196,7 @@ class StaticKVCachePass(ir.passes.InPlacePass):
         if contract.names_with_role(model, contract.PAST_TOKENS):
             logger.info("KV cache stays copying: cached token values (an indexer's keys) grow too")
             return ir.passes.PassResult(model, modified=False)
-        common.RemoveUnusedNodesPass()(model)
+        removed = common.RemoveUnusedNodesPass()(model).modified  # even if the cache stays copying
         concats = []
         for past in pasts:
             for use in past.uses():
@@ -205,7 +206,7 @@ class StaticKVCachePass(ir.passes.InPlacePass):
                     concats.append(use.node)
                 else:
                     logger.info("KV cache stays copying: %s is read by %s", past.name, use.node)
-                    return ir.passes.PassResult(model, modified=False)
+                    return ir.passes.PassResult(model, modified=removed)
         keys = set(contract.names_with_role(model, contract.PAST_KEY))
         slots = {}
         for concat in concats:
@@ -214,7 +215,7 @@ class StaticKVCachePass(ir.passes.InPlacePass):
             slot = _attention_bias_slot(concat.outputs[0])
             if slot is None:
                 logger.info("KV cache stays copying: no attention found over %s", concat.name)
-                return ir.passes.PassResult(model, modified=False)
+                return ir.passes.PassResult(model, modified=removed)
             slots.setdefault(id(slot[0]), (slot, concat))
         length = ir.Value(
             name=contract.PAST_LENGTH_NAME,

@@ -12,9 +12,10 @@ can no longer be read off the past's shape; this pass
 - renames the buffers' length axis ``max_sequence`` (inputs and present outputs), and records
   the layout (model metadata ``tfgraph.kv_buffer = shared``; ``manifest.json`` ``kv_layout``).
 
-The graph is left unchanged (and ``modified=False``) unless every use of every past input is a
-GQA past slot or that ``Shape``: e.g. a layer lowered to ``MultiHeadAttention`` (head size not
-a multiple of 8) keeps its ``Concat``, and the artifact keeps the copying cache.
+The cache stays copying unless every use of every past input is a GQA past slot or that
+``Shape``: e.g. a layer lowered to ``MultiHeadAttention`` (head size not a multiple of 8) keeps
+its ``Concat``, and the artifact keeps the copying cache. The dead cache ``Concat`` nodes that
+lowering left are removed first either way, so ``modified`` is True whenever any were.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class ShareKVBufferPass(ir.passes.InPlacePass):
         if contract.names_with_role(model, contract.PAST_TOKENS):
             logger.info("KV cache stays copying: cached token values (an indexer's keys) grow too")
             return ir.passes.PassResult(model, modified=False)
-        common.RemoveUnusedNodesPass()(model)  # the cache Concats lowering made dead
+        # the cache Concats lowering made dead: removed even where the cache stays copying
+        removed = common.RemoveUnusedNodesPass()(model).modified
         shapes, gqa = [], []
         for past in pasts:
             for use in past.uses():
@@ -77,7 +79,7 @@ class ShareKVBufferPass(ir.passes.InPlacePass):
                     gqa.append(node)
                 else:
                     logger.info("KV cache stays copying: %s is read by %s", past.name, node.op_type)
-                    return ir.passes.PassResult(model, modified=False)
+                    return ir.passes.PassResult(model, modified=removed)
         length = ir.Value(
             name=contract.PAST_LENGTH_NAME,
             type=ir.TensorType(ir.DataType.INT64),

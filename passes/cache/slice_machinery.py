@@ -81,7 +81,7 @@ INT64_MAX = np.iinfo(np.int64).max
 class Slicer:
     """Cuts machinery values to the new tokens' rows on top of a KV-cache rewriter (which
     provides ``full``, ``add``, ``const``, ``past_len``, ``a.seq``, ``a.machinery`` and the
-    ``pending`` node list, see :class:`.insert_kv_cache._Rewriter`)."""
+    ``pending`` node list, see :class:`.kv_rewrite.Rewriter`)."""
 
     def __init__(self, rewriter, total_dim: str) -> None:
         self.rw, self.total = rewriter, total_dim
