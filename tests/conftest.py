@@ -1,17 +1,19 @@
+"""Fixtures shared by every test module, and the per-pass checks of the modules that earn them.
+
+The slow tier (``python -m pytest -m slow``) is marked at the tests themselves:
+``@pytest.mark.slow`` on a whole test, ``pytest.param(..., marks=pytest.mark.slow)`` on the
+slow cases of a sweep, each with its reason in a comment. The default tier (the README's test
+command) keeps a few representative cases of every sweep, so that each target, each precision
+and weight format, the KV cache on a decoder and an encoder-decoder, generation, Triton,
+re-check, the CLI and bad inputs stay covered there; it must stay under 20 minutes on a 2-core
+machine. Both tiers run in full on the same install; neither skips anything.
+"""
+
 import pytest
 import torch
-from tiers import is_slow
 
 import tfgraph
 from tfgraph.passes.pipeline.run import CHECK_EACH_PASS_ENV
-
-
-def pytest_collection_modifyitems(config, items):
-    """The slow tier (tests/tiers.py): ``python -m pytest -m slow`` runs it."""
-    for item in items:
-        if is_slow(item.nodeid):
-            item.add_marker(pytest.mark.slow)
-
 
 # Exports in the tests check each pass (ONNX checker, strict shape inference and the parity
 # probe of tfgraph.passes.pipeline.run): measured, about +0.5 s per gpt-tiny export and +1.5 s per

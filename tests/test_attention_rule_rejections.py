@@ -1,4 +1,5 @@
-"""Every rejection in :mod:`tfgraph.passes.recognize.attention.rules`, each on a tiny hand-built graph.
+"""Every rejection in :mod:`tfgraph.passes.recognize.attention.rules`, each on a tiny hand-built
+graph.
 
 Each negative graph is the positive control of its rule family with one knob turned, so that
 it hits exactly one ``check`` rejection. The core rules (``AttentionRule``,

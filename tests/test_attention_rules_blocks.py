@@ -2,11 +2,11 @@
 
 PEGASUS-X's block-local attention scores each block's queries against the global tokens' keys
 and against its own block's keys, joins both for one softmax and splits the probabilities
-again (:mod:`tfgraph.passes.recognize.attention.concat_keys`): it must fuse into one ``tfgraph.Attention``
-over the concatenated keys and values, heads kept, and keep parity with eager PyTorch (the
-parity check's default tolerance, atol 1e-4). Granite Speech 5's self-conditioned CTC
-posteriors, ``softmax(h · W_ctcᵀ)`` with the CTC head's tied weight, are not attention: not
-fused, not counted, not reported missed.
+again (:mod:`tfgraph.passes.recognize.attention.concat_keys`): it must fuse into one
+``tfgraph.Attention`` over the concatenated keys and values, heads kept, and keep parity with
+eager PyTorch (the parity check's default tolerance, atol 1e-4). Granite Speech 5's
+self-conditioned CTC posteriors, ``softmax(h · W_ctcᵀ)`` with the CTC head's tied weight, are
+not attention: not fused, not counted, not reported missed.
 """
 
 import onnx_ir as ir

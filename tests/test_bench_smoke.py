@@ -17,6 +17,10 @@ import pytest
 
 from tfgraph.cli import main
 
+# slow, the whole module: the quick bench end to end (python -m tfgraph bench --quick, about 2
+# minutes); the bench sections' own tests stay in the default tier
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("matplotlib")
 pytest.importorskip("transformers")
 

@@ -29,13 +29,24 @@ def _check_bf16(result, path) -> dict:
     return report
 
 
-@pytest.mark.parametrize("preset", TINY)
+# slow: the zoo's bf16 sweep (numpy's reference evaluator, op by op); llama-tiny stays
+@pytest.mark.parametrize(
+    "preset", [p if p == "llama-tiny" else pytest.param(p, marks=pytest.mark.slow) for p in TINY]
+)
 def test_zoo_bf16_on_the_reference_runner(tmp_path, preset):
     result = tfgraph.export(preset, tmp_path / "a", target="onnx", precision="bf16")
     _check_bf16(result, tmp_path / "a")
 
 
-@pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny", "t5-tiny"])
+# slow: bf16 with the cache, three presets; gpt-tiny stays
+@pytest.mark.parametrize(
+    "preset",
+    [
+        "gpt-tiny",
+        pytest.param("llama-tiny", marks=pytest.mark.slow),
+        pytest.param("t5-tiny", marks=pytest.mark.slow),
+    ],
+)
 def test_zoo_bf16_cached(tmp_path, preset):
     result = tfgraph.export(preset, tmp_path / "a", target="onnx", precision="bf16", kv_cache=True)
     report = _check_bf16(result, tmp_path / "a")

@@ -78,7 +78,11 @@ def _classified(module):
     return [n for n in model.graph if n.domain == "tfgraph" and n.op_type == "Attention"]
 
 
-@pytest.mark.parametrize("window", [9, 12, 40])
+# slow: the long-window check at three window sizes; 40 stays
+@pytest.mark.parametrize(
+    "window",
+    [pytest.param(9, marks=pytest.mark.slow), pytest.param(12, marks=pytest.mark.slow), 40],
+)
 def test_windows_longer_than_the_short_lengths_are_found(window):
     nodes = _classified(_window_model(window))
     assert len(nodes) == 2

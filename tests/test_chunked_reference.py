@@ -1,5 +1,6 @@
 """The streamed reference computes a huge quantized head and embedding table in pieces
-(tfgraph.exporters.ort.weights.chunked_reference): BLOOM's 250k-word vocabulary is 4.1 GB in fp32 each.
+(tfgraph.exporters.ort.weights.chunked_reference): BLOOM's 250k-word vocabulary is 4.1 GB in
+fp32 each.
 Here the threshold is lowered so a tiny tied BLOOM takes that path, and the export's parity
 (prefill, decode, rows) must still pass against it."""
 

@@ -62,6 +62,9 @@ def test_composite_configs_are_tiny_in_every_sub_config(model_type, kind, cls):
                 assert getattr(sub, key) == value, (name, key)
 
 
+# slow: the HF architecture matrix over ten architectures (each built, exported twice and
+# generating)
+@pytest.mark.slow
 def test_subset_is_complete(tmp_path, capsys):
     assert (
         main(["coverage", "--out", str(tmp_path), "--only", ",".join(SUBSET), "--jobs", "2"]) == 0

@@ -62,6 +62,8 @@ def broken_scale(monkeypatch):
     monkeypatch.setattr(lower_attention, "AttentionOp", WrongScale)
 
 
+# slow: a fuzz campaign over the whole model space
+@pytest.mark.slow
 def test_campaign_passes(tmp_path):
     events = []
     report = run_fuzz(
@@ -91,6 +93,8 @@ def test_broken_lowering_fails_with_config_and_seed(broken_scale, tmp_path):
     assert FuzzCase.from_dict(replay) == TINY
 
 
+# slow: a fuzz campaign against a broken lowering until it is found and shrunk
+@pytest.mark.slow
 def test_cli_reports_a_broken_lowering(broken_scale, capsys):
     argv = ["fuzz", "--examples", "3", "--seed", "2", "--targets", "ort", "--no-cache"]
     assert main([*argv, "--keep-going"]) == 1

@@ -1,6 +1,7 @@
-"""Embedding tables in int4 (:mod:`tfgraph.exporters.ort.weights.gather_nbits`): the nodes, names and bytes
-of ONNX Runtime's ``MatMulNBitsQuantizer`` asked for ``Gather``, on zoo presets after their
-pipeline; the table the reference uses is what the kernel gathers; only embeddings are taken."""
+"""Embedding tables in int4 (:mod:`tfgraph.exporters.ort.weights.gather_nbits`): the nodes,
+names and bytes of ONNX Runtime's ``MatMulNBitsQuantizer`` asked for ``Gather``, on zoo presets
+after their pipeline; the table the reference uses is what the kernel gathers; only embeddings
+are taken."""
 
 import numpy as np
 import onnx_ir as ir

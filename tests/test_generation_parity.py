@@ -105,7 +105,16 @@ def transformers_model(path):
 CASES = [f"preset:{n}" for n in PRESET_CASES] + [f"hf:{n}" for n in HF_CASES] + ["masked:gpt2"]
 
 
-@pytest.mark.parametrize("case", CASES)
+# slow: every preset and HF architecture generating through the cache on ort
+@pytest.mark.parametrize(
+    "case",
+    [
+        c
+        if c in ("preset:llama-tiny", "preset:t5-tiny", "hf:gpt2", "masked:gpt2")
+        else pytest.param(c, marks=pytest.mark.slow)
+        for c in CASES
+    ],
+)
 def test_cached_generation(case, hf_dirs, tmp_path):
     _check(_source(case, hf_dirs), tmp_path)
 
@@ -117,14 +126,30 @@ def test_bidirectional_model_is_refused_with_the_layer_and_reason(tmp_path):
     assert not (tmp_path / "a").exists()
 
 
-@pytest.mark.parametrize("preset", PRESET_CASES)
+# slow: every preset generating through the static cache on onnx
+@pytest.mark.parametrize(
+    "preset",
+    [
+        p if p in ("gpt2-tiny", "t5-tiny") else pytest.param(p, marks=pytest.mark.slow)
+        for p in PRESET_CASES
+    ],
+)
 def test_static_cache_generation_on_the_onnx_target(preset, tmp_path):
     """Every zoo decoder and encoder-decoder with the static standard-ONNX cache (opset 24
     TensorScatter, Attention reading the whole buffer), run by ONNX Runtime."""
     _check(load_source(preset), tmp_path, target="onnx")
 
 
-@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny", "bloom-tiny", "t5-tiny"])
+# slow: the static cache on tensorrt's graph for four presets; llama-tiny stays
+@pytest.mark.parametrize(
+    "preset",
+    [
+        pytest.param("gpt2-tiny", marks=pytest.mark.slow),
+        "llama-tiny",
+        pytest.param("bloom-tiny", marks=pytest.mark.slow),
+        pytest.param("t5-tiny", marks=pytest.mark.slow),
+    ],
+)
 def test_static_cache_generation_on_the_tensorrt_target(preset, tmp_path):
     """The tensorrt target's decomposed attention over the static cache (run here by ONNX
     Runtime; TensorRT itself is not on these machines)."""

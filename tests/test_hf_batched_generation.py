@@ -57,7 +57,17 @@ GPT_NEO = {
 MODELS = {**CONFIGS, "gpt_neo": ("GPTNeoForCausalLM", "GPTNeoConfig", GPT_NEO)}
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "bloom", "gpt_neo"])
+# slow: padded batches against HF generate for five architectures; llama stays
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("gpt2", marks=pytest.mark.slow),
+        "llama",
+        pytest.param("mistral", marks=pytest.mark.slow),
+        pytest.param("bloom", marks=pytest.mark.slow),
+        pytest.param("gpt_neo", marks=pytest.mark.slow),
+    ],
+)
 def test_padded_batch_equals_hf_generate(name, tmp_path, capfd):
     cls, cfg, kwargs = MODELS[name]
     config = getattr(transformers, cfg)(**{**SMALL, **kwargs, "initializer_range": 0.2})

@@ -3,7 +3,8 @@ directories (random init, offline): each fuses every attention layer with parity
 decoder is KV-cached and generates like eager.
 
 - GPT-NeoX-Japanese: ``baddbmm`` from zeros over (B·H, T, d), the scores viewed back to 4-D
-  and multiplied by a 4-D V (:class:`~tfgraph.passes.recognize.attention.rules.BatchedScoresAttentionRule`).
+  and multiplied by a 4-D V
+  (:class:`~tfgraph.passes.recognize.attention.rules.BatchedScoresAttentionRule`).
 - MPNet: a relative-position bias and then the padding mask, two Adds
   (:class:`~tfgraph.passes.recognize.attention.rules.StackedBiasRule`).
 - ConvBERT: its dynamic convolution's softmax over a 9-tap kernel is a gate, not attention

@@ -42,7 +42,14 @@ def _check_fp16(result) -> dict:
     return report
 
 
-@pytest.mark.parametrize("preset", GENERATIVE)
+# slow: the zoo's fp16 sweep with the cache; llama-tiny and bart-tiny stay
+@pytest.mark.parametrize(
+    "preset",
+    [
+        p if p in ("llama-tiny", "bart-tiny") else pytest.param(p, marks=pytest.mark.slow)
+        for p in GENERATIVE
+    ],
+)
 def test_zoo_fp16_cached(tmp_path, preset):
     result = tfgraph.export(preset, tmp_path / "a", kv_cache=True, precision="fp16")
     report = _check_fp16(result)
@@ -106,7 +113,16 @@ def _hf_configs():
     }
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "t5", "bert"])
+# slow: HF architectures in fp16; gpt2 stays
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gpt2",
+        pytest.param("llama", marks=pytest.mark.slow),
+        pytest.param("t5", marks=pytest.mark.slow),
+        pytest.param("bert", marks=pytest.mark.slow),
+    ],
+)
 def test_hugging_face_fp16(tmp_path, name):
     cls, config = _hf_configs()[name]
     cached = name != "bert"

@@ -192,10 +192,29 @@ def no_whole_load(monkeypatch):
     monkeypatch.setattr(huggingface, "_load_hf_weights", refuse)
 
 
+# slow: bf16 and fp16 checkpoints of the 17 HF architectures the tests use, exported to all
+# four targets (136 cases); three decoders on ort, an encoder on onnx, an encoder-decoder (BART)
+# and Mixtral, which loads whole, on ort stay in the default tier
+DEFAULT_TIER = {
+    ("llama", "bf16", "ort"),
+    ("mistral", "fp16", "ort"),
+    ("qwen2", "bf16", "ort"),
+    ("bert", "fp16", "onnx"),
+    ("bart", "bf16", "ort"),
+    ("mixtral", "fp16", "ort"),
+}
+
+
 @pytest.mark.parametrize(
     "arch, dtype, target",
     [
-        pytest.param(arch, dtype, target, id=f"{arch}-{dtype}-{target}")
+        pytest.param(
+            arch,
+            dtype,
+            target,
+            id=f"{arch}-{dtype}-{target}",
+            marks=() if (arch, dtype, target) in DEFAULT_TIER else pytest.mark.slow,
+        )
         for arch in ARCHS
         for dtype in DTYPES
         for target in TARGETS
@@ -255,6 +274,8 @@ def test_low_precision_checkpoint_exports_with_parity(
         assert report["target"]["providers"][0] == "cuda"
 
 
+# slow: a streamed checkpoint's graph and bytes against the whole-loaded model's
+@pytest.mark.slow
 def test_same_graph_as_loading_whole(checkpoints, tmp_path):
     """The streamed export's graph equals the whole-loaded model's, node for node, with the
     same weight bytes (the checkpoint upcast to fp32)."""
@@ -540,6 +561,8 @@ def test_artifact_too_big_for_the_disk_is_refused_first(checkpoints, tmp_path, c
     assert not (tmp_path / "o").exists()
 
 
+# slow: the budget's size estimate against written artifacts (fp32, int4)
+@pytest.mark.slow
 def test_estimate_is_close_to_the_artifact(checkpoints, tmp_path):
     for weights in (None, "int4"):
         result = tfgraph.export(

@@ -181,5 +181,8 @@ def test_requests_of_random_lengths_with_bad_ones_mixed_in(served):
     _load(*served, requests=48)
 
 
+# slow: the in-flight server's fault load at full size (200 requests, bad ones mixed in); the
+# default tier runs it with 48
+@pytest.mark.slow
 def test_two_hundred_requests_with_bad_ones_mixed_in(served):
     _load(*served, requests=200)

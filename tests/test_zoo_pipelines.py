@@ -66,7 +66,17 @@ def _assert_norms_folded(result, allowed_ops):
         assert "ReduceMean" not in result["ops"]  # nothing of a norm is left decomposed
 
 
-@pytest.mark.parametrize("name", list(PRESETS))
+# slow: every preset x every pipeline and target; a decoder, an encoder-decoder and an encoder
+# stay in the default tier
+@pytest.mark.parametrize(
+    "name",
+    [
+        n
+        if n in ("llama-tiny", "t5-tiny", "bert-tiny")
+        else pytest.param(n, marks=pytest.mark.slow)
+        for n in PRESETS
+    ],
+)
 def test_preset_all_targets(name, tmp_path):
     source = load_source(name)
     cfg = PRESETS[name]
