@@ -17,9 +17,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
+from ort_run import run_onnx
 
 import tfgraph.passes.recognize.attention.rules as attention_rules
 from tfgraph.exporters.targets import get_target
@@ -259,15 +259,6 @@ def repeat_kv_graph(
 # -- running -----------------------------------------------------------------------------------
 
 
-def run_ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
-    return session.run(None, feeds)[0]
-
-
 class Run:
     """A built graph, its ONNX Runtime output, and the IR model after ``FuseAttentionPass``."""
 
@@ -275,7 +266,7 @@ class Run:
         g, output, shape = built
         self.feeds = g.feeds
         proto = g.model(output, shape)
-        self.before = run_ort(proto, self.feeds)
+        self.before = run_onnx(proto, self.feeds, optimize=False)[0]
         self.model = ir.from_proto(proto)
         self.modified = FuseAttentionPass()(self.model).modified
         assert not FuseAttentionPass()(self.model).modified  # a second run finds nothing to do
@@ -294,13 +285,13 @@ class Run:
     def assert_unchanged_numbers(self) -> None:
         """The graph has no tfgraph op left: it runs as is and computes what it did."""
         assert not self.nodes("Attention", DOMAIN)
-        after = run_ort(ir.to_proto(self.model), self.feeds)
+        after = run_onnx(self.model, self.feeds, optimize=False)[0]
         np.testing.assert_allclose(after, self.before, atol=ATOL)
 
     def assert_lowered_numbers(self) -> None:
         """The fused graph, lowered to standard ops, computes what the original did."""
         assert LowerAttentionPass(get_target("tensorrt"))(self.model).modified
-        after = run_ort(ir.to_proto(self.model), self.feeds)
+        after = run_onnx(self.model, self.feeds, optimize=False)[0]
         np.testing.assert_allclose(after, self.before, atol=ATOL)
 
 

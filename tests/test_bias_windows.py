@@ -4,9 +4,9 @@ is only dropped after a long evaluation confirms it is exactly causal + window."
 import tempfile
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 import torch
+from ort_run import run_onnx
 
 import tfgraph
 from tfgraph import from_module
@@ -94,8 +94,7 @@ def test_windows_longer_than_the_short_lengths_are_found(window):
 
 
 def _onnx_logits(path, ids: torch.Tensor) -> np.ndarray:
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return session.run(None, {session.get_inputs()[0].name: ids.numpy()})[0]
+    return run_onnx(path, ids.numpy())[0]
 
 
 @pytest.mark.parametrize("kv_cache", [False, True])

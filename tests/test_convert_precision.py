@@ -11,8 +11,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common
-import onnxruntime as ort
 import pytest
+from ort_run import ort_session
 
 from tfgraph.passes.lower.convert_precision import ConvertPrecisionPass
 from tfgraph.precision.islands import emulate
@@ -44,13 +44,9 @@ def _model() -> ir.Model:
 
 
 def _run(model: ir.Model, x: np.ndarray) -> np.ndarray:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     proto = ir.serde.serialize_model(model)
     onnx.checker.check_model(proto)
-    session = ort.InferenceSession(
-        proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
+    session = ort_session(proto, optimize=False)
     typed = x.astype(np.float16) if session.get_inputs()[0].type == "tensor(float16)" else x
     return session.run(None, {"x": typed, "ids": np.array([1, 2], np.int64)})[0]
 

@@ -6,9 +6,9 @@ the seed's ``σ + 1e-12`` removed by them. These tests pin the exact replacement
 
 import numpy as np
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 import torch
+from ort_run import run_onnx
 from torch import nn
 
 from tfgraph import from_module
@@ -51,10 +51,7 @@ def test_only_exact_identities_are_removed(kind, identity, near):
 
 
 def _run(model: ir.Model, x: np.ndarray) -> np.ndarray:
-    session = ort.InferenceSession(
-        ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"]
-    )
-    return session.run(None, {session.get_inputs()[0].name: x})[0]
+    return run_onnx(model, x)[0]
 
 
 def test_seed_norm_with_tiny_eps_keeps_eps_constant_row_stays_finite():

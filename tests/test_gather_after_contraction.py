@@ -12,9 +12,9 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common
-import onnxruntime as ort
 import pytest
 import torch
+from ort_run import run_onnx
 from pipeline_check import assert_export_passed
 from torch import nn
 
@@ -110,12 +110,7 @@ def _graph(equation: str, a_shape, table_rows: int, index, gather_nd: bool = Fal
 
 
 def _run(model: onnx.ModelProto, a: np.ndarray) -> np.ndarray:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
-    return session.run(None, {"a": a})[0]
+    return run_onnx(model, {"a": a}, optimize=False)[0]
 
 
 def _rewrite(model: onnx.ModelProto) -> tuple[onnx.ModelProto, bool]:

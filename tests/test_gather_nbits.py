@@ -5,9 +5,9 @@ are taken."""
 
 import numpy as np
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+from ort_run import ort_session
 
 from tfgraph.exporters.compile import run_pipeline
 from tfgraph.exporters.ort.weights.gather_nbits import (
@@ -75,7 +75,7 @@ def _gather_session(table: np.ndarray, symmetric: bool, block: int):
     done = quantize_embeddings(model, block_size=block, symmetric=symmetric)
     assert len(done) == 1
     proto = ir.serde.serialize_model(model)
-    return ort.InferenceSession(proto.SerializeToString()), _materialized(model)
+    return ort_session(proto), _materialized(model)
 
 
 @pytest.mark.parametrize("symmetric", [True, False])

@@ -18,9 +18,9 @@ from collections import Counter
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 import torch
+from ort_run import run_onnx
 from torch import nn
 
 from tfgraph.exporters.targets import get_target
@@ -115,12 +115,8 @@ def _form(name: str) -> ir.Model:
 
 
 def _run(model: ir.Model, x: np.ndarray) -> np.ndarray:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3  # the initializers the fusion left unused are no news
-    proto = ir.serde.serialize_model(model)
-    session = ort.InferenceSession(proto.SerializeToString(), options, ["CPUExecutionProvider"])
-    return session.run(None, {session.get_inputs()[0].name: x})[0]
+    # log level 3: the initializers the fusion left unused are no news
+    return run_onnx(model, x, optimize=False, log_severity=3)[0]
 
 
 def _gelu_nodes(model: ir.Model) -> list[ir.Node]:

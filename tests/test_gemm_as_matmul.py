@@ -3,7 +3,7 @@
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
+from ort_run import run_onnx
 
 from tfgraph.passes.lower.gemm_as_matmul import gemm_as_matmul
 
@@ -38,8 +38,7 @@ def _model() -> onnx.ModelProto:
 
 
 def _run(proto: onnx.ModelProto, feeds: dict) -> list:
-    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(None, feeds)
+    return run_onnx(proto, feeds)
 
 
 def test_plain_gemms_become_matmuls_with_the_same_numbers():

@@ -69,6 +69,8 @@ def test_plain_onnxruntime_session_keeps_the_fast_norm_kernels(preset, tmp_path)
     slower on the CPU; the ort graph does not let it, in a session with default options."""
     result = tfgraph.export(preset, tmp_path / preset)
     assert result.passed
+    # a raw session, not tests/ort_run.py: what is tested is ONNX Runtime's own optimizer as a
+    # plain user gets it (ORT_ENABLE_ALL), and the optimized model it writes
     options = ort.SessionOptions()  # what a plain user gets: ORT_ENABLE_ALL
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
     ort.InferenceSession(str(tmp_path / preset / "model.onnx"), options)

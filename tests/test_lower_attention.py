@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
+from ort_run import run_onnx
 
 from tfgraph.exporters.targets import get_target
 from tfgraph.passes.lower.lower_attention import LowerAttentionPass
@@ -180,11 +180,7 @@ def expected(case: Case, hq: int, hkv: int, data: dict[str, np.ndarray]) -> np.n
 
 
 def run_ort(model: ir.Model, data: dict[str, np.ndarray]) -> np.ndarray:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    proto = ir.to_proto(model).SerializeToString()
-    session = ort.InferenceSession(proto, options, providers=["CPUExecutionProvider"])
-    return session.run(None, data)[0]
+    return run_onnx(model, data, optimize=False)[0]
 
 
 def ops(model: ir.Model) -> Counter:

@@ -47,6 +47,8 @@ def manifest_greedy(artifact, prompts, new_tokens: int) -> list[list[int]]:
     step_graph = manifest["graphs"]["model.onnx"]
     inputs, outputs = _ports(step_graph["inputs"]), _ports(step_graph["outputs"])
     layout = step_graph["kv_layout"]
+    # raw sessions, not tests/ort_run.py: the loop is what a plain consumer of the artifact
+    # writes, with ONNX Runtime's defaults and nothing of tfgraph or its tests
     session = ort.InferenceSession(str(artifact / "model.onnx"))
     ids, mask = _left_pad(prompts)
     batch = len(prompts)

@@ -4,10 +4,10 @@ from collections.abc import Callable
 
 import numpy as np
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
+from ort_run import run_onnx
 from torch import nn
 
 from tfgraph import from_module
@@ -101,11 +101,7 @@ def _traced(fn, opset=20, example=None):
 
 
 def _run(model: ir.Model, x: np.ndarray) -> list[np.ndarray]:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    proto = ir.to_proto(model)
-    session = ort.InferenceSession(proto.SerializeToString(), options)
-    return session.run(None, {session.get_inputs()[0].name: x})
+    return run_onnx(model, x, optimize=False)
 
 
 def _copy(model):
@@ -200,10 +196,8 @@ def test_residual_add_folds_into_skip_norm(fn, op, target):
     example = (torch.randn(2, 5, C), torch.randn(2, 5, C))
     model = trace(from_module(Residual(fn), example))
     run_pipeline(model, "cleanup")
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     feeds = {"a": X, "b": X[::-1].copy()}
-    want = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options).run(None, feeds)
+    want = run_onnx(model, feeds, optimize=False)
     run_pipeline(model, "cleanup")
     FuseNormsPass()(model)
     LowerNormsPass(get_target(target))(model)
@@ -213,7 +207,7 @@ def test_residual_add_folds_into_skip_norm(fn, op, target):
     assert "Add" in hist and hist["Add"] <= 2  # the residual sum now comes from the skip norm
     skip = next(n for n in model.graph if n.op_type == op)
     assert skip.outputs[3].uses()  # the sum feeds the second residual
-    got = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options).run(None, feeds)
+    got = run_onnx(model, feeds, optimize=False)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=2e-6)
 
 
@@ -228,16 +222,14 @@ def test_weightless_norm_after_a_residual_folds_without_a_cycle():
     example = (torch.randn(2, 5, C), torch.randn(2, 5, C))
     model = trace(from_module(Residual(rms_no_weight), example))
     run_pipeline(model, "cleanup")
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     feeds = {"a": X, "b": X[::-1].copy()}
-    want = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options).run(None, feeds)
+    want = run_onnx(model, feeds, optimize=False)
     FuseNormsPass()(model)
     LowerNormsPass(get_target("ort"))(model)
     model.graph.sort()  # raised "Graph contains a cycle"
     check_model(model, "skip lowering")
     assert op_histogram(model)["com.microsoft::SkipSimplifiedLayerNormalization"] == 1
-    got = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options).run(None, feeds)
+    got = run_onnx(model, feeds, optimize=False)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=2e-6)
 
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
+from ort_run import run_onnx
 
 import tfgraph
 from tfgraph.exporters.compile import count_fusions, run_pipeline
@@ -108,11 +108,7 @@ def build(case: Case, seed: int = 0) -> tuple[onnx.ModelProto, dict[str, np.ndar
 
 
 def run_ort(model: onnx.ModelProto | ir.Model, feeds: dict[str, np.ndarray]) -> np.ndarray:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    proto = model if isinstance(model, onnx.ModelProto) else ir.to_proto(model)
-    session = ort.InferenceSession(proto.SerializeToString(), options, ["CPUExecutionProvider"])
-    return session.run(None, feeds)[0]
+    return run_onnx(model, feeds, optimize=False)[0]
 
 
 def fuse(proto: onnx.ModelProto) -> tuple[ir.Model, bool]:

@@ -14,8 +14,8 @@ from functools import partial
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
+from ort_run import run_onnx
 
 from tfgraph.passes.canonical import DOMAIN, CausalConvOp, LinearAttentionOp
 from tfgraph.passes.lower.recurrent_standard import standard_causal_conv, standard_linear_attention
@@ -133,13 +133,7 @@ def _model(node: ir.Node, shapes, lower=None, dtype=F32) -> ir.Model:
 
 
 def _run(model: ir.Model, feeds: dict) -> list[np.ndarray]:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    proto = ir.serde.serialize_model(model)
-    session = ort.InferenceSession(
-        proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
-    return session.run(None, feeds)
+    return run_onnx(model, feeds, optimize=False)
 
 
 def _check_standard(model: ir.Model) -> None:

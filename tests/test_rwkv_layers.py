@@ -128,12 +128,12 @@ def test_rescaled_checkpoint_traces_the_division(tmp_path):
     model loaded whole does. (The streamed eager reference of the parity check cannot rescale
     weights it reads from disk, so its own parity is not asserted here.)"""
     import numpy as np
-    import onnxruntime as ort
+    from ort_run import ort_session
 
     model = _model(rescale_every=1)
     model.save_pretrained(tmp_path / "hf")
     tfgraph.export(str(tmp_path / "hf"), tmp_path / "cached", kv_cache=True, target="ort")
-    session = ort.InferenceSession(str(tmp_path / "cached" / "model.onnx"))
+    session = ort_session(tmp_path / "cached" / "model.onnx")
     ids = np.random.default_rng(0).integers(3, 500, (2, 9))
     feeds = {}
     for port in session.get_inputs():

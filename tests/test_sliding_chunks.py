@@ -12,8 +12,8 @@ import torch
 pytest.importorskip("transformers")
 
 import onnx  # noqa: E402
-import onnxruntime as ort  # noqa: E402
 import transformers  # noqa: E402
+from ort_run import ort_session  # noqa: E402
 
 import tfgraph  # noqa: E402
 from tfgraph.sources import sliding_chunks  # noqa: E402
@@ -135,7 +135,7 @@ def test_longformer_fuses_and_keeps_the_band(tmp_path):
         assert attrs.get("causal", 0) == 0
         assert len(node.input) > 10 and node.input[10]
     # lengths on and off multiples of the window, padded rows, against eager
-    session = ort.InferenceSession(str(tmp_path / "model.onnx"))
+    session = ort_session(tmp_path / "model.onnx")
     for batch, length in [(1, 7), (2, 8), (2, 16), (3, 33)]:
         ids, mask = _inputs(batch, length, seed=length)
         feeds = {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}
@@ -150,7 +150,7 @@ def test_led_is_cached_and_generates(tmp_path):
     attention = plain.report["fusions"]["attention"]
     assert attention["fused"] == attention["total"] == 3 * LAYERS  # encoder, self, cross
     assert plain.report["parity"]["passed"], plain.report["parity"]
-    session = ort.InferenceSession(str(tmp_path / "plain" / "model.onnx"))
+    session = ort_session(tmp_path / "plain" / "model.onnx")
     for length in (8, 16, 17):  # multiples of the window: nothing to unpad
         ids, _ = _inputs(2, length, seed=length)
         dec = _inputs(2, 5, seed=1)[0]

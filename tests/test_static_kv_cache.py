@@ -5,6 +5,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
+from ort_run import ort_session
 
 import tfgraph
 from tfgraph import contract
@@ -86,11 +87,7 @@ def test_an_attention_without_a_mask_gets_the_padding_mask():
     attention = next(n for n in model.graph if n.op_type == "Attention")
     assert attention.inputs[3] is not None  # the valid-keys mask
     assert model.metadata_props[contract.KV_LAYOUT_KEY] == "static"
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(
-        ir.serde.serialize_model(model).SerializeToString(), providers=["CPUExecutionProvider"]
-    )
+    session = ort_session(model)
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 2, 1, 4)).astype(np.float32) for _ in range(3))
     past_k = np.zeros((1, 2, 8, 4), np.float32)
@@ -164,11 +161,7 @@ def test_shapes_computed_from_a_buffer_forget_the_total_length():
         for out in node.outputs:
             names = [str(d) for d in out.shape] if out.shape is not None else []
             assert "total" not in names, (out.name, out.shape)
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(
-        ir.serde.serialize_model(model).SerializeToString(), providers=["CPUExecutionProvider"]
-    )
+    session = ort_session(model)
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 2, 3, 4)).astype(np.float32) for _ in range(3))
     buffer = np.zeros((1, 2, 5, 4), np.float32)

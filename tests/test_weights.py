@@ -12,8 +12,8 @@ import json
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
+from ort_run import ort_session
 
 import tfgraph
 from tfgraph.cli import main
@@ -42,9 +42,7 @@ def _quantized_matmul(w: np.ndarray, bits, block, symmetric, level=0):
     )
     quantizer.process()
     quantized = quantizer.model.model
-    session = ort.InferenceSession(
-        quantized.SerializeToString(), providers=["CPUExecutionProvider"]
-    )
+    session = ort_session(quantized)
     model = ir.serde.deserialize_model(quantized)
     node = next(n for n in model.graph if n.op_type == "MatMulNBits")
     return session, dequantize(node, model.graph.initializers, (k, n))

@@ -167,10 +167,10 @@ def test_xlstm_generates_hugging_faces_tokens(cached):
 def test_long_prompt_past_hugging_faces_chunks(cached):
     """150 tokens: Hugging Face runs two chunks of 64 and loops over 22 (the trace saw 9)."""
     import numpy as np
-    import onnxruntime as ort
+    from ort_run import ort_session
 
     work, model, _ = cached
-    session = ort.InferenceSession(str(work / "cached" / "model.onnx"))
+    session = ort_session(work / "cached" / "model.onnx")
     ids = np.random.default_rng(0).integers(3, 500, (2, 150))
     feeds = {}
     for port in session.get_inputs():
