@@ -94,7 +94,7 @@ def decode_section(d: dict) -> list[str]:
         f"batch {d['batch']}, prompt {d['prompt']} + {d['new_tokens']} new tokens, "
         f"{d['threads']} threads; tokens/s over the whole call (prefill included), median of "
         f"{d.get('repeats', 3)} after a warm-up; the tfgraph engine (`export --kv-cache`, "
-        "`ort` profile) in a process "
+        "`ort` target) in a process "
         "without torch. Eager PyTorch recomputes the whole prefix per token; HF `generate` "
         "uses its own KV cache.",
         "",
@@ -146,7 +146,7 @@ def prefill_section(d: dict) -> list[str]:
         "",
         "One forward pass on (1, seq) tokens. `eager`: PyTorch; `unfused`: the ONNX export with "
         "`--pipeline none`; `ort`, `onnx`, `tensorrt`: tfgraph's `default` pipeline per "
-        "profile, all run in ONNX Runtime on the CPU (the `tensorrt` graph, standard ops only, "
+        "target, all run in ONNX Runtime on the CPU (the `tensorrt` graph, standard ops only, "
         "runs in ONNX Runtime here: TensorRT is not installable on these machines). Each cell: "
         "median latency / peak RSS of a fresh process.",
         "",
