@@ -125,5 +125,5 @@ def test_readme_preset_table_is_current():
 
     from tfgraph.cli import models_table
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert models_table(markdown=True) in readme, "regenerate: python -m tfgraph models --markdown"

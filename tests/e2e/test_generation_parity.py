@@ -9,9 +9,9 @@ import onnx
 import pytest
 import torch
 from idiom_models import LeftPaddedInputs
-from test_hf_pipelines import CONFIGS, SMALL
 
 import tfgraph
+from tests.e2e.test_hf_pipelines import CONFIGS, SMALL
 from tfgraph.models.presets import PRESETS
 from tfgraph.runtime import CachedDecoder, Session
 from tfgraph.runtime.generate import left_pad

@@ -29,7 +29,8 @@ from tfgraph import interrupts
 from tfgraph.exporters.artifact import _host, sweep_stale
 from tfgraph.passes.pipeline.run import CHECK_EACH_PASS_ENV
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/: the factories' module is found there
+ROOT = TESTS.parent  # where this module is imported from, as the package tests.…
 BOTH = (signal.SIGINT, signal.SIGTERM)
 
 # export configuration → the stages whose start is interrupted in it; together every stage.
@@ -134,8 +135,8 @@ def _run_cases(tmp_path: Path, cases: list[dict]) -> list[tuple[dict, str]]:
     spec = tmp_path / "cases.json"
     spec.write_text(json.dumps(cases))
     env = {k: v for k, v in os.environ.items() if k != CHECK_EACH_PASS_ENV}
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
-    code = f"import test_interrupted_export as t; t._drive({str(spec)!r})"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")])
+    code = f"import {__name__} as t; t._drive({str(spec)!r})"
     child = subprocess.Popen(
         [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, env=env, cwd=tmp_path,

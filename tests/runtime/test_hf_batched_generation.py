@@ -14,9 +14,9 @@ token).
 import numpy as np
 import pytest
 import torch
-from test_hf_pipelines import CONFIGS, SMALL
 
 import tfgraph
+from tests.e2e.test_hf_pipelines import CONFIGS, SMALL
 from tfgraph.runtime import CachedDecoder, GenerationConfig, Session, generate
 from tfgraph.runtime.generate import left_pad
 

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from idiom_models import GPT, absolute_bias_lm, mha_lm, t5_decoder
 from idiom_models import gpt as sdpa_gpt
-from test_generation_parity import MaskedLM, transformers_model
-from test_hf_pipelines import CONFIGS, SMALL
 
 import tfgraph
+from tests.e2e.test_generation_parity import MaskedLM, transformers_model
+from tests.e2e.test_hf_pipelines import CONFIGS, SMALL
 from tfgraph.errors import TfgraphError
 from tfgraph.runtime import CachedDecoder, GenerationConfig, Session, SlotBatcher, generate
 from tfgraph.runtime import session as session_module

@@ -39,10 +39,10 @@ from tfgraph.tools.random_checkpoint import write_random_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf_batched_generation import GPT_NEO  # noqa: E402  (after the transformers skip)
-from test_hf_layouts import SMALL as LAYOUT_SMALL  # noqa: E402
-from test_hf_pipelines import CONFIGS as HF_CONFIGS  # noqa: E402
-from test_hf_pipelines import SMALL as HF_SMALL  # noqa: E402
+from tests.e2e.test_hf_pipelines import CONFIGS as HF_CONFIGS  # noqa: E402
+from tests.e2e.test_hf_pipelines import SMALL as HF_SMALL  # noqa: E402
+from tests.runtime.test_hf_batched_generation import GPT_NEO  # noqa: E402  (after the transformers skip)
+from tests.sources.test_hf_layouts import SMALL as LAYOUT_SMALL  # noqa: E402
 
 _SMALL = dict(
     hidden_size=64,

@@ -12,10 +12,10 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from test_generation_parity import PAD
 from torch import nn
 
 import tfgraph
+from tests.e2e.test_generation_parity import PAD
 from tfgraph import from_module
 from tfgraph.runtime import CachedDecoder, Session
 from tfgraph.verify.generation_parity import compare_greedy

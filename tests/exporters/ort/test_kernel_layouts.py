@@ -8,9 +8,9 @@ PyTorch hold."""
 
 import numpy as np
 import onnx
-from test_slice_machinery import save_hf_t5
 
 import tfgraph
+from tests.passes.cache.test_slice_machinery import save_hf_t5
 from tfgraph.runtime import CachedDecoder, Session
 from tfgraph.runtime.generate import left_pad
 from tfgraph.sources import load_source

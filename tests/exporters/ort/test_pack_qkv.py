@@ -10,9 +10,9 @@ import collections
 import onnx
 import pytest
 import torch
-from test_generation_parity import PAD
 
 import tfgraph
+from tests.e2e.test_generation_parity import PAD
 from tfgraph.runtime import CachedDecoder, Session
 from tfgraph.sources import load_source
 from tfgraph.verify.generation_parity import compare_greedy

@@ -88,7 +88,7 @@ def _noisy_copy(artifact, out):
 def test_fp32_noise_between_paths_is_within_the_derived_bound(
     exports, checkpoint, tmp_path, monkeypatch
 ):
-    from test_inflight import _feed_every_row_the_longest_length
+    from tests.runtime.test_inflight import _feed_every_row_the_longest_length
 
     result = exports["int4"]
     source = load_source(str(checkpoint))

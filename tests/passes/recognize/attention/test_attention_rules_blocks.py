@@ -13,11 +13,17 @@ import onnx_ir as ir
 import pytest
 import torch
 from onnxscript.rewriter import RewriteRuleSet
-from test_attention_rules_more import D, H, _attention, _Heads, _proven  # noqa: E402
 from torch import nn
 
 import tfgraph.passes.recognize.attention.concat_keys as concat_keys_rules
 import tfgraph.passes.recognize.attention.einsum as einsum_rules
+from tests.passes.recognize.attention.test_attention_rules_more import (  # noqa: E402
+    D,
+    H,
+    _attention,
+    _Heads,
+    _proven,
+)
 from tfgraph import from_module
 from tfgraph.exporters.compile import run_pipeline
 from tfgraph.passes.recognize.attention.einsum import broadcast_batched_matmul

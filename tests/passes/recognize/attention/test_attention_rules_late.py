@@ -7,10 +7,16 @@ import onnx_ir as ir
 import pytest
 import torch
 from pipeline_check import compile_and_prove
-from test_attention_rules_more import D, H, _attention, _Heads, _proven  # noqa: E402
 from torch import nn
 
 import tfgraph.passes.recognize.attention.rules as attention_rules
+from tests.passes.recognize.attention.test_attention_rules_more import (  # noqa: E402
+    D,
+    H,
+    _attention,
+    _Heads,
+    _proven,
+)
 from tfgraph import from_module
 from tfgraph.exporters.compile import run_pipeline
 from tfgraph.passes.recognize.attention.fuse import FuseAttentionPass

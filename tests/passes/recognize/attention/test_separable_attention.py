@@ -10,10 +10,10 @@ apart, with the reason recorded."""
 import pytest
 import torch
 from pipeline_check import compile_and_prove
-from test_attention_rules_more import _attention, _fuse
 from torch import nn
 
 import tfgraph.passes.recognize.attention.separable as separable_attention_rules
+from tests.passes.recognize.attention.test_attention_rules_more import _attention, _fuse
 from tfgraph import from_module
 from tfgraph.passes.rewrite_utils import diagnose
 from tfgraph.sources.trace import trace
