@@ -15,7 +15,7 @@ positions.
 Each request keeps its own decoding settings and random generator, so its tokens are those of
 :func:`tfgraph.runtime.generate` on its prompt alone (greedy and seeded sampling), up to the
 fp32 noise of a batched step against a batch of one (a near tie of two logits may break the
-other way; tests/test_inflight.py measures it). A step's batch spans the slots up to the highest
+other way; tests/runtime/test_inflight.py measures it). A step's batch spans the slots up to the highest
 active one; a free slot below it runs one dummy token at length 0 (it is overwritten by the
 next prefill), so no row of the cache ever moves.
 

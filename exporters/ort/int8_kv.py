@@ -54,7 +54,7 @@ KV_QUANT_KEY = contract.KV_QUANT_KEY  # model metadata: what the manifest states
 _MS = "com.microsoft"
 # past this much weight the graph is not serialized whole (protobuf's 2 GB limit, and a copy
 # of every weight in memory): the artifact writer's own threshold for external data
-# (exporters/onnx_file.py EXTERNAL_FROM; tests/test_kv_int8.py holds them equal)
+# (exporters/onnx_file.py EXTERNAL_FROM; tests/exporters/ort/test_kv_int8.py holds them equal)
 STREAM_FROM = 64 * 1024**2
 PENDING = "tfgraph.pending-weights"  # where a reference's weights are until parity fills them
 _INLINE_BYTES = 256  # smaller tensors stay in the graph (as the artifact writer keeps them)

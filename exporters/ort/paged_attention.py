@@ -18,7 +18,7 @@ resolution and type inference and stops at kernel assignment with "Could not fin
 implementation for PagedAttention(1) node" (a type error would stop it earlier, with
 INVALID_GRAPH). The mapping between the two layouts (block table + cumulative lengths against
 GroupQueryAttention's ``seqlens_k`` over a contiguous buffer) is checked numerically against a
-numpy reading of the schema (tests/test_paged_attention.py).
+numpy reading of the schema (tests/exporters/ort/test_paged_attention.py).
 
 What is not verified until a GPU is lent: the CUDA kernel's numerics against that reading, its
 speed, and whether writing into a cache bound both as input and as the aliasing output (I/O

@@ -12,7 +12,7 @@ signature. What is proven, and what is not, goes into ``report.json`` ``paged``:
   suite: run here on the file, it cannot follow external data a save left beside it);
 - the numbers of the paged graph are **not** measured here: parity was measured on the graph
   before paging, and the mapping between the two layouts is checked by the test suite
-  (tests/test_paged_attention.py), not per export.
+  (tests/exporters/ort/test_paged_attention.py), not per export.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ every active slot together, each at its own length, position and sampling state.
 leaves its slot the moment it ends (its ``max_new_tokens``, its EOS), or when its client
 cancels or disconnects (checked every step; a response that cannot be sent frees the slot
 too), and the next waiting request takes it. Its tokens are those of ``tfgraph generate`` on
-that prompt alone, up to the fp32 noise of a batched step (tests/test_inflight.py).
+that prompt alone, up to the fp32 noise of a batched step (tests/runtime/test_inflight.py).
 
 An encoder-decoder's slot also holds its request's cross-attention K/V (the encoder runs
 once per request, on its prompt alone) for up to ``slot_capacity`` prompt tokens.

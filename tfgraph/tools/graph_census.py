@@ -34,8 +34,8 @@ logger = logging.getLogger(__name__)
 CACHED_FAMILIES = ("decoder", "encoder-decoder")
 HF_PREFIX = "hf-"
 
-# The tiny Hugging Face models the test suite builds (tests/test_hf_pipelines.py,
-# tests/hf_input_models.py, tests/test_hf_moe.py): name → (model class, config class, config
+# The tiny Hugging Face models the test suite builds (tests/e2e/test_hf_pipelines.py,
+# tests/hf_input_models.py, tests/sources/test_hf_moe.py): name → (model class, config class, config
 # kwargs, kv_cache, attn_implementation). Random init with seed 0, saved with save_pretrained.
 _SMALL = {"vocab_size": 500}
 _ENC_DEC = {
@@ -154,7 +154,7 @@ HF_MODELS = {
         False,
     ),
 }
-# the library's default attention (sdpa) besides eager, where tests/test_hf_pipelines.py runs it
+# the library's default attention (sdpa) besides eager, where tests/e2e/test_hf_pipelines.py runs it
 HF_SDPA = ("gpt2", "llama", "mistral", "bert", "bart")
 
 
