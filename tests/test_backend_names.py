@@ -64,9 +64,31 @@ def _offenders(names: set[str], homes: tuple[str, ...]) -> dict[str, set[str]]:
     return out
 
 
+# Issue 45 left ONNX Runtime's builders of these neutral lowerings in passes/ (it is open for
+# them): no file may gain a name, and a file rid of its names must be removed from here.
+NOT_YET_MOVED = {
+    "passes/lower/lower_attention.py": {
+        "com.microsoft",
+        "GroupQueryAttention",
+        "MultiHeadAttention",
+    },
+    "passes/lower/lower_gelu.py": {"com.microsoft"},
+    "passes/lower/lower_norms.py": {
+        "com.microsoft",
+        "SkipLayerNormalization",
+        "SimplifiedLayerNormalization",
+        "SkipSimplifiedLayerNormalization",
+    },
+    "passes/lower/lower_recurrent.py": {"com.microsoft"},
+}
+
+
 def test_onnx_runtime_names_live_in_the_ort_target_and_runner():
     offenders = _offenders(ORT_ONLY, ORT_HOMES)
-    assert not offenders, offenders
+    new = {f: n - NOT_YET_MOVED.get(f, set()) for f, n in offenders.items()}
+    assert not {f: n for f, n in new.items() if n}, new
+    moved = {f: n - offenders.get(f, set()) for f, n in NOT_YET_MOVED.items()}
+    assert not {f: n for f, n in moved.items() if n}, f"moved out: update NOT_YET_MOVED: {moved}"
 
 
 def test_the_check_sees_a_name(tmp_path):
