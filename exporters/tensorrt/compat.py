@@ -74,62 +74,70 @@ def check_tensorrt(model: ir.Model, version: tuple[int, ...]) -> list[Finding]:
     """Every node TensorRT ``version``'s parser is known to refuse or not known to take."""
     at = _text(version)
     found: list[Finding] = []
-
-    def add(node, severity, reason, fix):
-        op = f"{node.domain}.{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
-        found.append(Finding(node.name, op, module_name(node), severity, reason, fix))
-
-    opset = model.opset_imports.get("", 0)
     seen_unknown: set[str] = set()
     for node in model.graph:
-        op = node.op_type
-        if node.domain not in ("", "ai.onnx"):
-            add(
-                node,
+        verdict = _node_verdict(node, version, at, seen_unknown)
+        if verdict is not None:
+            found.append(Finding(node.name, _op_label(node), module_name(node), *verdict))
+    return found + _graph_findings(model, at)
+
+
+def _op_label(node: ir.Node) -> str:
+    """The op as a finding names it: with its domain outside the standard one."""
+    return f"{node.domain}.{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
+
+
+def _node_verdict(node: ir.Node, version, at: str, seen_unknown: set[str]) -> tuple | None:
+    """(severity, reason, fix) for a node the parser refuses or is not known to take, else
+    None; an op outside :data:`PARSED` is reported at its first node only."""
+    op = node.op_type
+    if node.domain not in ("", "ai.onnx"):
+        return (
+            "error",
+            f"{node.domain} ops are not TensorRT ops",
+            "export with --target tensorrt (standard ops only)",
+        )
+    first = FIRST_VERSION.get(op)
+    if first is not None and version < first:
+        fix = (
+            f"export with --target tensorrt@{at}: tfgraph lowers it to standard ops there"
+            if op == "RMSNormalization"
+            else f"export with --target tensorrt@{at} (MatMul-Softmax-MatMul, which TensorRT fuses)"
+        )
+        return "error", f"TensorRT {at} does not parse {op} ({_text(first)}+ does)", fix
+    if op == "Attention" and version < SINGLE_OUTPUT_ATTENTION_UNTIL:
+        outputs = [o for o in node.outputs if o is not None and o.name]
+        pasts = [v for v in node.inputs[4:6] if v is not None and v.name]
+        if len(outputs) > 1 or pasts:
+            return (
                 "error",
-                f"{node.domain} ops are not TensorRT ops",
-                "export with --target tensorrt (standard ops only)",
+                f"TensorRT {at} parses Attention with one output only (no past or present "
+                "K/V: TensorRT issue 4738)",
+                f"export with --target tensorrt@{at}: the cache stays outside the op",
             )
-            continue
-        first = FIRST_VERSION.get(op)
-        if first is not None and version < first:
-            fix = (
-                f"export with --target tensorrt@{at}: tfgraph lowers it to standard ops there"
-                if op == "RMSNormalization"
-                else f"export with --target tensorrt@{at} (MatMul-Softmax-MatMul, which TensorRT "
-                "fuses)"
-            )
-            add(node, "error", f"TensorRT {at} does not parse {op} ({_text(first)}+ does)", fix)
-            continue
-        if op == "Attention" and version < SINGLE_OUTPUT_ATTENTION_UNTIL:
-            outputs = [o for o in node.outputs if o is not None and o.name]
-            pasts = [v for v in node.inputs[4:6] if v is not None and v.name]
-            if len(outputs) > 1 or pasts:
-                add(
-                    node,
-                    "error",
-                    f"TensorRT {at} parses Attention with one output only (no past or present "
-                    "K/V: TensorRT issue 4738)",
-                    f"export with --target tensorrt@{at}: the cache stays outside the op",
-                )
-            continue
-        if op == "TensorScatter":
-            add(
-                node,
-                "unverified",
-                f"TensorRT {at}'s parser is not known here to take TensorScatter (10.15 adds a "
-                "KV-cache-update layer; the mapping is unverified)",
-                "build the engine on a GPU machine (tools/gpu_check.sh) to find out",
-            )
-            continue
-        if op not in PARSED and op not in seen_unknown:
-            seen_unknown.add(op)
-            add(
-                node,
-                "unverified",
-                f"{op} is not in the parser table known here",
-                "build the engine on a GPU machine (tools/gpu_check.sh) to find out",
-            )
+        return None
+    if op == "TensorScatter":
+        return (
+            "unverified",
+            f"TensorRT {at}'s parser is not known here to take TensorScatter (10.15 adds a "
+            "KV-cache-update layer; the mapping is unverified)",
+            "build the engine on a GPU machine (tools/gpu_check.sh) to find out",
+        )
+    if op not in PARSED and op not in seen_unknown:
+        seen_unknown.add(op)
+        return (
+            "unverified",
+            f"{op} is not in the parser table known here",
+            "build the engine on a GPU machine (tools/gpu_check.sh) to find out",
+        )
+    return None
+
+
+def _graph_findings(model: ir.Model, at: str) -> list[Finding]:
+    """What is unverified of the graph as a whole: the int8 KV cache, an opset past
+    :data:`MAX_KNOWN_OPSET`."""
+    opset = model.opset_imports.get("", 0)
+    found = []
     if contract.KV_QUANT_KEY in model.metadata_props:
         found.append(
             Finding(

@@ -130,6 +130,28 @@ def write_repository(
     artifact = Path(artifact)
     manifest = read_artifact(artifact)
     name = name or _model_name(artifact)
+    _check_arguments(manifest, max_batch_size, concurrency, slots, slot_capacity, batching)
+    capacity = max_sequence or manifest.get("max_positions") or 2048
+    with staged_directory(Path(out), MARKER, "Triton repository") as stage:
+        models = _write_engines(stage, artifact, name, manifest, max_batch_size, capacity)
+        if manifest.get("kv_cache"):
+            mode = _batching(manifest, concurrency, slots, slot_capacity)
+            if batching == "inflight" and mode.mode != "inflight":
+                raise TfgraphError(f"in-flight batching is not available: {mode.reason}")
+            if batching == "static":
+                mode = Batching("static", concurrency, reason="asked for")
+            models.append(_write_generate(stage, artifact, name + GENERATE_SUFFIX, mode))
+        for model in models:
+            graph = artifact / "model.onnx" if model.backend == "tensorrt_plan" else None
+            check_config(stage / model.name / "config.pbtxt", stage / model.name, graph)
+        record = {"artifact": str(artifact.resolve()), "models": [m.as_dict() for m in models]}
+        (stage / MARKER).write_text(json.dumps(record, indent=2) + "\n")
+    logger.info("wrote Triton repository %s: %s", out, ", ".join(m.name for m in models))
+    return models
+
+
+def _check_arguments(manifest, max_batch_size, concurrency, slots, slot_capacity, batching):
+    """Refuse sizes and batching modes that cannot be, before anything is written."""
     if max_batch_size < 0 or concurrency < 1:
         raise TfgraphError("--max-batch-size must be >= 0 and --concurrency >= 1")
     if (slots is not None and slots < 1) or (slot_capacity is not None and slot_capacity < 2):
@@ -142,50 +164,32 @@ def write_repository(
             f"--slot-capacity {slot_capacity} is more than the {limit} positions the model "
             "supports (max_positions in manifest.json); lower it"
         )
+
+
+def _write_engines(stage, artifact, name, manifest, max_batch_size, capacity) -> list:
+    """The onnxruntime engine models (the decoder's, an encoder's) and, where the artifact
+    holds a TensorRT engine built from model.onnx, its ``tensorrt_plan`` model."""
     graphs = manifest["graphs"]
-    cached = bool(manifest.get("kv_cache"))
     providers = manifest.get("target", {}).get("providers", [])
     kind = "GPU" if any(p != "cpu" for p in providers) else "CPU"
-    capacity = max_sequence or manifest.get("max_positions") or 2048
     models: list[RepositoryModel] = []
-    with staged_directory(Path(out), MARKER, "Triton repository") as stage:
-        engine = engine_config(name, graphs["model.onnx"], max_batch_size, kind, capacity)
-        models.append(_write_engine(stage, artifact, name, "model.onnx", engine, manifest))
-        if contract.ENCODER_FILE in graphs:
-            encoder_name = name + ENCODER_SUFFIX
-            config = engine_config(
-                encoder_name, graphs[contract.ENCODER_FILE], max_batch_size, kind, capacity
-            )
-            encoder = _write_engine(
-                stage, artifact, encoder_name, contract.ENCODER_FILE, config, manifest
-            )
-            models.append(encoder)
-        engine_file = next(
-            (f for f in manifest.get("files", []) if f.endswith(ENGINE_SUFFIXES)), None
+    engine = engine_config(name, graphs["model.onnx"], max_batch_size, kind, capacity)
+    models.append(_write_engine(stage, artifact, name, "model.onnx", engine, manifest))
+    if contract.ENCODER_FILE in graphs:
+        encoder_name = name + ENCODER_SUFFIX
+        config = engine_config(
+            encoder_name, graphs[contract.ENCODER_FILE], max_batch_size, kind, capacity
         )
-        if engine_file is not None:  # a TensorRT engine built from model.onnx
-            plan = engine_config(
-                name + PLAN_SUFFIX, graphs["model.onnx"], max_batch_size, "GPU", capacity
-            ).replace('backend: "onnxruntime"', 'platform: "tensorrt_plan"')
-            models.append(_write_plan(stage, artifact, name + PLAN_SUFFIX, engine_file, plan))
-        if cached:
-            mode = _batching(manifest, concurrency, slots, slot_capacity)
-            if batching == "inflight" and mode.mode != "inflight":
-                raise TfgraphError(f"in-flight batching is not available: {mode.reason}")
-            if batching == "static":
-                mode = Batching("static", concurrency, reason="asked for")
-            models.append(_write_generate(stage, artifact, name + GENERATE_SUFFIX, mode))
-        for model in models:
-            graph = artifact / "model.onnx" if model.backend == "tensorrt_plan" else None
-            check_config(stage / model.name / "config.pbtxt", stage / model.name, graph)
-        (stage / MARKER).write_text(
-            json.dumps(
-                {"artifact": str(artifact.resolve()), "models": [m.as_dict() for m in models]},
-                indent=2,
-            )
-            + "\n"
+        encoder = _write_engine(
+            stage, artifact, encoder_name, contract.ENCODER_FILE, config, manifest
         )
-    logger.info("wrote Triton repository %s: %s", out, ", ".join(m.name for m in models))
+        models.append(encoder)
+    engine_file = next((f for f in manifest.get("files", []) if f.endswith(ENGINE_SUFFIXES)), None)
+    if engine_file is not None:  # a TensorRT engine built from model.onnx
+        plan = engine_config(
+            name + PLAN_SUFFIX, graphs["model.onnx"], max_batch_size, "GPU", capacity
+        ).replace('backend: "onnxruntime"', 'platform: "tensorrt_plan"')
+        models.append(_write_plan(stage, artifact, name + PLAN_SUFFIX, engine_file, plan))
     return models
 
 

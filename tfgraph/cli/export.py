@@ -19,10 +19,21 @@ EXPORT_STEPS = ("load", "trace", "passes", "save", "parity")
 
 
 def add_parser(sub):
+    """The ``export`` subcommand; its flags group by group, in the order ``--help`` lists them."""
+    p = sub.add_parser("export", help="trace, optimize, export to ONNX and check parity")
+    _add_source_and_pipeline(p)
+    _add_checks_and_output(p)
+    _add_precision_and_weights(p)
+    _add_loading(p)
+    _add_kv_cache(p)
+    p.set_defaults(func=run)
+
+
+def _add_source_and_pipeline(p):
+    """The model, the artifact directory, the pipeline, the target and its opset."""
     from tfgraph.exporters.targets import target_names
     from tfgraph.passes import PIPELINES
 
-    p = sub.add_parser("export", help="trace, optimize, export to ONNX and check parity")
     p.add_argument("model", help="preset name, package.module:function, or a HF model directory")
     p.add_argument("-o", "--output", required=True, type=Path, help="artifact directory")
     p.add_argument("--pipeline", default="default", choices=list(PIPELINES))
@@ -36,6 +47,10 @@ def add_parser(sub):
     p.add_argument(
         "--opset", type=int, help="default-domain opset (default: the target's; 20 for ort)"
     )
+
+
+def _add_checks_and_output(p):
+    """Checks along the way (checker, dumps, parity tolerances) and how weights are stored."""
     p.add_argument(
         "--check-each-pass",
         action="store_true",
@@ -53,6 +68,10 @@ def add_parser(sub):
     )
     p.add_argument("--atol", type=float, default=1e-4, help="parity: absolute tolerance")
     p.add_argument("--rtol", type=float, default=1e-3, help="parity: relative tolerance")
+
+
+def _add_precision_and_weights(p):
+    """The graph's float type and weight-only quantization."""
     p.add_argument(
         "--precision",
         choices=["fp32", "fp16", "bf16"],
@@ -60,6 +79,16 @@ def add_parser(sub):
         help="the graph's float type; fp32 islands are kept where measured values need them "
         "(targets list what they take: `tfgraph targets`)",
     )
+    _add_weight_quantization(p)
+    p.add_argument(
+        "--keep-io-types",
+        action="store_true",
+        help="with --precision fp16/bf16: fp32 inputs and outputs (cast at the graph's edge)",
+    )
+
+
+def _add_weight_quantization(p):
+    """--weights and its knobs: block size, accuracy level, zero points, what stays fp32."""
     p.add_argument(
         "--weights",
         choices=["int8", "int4"],
@@ -106,11 +135,10 @@ def add_parser(sub):
         help="--weights int4: keep the embedding tables in fp32 (default: int4 "
         "GatherBlockQuantized; int8 always keeps them)",
     )
-    p.add_argument(
-        "--keep-io-types",
-        action="store_true",
-        help="with --precision fp16/bf16: fp32 inputs and outputs (cast at the graph's edge)",
-    )
+
+
+def _add_loading(p):
+    """How a Hugging Face model directory is loaded."""
     p.add_argument(
         "--attn-implementation",
         choices=["eager", "sdpa"],
@@ -122,6 +150,10 @@ def add_parser(sub):
         action="store_true",
         help="allow a model directory's own Python code to run",
     )
+
+
+def _add_kv_cache(p):
+    """The KV cache: whether there is one, its rows, layout, blocks, dtype and scales."""
     p.add_argument(
         "--kv-cache",
         action="store_true",
@@ -163,7 +195,6 @@ def add_parser(sub):
         "and channel (finer, but clamps values beyond the ranges measured on the parity "
         "inputs: measured worse, docs/kv-cache.md)",
     )
-    p.set_defaults(func=run)
 
 
 def options_from_args(args):

@@ -267,6 +267,100 @@ def _without_low_kernels(model: ir.Model, low: ir.DataType) -> list[ir.Node]:
     return found
 
 
+class _Growth:
+    """The islands found so far: :meth:`add` keeps a node in fp32 once, with its reason. A
+    kernel that writes the KV cache in place keeps the cache's type (the buffer is shared)."""
+
+    def __init__(self, model: ir.Model, precision: str):
+        self.precision = precision
+        self.keep: set[str] = set()
+        self.islands: list[Island] = []
+        cache = set(contract.names_with_role(model, contract.PAST_KEY, contract.PAST_VALUE))
+        self.fixed = {
+            n.name for n in model.graph if any(v is not None and v.name in cache for v in n.inputs)
+        }
+
+    def add(self, node: ir.Node, reason: str) -> None:
+        if node.name in self.fixed:
+            logger.info(
+                "%s stays %s: it writes the KV cache (%s)", node.name, self.precision, reason
+            )
+            return
+        if node.name not in self.keep and node.op_type != "Constant":
+            self.keep.add(node.name)
+            self.islands.append(Island(node.name, node.op_type, layer_name(node), reason))
+
+
+def _overflow_islands(growth: _Growth, names, values, producer, reference) -> dict | None:
+    """Step 1 of the module doc: every value past :data:`OVERFLOW_LIMIT` keeps its producer and
+    readers in fp32; the first such value in graph order, with its layer."""
+    first_overflow = None
+    for name in names:
+        peak = max(_magnitude(run[name]) for run in reference if name in run)
+        if peak <= OVERFLOW_LIMIT:
+            continue
+        node = producer[name]
+        if first_overflow is None:
+            first_overflow = {"value": name, "module": layer_name(node), "max_abs": peak}
+        reason = f"max |x| = {peak:.4g} > {OVERFLOW_LIMIT:.4g} (fp16's range / 4)"
+        growth.add(node, f"computes {name}: {reason}")
+        for use in values[name].uses():
+            growth.add(use.node, f"reads {name}: {reason}")
+    return first_overflow
+
+
+def _strays(errors: dict[str, float], producer, budget: float) -> list[tuple]:
+    """(node, value, error) where a value strays past ``budget`` and its float inputs do not."""
+    strays = []
+    for name, err in errors.items():
+        if err <= budget:
+            continue
+        node = producer[name]
+        inputs = [v.name for v in node.inputs if v is not None and v.name in errors]
+        if all(errors[i] <= budget for i in inputs):
+            strays.append((node, name, err))
+    return strays
+
+
+def _grow(growth: _Growth, strays, errors, producer, budget: float) -> bool:
+    """Strays join the islands, an island's stray inputs' producers too; whether any joined."""
+    grew = False
+    for node, name, err in strays:
+        reason = f"{name} strays {err:.3g} of its scale in {growth.precision} (budget {budget:.3g})"
+        if node.name not in growth.keep:
+            growth.add(node, reason)
+            grew = True
+            continue
+        for value in node.inputs:  # an island that needs its inputs exact
+            source = producer.get(value.name) if value is not None else None
+            if source is not None and value.name in errors and source.name not in growth.keep:
+                growth.add(source, f"feeds island {node.name}, whose {reason}")
+                grew = True
+    return grew
+
+
+def _error_rounds(growth: _Growth, model, feeds, names, producer, reference, budget) -> tuple:
+    """Step 3 of the module doc: the rounds run (at most :data:`MAX_ROUNDS`), what strays."""
+    low = LOW_TYPES[growth.precision]
+    unresolved: list[dict] = []
+    rounds = 0
+    for rounds in range(1, MAX_ROUNDS + 1):  # noqa: B007 - the count is reported
+        runs = run_exposed(emulate(model, low, frozenset(growth.keep)), names, feeds)
+        pairs = list(zip(runs, reference, strict=True))
+        errors = {
+            name: max(_error(run[name], ref[name]) for run, ref in pairs)
+            for name in names
+            if all(name in run for run in runs)
+        }
+        strays = _strays(errors, producer, budget)
+        unresolved = [
+            {"value": name, "module": layer_name(node), "error": err} for node, name, err in strays
+        ]
+        if not strays or not _grow(growth, strays, errors, producer, budget):
+            break
+    return rounds, unresolved
+
+
 def measure_islands(model: ir.Model, feeds: list[dict], precision: str) -> IslandReport:
     """The fp32 islands ``model`` (lowered, fp32) needs in ``precision`` (module doc)."""
     low = LOW_TYPES[precision]
@@ -277,78 +371,16 @@ def measure_islands(model: ir.Model, feeds: list[dict], precision: str) -> Islan
     values = {out.name: out for node in model.graph for out in node.outputs}
     producer = {name: value.producer() for name, value in values.items()}
     reference = run_exposed(model, names, feeds)
-    keep: set[str] = set()
-    islands: list[Island] = []
-    cache = set(contract.names_with_role(model, contract.PAST_KEY, contract.PAST_VALUE))
-    # a kernel that writes the KV cache in place keeps the cache's type (the buffer is shared)
-    fixed = {
-        n.name for n in model.graph if any(v is not None and v.name in cache for v in n.inputs)
-    }
-
-    def add(node: ir.Node, reason: str) -> None:
-        if node.name in fixed:
-            logger.info("%s stays %s: it writes the KV cache (%s)", node.name, precision, reason)
-            return
-        if node.name not in keep and node.op_type != "Constant":
-            keep.add(node.name)
-            islands.append(Island(node.name, node.op_type, layer_name(node), reason))
-
+    growth = _Growth(model, precision)
     first_overflow = None
     if low == ir.DataType.FLOAT16:
-        for name in names:
-            peak = max(_magnitude(run[name]) for run in reference if name in run)
-            if peak <= OVERFLOW_LIMIT:
-                continue
-            node = producer[name]
-            if first_overflow is None:
-                first_overflow = {"value": name, "module": layer_name(node), "max_abs": peak}
-            reason = f"max |x| = {peak:.4g} > {OVERFLOW_LIMIT:.4g} (fp16's range / 4)"
-            add(node, f"computes {name}: {reason}")
-            for use in values[name].uses():
-                add(use.node, f"reads {name}: {reason}")
+        first_overflow = _overflow_islands(growth, names, values, producer, reference)
     for node in _without_low_kernels(model, low):
-        add(node, f"ONNX defines no {precision} {node.op_type} at this opset")
+        growth.add(node, f"ONNX defines no {precision} {node.op_type} at this opset")
     for node, cast in _index_arithmetic(model):
-        add(node, f"computes an index in float (read by {cast.name}, a Cast to integers)")
-    unresolved: list[dict] = []
-    rounds = 0
-    for rounds in range(1, MAX_ROUNDS + 1):  # noqa: B007 - the count is reported
-        runs = run_exposed(emulate(model, low, frozenset(keep)), names, feeds)
-        pairs = list(zip(runs, reference, strict=True))
-        errors = {
-            name: max(_error(run[name], ref[name]) for run, ref in pairs)
-            for name in names
-            if all(name in run for run in runs)
-        }
-        strays = []
-        for name, err in errors.items():
-            if err <= budget:
-                continue
-            node = producer[name]
-            inputs = [v.name for v in node.inputs if v is not None and v.name in errors]
-            if all(errors[i] <= budget for i in inputs):
-                strays.append((node, name, err))
-        if not strays:
-            unresolved = []
-            break
-        grew = False
-        for node, name, err in strays:
-            reason = f"{name} strays {err:.3g} of its scale in {precision} (budget {budget:.3g})"
-            if node.name not in keep:
-                add(node, reason)
-                grew = True
-                continue
-            for value in node.inputs:  # an island that needs its inputs exact
-                source = producer.get(value.name) if value is not None else None
-                if source is not None and value.name in errors and source.name not in keep:
-                    add(source, f"feeds island {node.name}, whose {reason}")
-                    grew = True
-        unresolved = [
-            {"value": name, "module": layer_name(node), "error": err} for node, name, err in strays
-        ]
-        if not grew:
-            break
-    return IslandReport(keep, islands, first_overflow, rounds, unresolved, budget)
+        growth.add(node, f"computes an index in float (read by {cast.name}, a Cast to integers)")
+    rounds, unresolved = _error_rounds(growth, model, feeds, names, producer, reference, budget)
+    return IslandReport(growth.keep, growth.islands, first_overflow, rounds, unresolved, budget)
 
 
 def island_feeds(model: ir.Model, source, shapes) -> list[dict]:

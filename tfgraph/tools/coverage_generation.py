@@ -23,16 +23,33 @@ _PROBE_LENGTHS = {"batch": 2, "samples": 16000}
 
 
 def greedy_vs_hf(work: Path, model, kind: str) -> dict:
-    import numpy as np
-    import torch
-    import transformers
-
-    from tfgraph.errors import first_line
-    from tfgraph.runtime import CachedDecoder, GenerationConfig, Session, generate
-    from tfgraph.runtime.generate import left_pad
+    """The export's greedy tokens against the reference's (module doc): whether they agree,
+    the reference, and where they part."""
+    from tfgraph.runtime import CachedDecoder, GenerationConfig, Session
 
     decoder = CachedDecoder(Session(work / "cached"))
-    hf_config = transformers.GenerationConfig(
+    hf_config = _plain_greedy_config()
+    ours = GenerationConfig(max_new_tokens=NEW_TOKENS, pad_token_id=0)
+    # the artifact decides: an audio or vision LM that transformers lists among the seq2seq
+    # models (Qwen2-Audio, Voxtral) traces, from token ids alone, to a decoder-only graph
+    if kind == "causal-lm" or not decoder.seq2seq:
+        got, want, reference = _causal_tokens(decoder, model, hf_config, ours)
+    else:
+        got, want, reference = _seq2seq_tokens(decoder, model, hf_config, ours)
+    equal = got == want
+    result = {"tokens_equal": equal, "tokens_reference": reference}
+    if decoder.mask_input is None and len({len(p) for p in PROMPTS}) > 1:
+        result["tokens_note"] = NO_MASK_NOTE
+    if not equal:
+        result["tokens_reason"] = _difference(got, want)
+    return result
+
+
+def _plain_greedy_config():
+    """Hugging Face's generation config for :data:`NEW_TOKENS` plain greedy tokens."""
+    import transformers
+
+    return transformers.GenerationConfig(
         max_new_tokens=NEW_TOKENS,
         min_new_tokens=NEW_TOKENS,
         do_sample=False,
@@ -50,61 +67,69 @@ def greedy_vs_hf(work: Path, model, kind: str) -> dict:
         bad_words_ids=None,
         forced_decoder_ids=None,
     )
-    ours = GenerationConfig(max_new_tokens=NEW_TOKENS, pad_token_id=0)
+
+
+def _causal_tokens(decoder, model, hf_config, ours) -> tuple[list, list, str]:
+    """A decoder-only export's tokens, the reference's and what the reference was."""
+    from tfgraph.runtime.generate import left_pad
+
+    prompts = [list(p) for p in PROMPTS]
+    got = _generate_rows(decoder, prompts, ours)
+    # without a mask input each prompt went alone: so does the reference (a model that
+    # takes no mask, xLSTM's, reads left pads as tokens, in eager as in the export)
+    alone = decoder.mask_input is None and len({len(p) for p in prompts}) > 1
+    batches = [[p] for p in prompts] if alone else [prompts]
+    want, references = [], []
+    for batch, mine in zip(batches, [[g] for g in got] if alone else [got], strict=True):
+        rows, reference = _causal_reference(model, batch, hf_config, mine, left_pad)
+        want += rows
+        references.append(reference)
+    reference = references[0] if len(set(references)) == 1 else "; ".join(references)
+    return got, want, reference
+
+
+def _seq2seq_tokens(decoder, model, hf_config, ours) -> tuple[list, list, str]:
+    """An encoder-decoder export's tokens from the start token, the reference's and what the
+    reference was: Hugging Face generate, or eager greedy for features or where it fails."""
+    import numpy as np
+    import torch
+
+    from tfgraph.errors import first_line
+    from tfgraph.runtime import generate
+    from tfgraph.runtime.generate import left_pad
+
     reference = "Hugging Face generate"
-    # the artifact decides: an audio or vision LM that transformers lists among the seq2seq
-    # models (Qwen2-Audio, Voxtral) traces, from token ids alone, to a decoder-only graph
-    if kind == "causal-lm" or not decoder.seq2seq:
-        prompts = [list(p) for p in PROMPTS]
-        got = _generate_rows(decoder, prompts, ours)
-        # without a mask input each prompt went alone: so does the reference (a model that
-        # takes no mask, xLSTM's, reads left pads as tokens, in eager as in the export)
-        alone = decoder.mask_input is None and len({len(p) for p in prompts}) > 1
-        batches = [[p] for p in prompts] if alone else [prompts]
-        want, references = [], []
-        for batch, mine in zip(batches, [[g] for g in got] if alone else [got], strict=True):
-            rows, reference = _causal_reference(model, batch, hf_config, mine, left_pad)
-            want += rows
-            references.append(reference)
-        reference = references[0] if len(set(references)) == 1 else "; ".join(references)
+    start = _start_token(model.config)
+    hf_config.decoder_start_token_id = start
+    main = decoder.encoder_inputs[0]
+    # features, not token ids (speech models such as Pop2Piano and FunASR take ids)
+    dtype = decoder.encoder.input_dtype(main)
+    takes_features = dtype is not None and dtype.kind == "f"
+    if takes_features:
+        port = next(p for p in decoder.encoder.signature.inputs if p.name == main)
+        dims = [d if isinstance(d, int) else _PROBE_LENGTHS.get(d, 40) for d in port.shape]
+        features = np.random.default_rng(0).standard_normal(dims).astype(np.float32)
+        extra = {main: features}
+        hf_inputs = {main: torch.from_numpy(features)}
     else:
-        start = _start_token(model.config)
-        hf_config.decoder_start_token_id = start
-        main = decoder.encoder_inputs[0]
-        # features, not token ids (speech models such as Pop2Piano and FunASR take ids)
-        dtype = decoder.encoder.input_dtype(main)
-        takes_features = dtype is not None and dtype.kind == "f"
-        if takes_features:
-            port = next(p for p in decoder.encoder.signature.inputs if p.name == main)
-            dims = [d if isinstance(d, int) else _PROBE_LENGTHS.get(d, 40) for d in port.shape]
-            features = np.random.default_rng(0).standard_normal(dims).astype(np.float32)
-            extra = {main: features}
-            hf_inputs = {main: torch.from_numpy(features)}
-        else:
-            ids, mask = left_pad([list(p) for p in PROMPTS], 0)
-            extra = decoder.encoder_feeds(ids, mask)
-            hf_inputs = {"input_ids": torch.from_numpy(ids)}
-            if "attention_mask" in extra:
-                hf_inputs["attention_mask"] = torch.from_numpy(mask)
-        got = generate(decoder, [[start], [start]], ours, extra=extra).tokens
-        if takes_features:  # Whisper's generate post-processes (it drops a
-            # repeated start token): the reference is eager greedy decoding instead
+        ids, mask = left_pad([list(p) for p in PROMPTS], 0)
+        extra = decoder.encoder_feeds(ids, mask)
+        hf_inputs = {"input_ids": torch.from_numpy(ids)}
+        if "attention_mask" in extra:
+            hf_inputs["attention_mask"] = torch.from_numpy(mask)
+    got = generate(decoder, [[start], [start]], ours, extra=extra).tokens
+    if takes_features:  # Whisper's generate post-processes (it drops a
+        # repeated start token): the reference is eager greedy decoding instead
+        want = _eager_greedy(model, hf_inputs, start)
+        reference = "eager greedy (the speech model's generate post-processes)"
+    else:
+        try:
+            out = _hf_generate(model, **hf_inputs, generation_config=hf_config)
+            want = out[:, 1:].tolist()
+        except RuntimeError as exc:  # Pop2Piano's generate wants features: recompute
             want = _eager_greedy(model, hf_inputs, start)
-            reference = "eager greedy (the speech model's generate post-processes)"
-        else:
-            try:
-                out = _hf_generate(model, **hf_inputs, generation_config=hf_config)
-                want = out[:, 1:].tolist()
-            except RuntimeError as exc:  # Pop2Piano's generate wants features: recompute
-                want = _eager_greedy(model, hf_inputs, start)
-                reference = f"eager greedy ({first_line(exc)})"
-    equal = got == want
-    result = {"tokens_equal": equal, "tokens_reference": reference}
-    if decoder.mask_input is None and len({len(p) for p in PROMPTS}) > 1:
-        result["tokens_note"] = NO_MASK_NOTE
-    if not equal:
-        result["tokens_reason"] = _difference(got, want)
-    return result
+            reference = f"eager greedy ({first_line(exc)})"
+    return got, want, reference
 
 
 def _difference(got: list[list[int]], want: list[list[int]]) -> str:

@@ -78,10 +78,34 @@ def check_cache_parity(
     seed: int = 0,
     precision: str = "fp32",
 ) -> dict:
+    """Prefill and decode parity of the cached artifact ``model_file`` (module doc), the rows
+    check, and in a low precision the greedy tokens' agreement: the report's parity section."""
     decoder = CachedDecoder(open_runner(model_file, checking=True))
     source = source.on_device(eager_device(decoder.session))
     name = source.output_names[0]
-    token_input = decoder.token_input
+    cases = _prefill_cases(source, decoder, name, shapes, tolerance, seed, precision)
+    cases += _decode_cases(source, decoder, name, tolerance, seed, precision)
+    summary = _phase_summaries(cases)
+    phases = [summary["prefill"], summary["decode"]]
+    if precision != "fp32":
+        summary["greedy"] = greedy_in_precision(source, decoder, precision, seed)
+    outputs = [_output(name, phases, cases, tolerance)]
+    rows = _rows(source, decoder, cases, tolerance, precision, seed)
+    return {
+        "passed": outputs[0]["passed"] and (rows is None or rows["passed"]),
+        "outputs": outputs,
+        "cases": cases,
+        "shapes": [list(s) for s in shapes],
+        **summary,
+        **({"rows": rows} if rows is not None else {}),
+        "decode_steps": DECODE_STEPS,
+        "runner": runner_info(decoder.session),
+        "eager_device": source.device,
+    }
+
+
+def _prefill_cases(source, decoder, name, shapes, tolerance, seed, precision) -> list[dict]:
+    """At each parity shape, the cached graph with an empty past against eager."""
     cases = []
     for i, (batch, seq) in enumerate(shapes):
         inputs = source.inputs(batch, seq, seed=seed + i)
@@ -91,6 +115,13 @@ def check_cache_parity(
         keep = defined_positions(mask)
         row = _row(source, inputs, name, got, tolerance, keep, precision)
         cases.append({"phase": "prefill", "batch": batch, "sequence": tokens.shape[1], **row})
+    return cases
+
+
+def _decode_cases(source, decoder, name, tolerance, seed, precision) -> list[dict]:
+    """A prompt, then :data:`DECODE_STEPS` teacher-forced single-token steps on the cache,
+    each against the rows of one eager pass over the whole sequence."""
+    token_input = decoder.token_input
     length = DECODE_PROMPT + DECODE_STEPS + 2
     limit = source.info.get("max_positions")
     if limit:  # within the model's positions (the prompt shrinks to fit)
@@ -104,6 +135,7 @@ def check_cache_parity(
     if decoder.mask_input is not None:
         whole[decoder.mask_input] = inputs[decoder.mask_input][:, : prompt + DECODE_STEPS]
     eager = eager_outputs(source, whole, precision)  # causal: row t is the prefix's last row
+    cases = []
     for step in range(DECODE_STEPS + 1):
         start, end = (0, prompt) if step == 0 else (prompt + step - 1, prompt + step)
         mask = _mask(decoder, inputs, end)
@@ -115,6 +147,11 @@ def check_cache_parity(
             {"phase": phase, "batch": DECODE_BATCH, "past": start, "new": end - start, **row}
         )
         logger.info("cache parity %s past=%d: max_abs=%.3g", phase, start, row["max_abs_err"])
+    return cases
+
+
+def _phase_summaries(cases: list[dict]) -> dict:
+    """Per phase (prefill, decode): the largest errors, whether all passed, how many cases."""
     summary = {}
     for phase in ("prefill", "decode"):
         rows = [c for c in cases if c["phase"] == phase]
@@ -127,40 +164,35 @@ def check_cache_parity(
         for key in BRACKET_KEYS:
             if any(key in r for r in rows):
                 summary[phase][key] = max(r.get(key, 0.0) for r in rows)
-    phases = [summary["prefill"], summary["decode"]]
-    if precision != "fp32":
-        summary["greedy"] = greedy_in_precision(source, decoder, precision, seed)
-    outputs = [
-        {
-            "name": name,
-            "max_abs_err": max(s["max_abs_err"] for s in phases),
-            "max_rel_err": max(s["max_rel_err"] for s in phases),
-            "tolerance": ruling(cases, tolerance),
-            "passed": all(s["passed"] for s in phases),
-            **{
-                key: max(s[key] for s in phases if key in s)
-                for key in BRACKET_KEYS
-                if any(key in s for s in phases)
-            },
-        }
-    ]
+    return summary
+
+
+def _output(name: str, phases: list[dict], cases: list[dict], tolerance: Tolerance) -> dict:
+    """The output's entry over both phases, as the uncached parity reports it."""
+    return {
+        "name": name,
+        "max_abs_err": max(s["max_abs_err"] for s in phases),
+        "max_rel_err": max(s["max_rel_err"] for s in phases),
+        "tolerance": ruling(cases, tolerance),
+        "passed": all(s["passed"] for s in phases),
+        **{
+            key: max(s[key] for s in phases if key in s)
+            for key in BRACKET_KEYS
+            if any(key in s for s in phases)
+        },
+    }
+
+
+def _rows(source, decoder, cases, tolerance, precision, seed) -> dict | None:
+    """The rows check (:func:`check_row_parity`), bounded by the decode steps' rule where the
+    kernels quantize activations."""
     from tfgraph.verify.row_parity import ROW_RULE, check_row_parity, row_tolerance
 
     allowed = _decode_allowed(source, cases)
     rows = check_row_parity(source, decoder, row_tolerance(tolerance, precision, allowed), seed)
     if rows is not None and allowed is not None:
         rows.update(rule=ROW_RULE, decode_allowed=allowed)
-    return {
-        "passed": outputs[0]["passed"] and (rows is None or rows["passed"]),
-        "outputs": outputs,
-        "cases": cases,
-        "shapes": [list(s) for s in shapes],
-        **summary,
-        **({"rows": rows} if rows is not None else {}),
-        "decode_steps": DECODE_STEPS,
-        "runner": runner_info(decoder.session),
-        "eager_device": source.device,
-    }
+    return rows
 
 
 def _decode_allowed(source: ModelSource, cases: list[dict]) -> float | None:
