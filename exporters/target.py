@@ -56,12 +56,16 @@ class Target:
 
     - ``opset``: the default-domain opset the graph is traced and exported at.
     - ``lower_attention(case) -> Lowered``, ``lower_norm(case) -> Lowered``,
-      ``lower_gelu(op, x, spec, opset) -> value``: how each canonical op lowers, built with
-      the builders of :mod:`tfgraph.passes.lower.lower_attention`, :mod:`~tfgraph.passes.lower.lower_norms`
-      and :mod:`~tfgraph.passes.lower.lower_gelu`.
+      ``lower_gelu(op, x, spec, opset) -> value``: how each canonical op lowers. The neutral
+      passes of :mod:`tfgraph.passes.lower` hand the target a case with the standard builders
+      (:mod:`~tfgraph.passes.lower.attention_builder`, ``NormCase`` of
+      :mod:`~tfgraph.passes.lower.lower_norms`, ``standard_gelu`` of
+      :mod:`~tfgraph.passes.lower.lower_gelu`); a target's own kernels are built in its folder
+      (``ort``: :mod:`tfgraph.exporters.ort.attention_gqa`, ``attention_mha``, ``norms``,
+      ``gelu``), so that no pass names a backend's op.
     - ``lower_recurrent(tape, node) -> LoweredRecurrence``: how ``tfgraph.LinearAttention``
-      and ``tfgraph.CausalConv`` lower (:mod:`tfgraph.passes.lower.lower_recurrent`); standard ops
-      unless the target has kernels.
+      and ``tfgraph.CausalConv`` lower (:mod:`tfgraph.passes.lower.lower_recurrent`); standard
+      ops unless the target has kernels (``ort``: :mod:`tfgraph.exporters.ort.recurrent`).
     - ``extra_passes(options)``: passes that run after lowering (workarounds, the shared KV
       buffer), with the pipeline's options.
     - ``fused_ops``: per fusion kind (``attention``, ``norm``, ``gelu``), the ``(domain, op)``

@@ -66,21 +66,7 @@ def _offenders(names: set[str], homes: tuple[str, ...]) -> dict[str, set[str]]:
 
 # Issue 45 left ONNX Runtime's builders of these neutral lowerings in passes/ (it is open for
 # them): no file may gain a name, and a file rid of its names must be removed from here.
-NOT_YET_MOVED = {
-    "passes/lower/lower_attention.py": {
-        "com.microsoft",
-        "GroupQueryAttention",
-        "MultiHeadAttention",
-    },
-    "passes/lower/lower_gelu.py": {"com.microsoft"},
-    "passes/lower/lower_norms.py": {
-        "com.microsoft",
-        "SkipLayerNormalization",
-        "SimplifiedLayerNormalization",
-        "SkipSimplifiedLayerNormalization",
-    },
-    "passes/lower/lower_recurrent.py": {"com.microsoft"},
-}
+NOT_YET_MOVED: dict[str, set[str]] = {}
 
 
 def test_onnx_runtime_names_live_in_the_ort_target_and_runner():

@@ -34,8 +34,8 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from tfgraph.exporters.ort.ops import MS_DOMAIN
 from tfgraph.passes.cache.row_lengths import rows_read
-from tfgraph.passes.lower.lower_attention import MS_DOMAIN
 from tfgraph.passes.rewrite_utils import (
     add_initializer,
     constant,

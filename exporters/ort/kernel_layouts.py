@@ -18,8 +18,8 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from tfgraph.exporters.ort.fold_rotary import HEADS_LAST, bsh_source, projection_of
+from tfgraph.exporters.ort.ops import MS_DOMAIN
 from tfgraph.passes.cache.split_encoder import cross_kv_entries
-from tfgraph.passes.lower.lower_attention import MS_DOMAIN
 from tfgraph.passes.rewrite_utils import dims_of, int_list, replace_value, same_dims
 
 

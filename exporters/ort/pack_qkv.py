@@ -17,8 +17,8 @@ import logging
 
 import onnx_ir as ir
 
+from tfgraph.exporters.ort.ops import MS_DOMAIN
 from tfgraph.passes.lazy_weights import concatenated, tensor_of
-from tfgraph.passes.lower.lower_attention import MS_DOMAIN
 from tfgraph.passes.rewrite_utils import constant
 
 logger = logging.getLogger(__name__)

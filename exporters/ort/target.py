@@ -43,39 +43,44 @@ from __future__ import annotations
 
 import onnx_ir.passes.common as common
 
+from tfgraph.exporters.ort import ops
+from tfgraph.exporters.ort.attention_gqa import gqa, gqa_past
+from tfgraph.exporters.ort.attention_mha import mha, mha_sink
 from tfgraph.exporters.ort.fold_rotary import FoldRotaryPass
+from tfgraph.exporters.ort.gelu import ms_gelu
 from tfgraph.exporters.ort.kernel_layouts import KernelLayoutsPass
+from tfgraph.exporters.ort.norms import simplified, skip
 from tfgraph.exporters.ort.pack_qkv import PackQKVPass
+from tfgraph.exporters.ort.recurrent import contrib_kernel
 from tfgraph.exporters.ort.share_kv_buffer import ShareKVBufferPass
 from tfgraph.exporters.target import SessionSettings, Target, fused_ops
 from tfgraph.exporters.targets import register
 from tfgraph.passes.lower.expand_attention_mask import ExpandAttentionMaskPass
 from tfgraph.passes.lower.lower_attention import AttentionCase, Lowered
-from tfgraph.passes.lower.lower_gelu import ms_gelu
 from tfgraph.passes.lower.lower_norms import NormCase
-from tfgraph.passes.lower.lower_recurrent import contrib_kernel
 
+MS = ops.MS_DOMAIN
 ORT_FUSED = {
     "attention": {
-        ("com.microsoft", "Attention"),
-        ("com.microsoft", "MultiHeadAttention"),
-        ("com.microsoft", "GroupQueryAttention"),
-        ("com.microsoft", "PagedAttention"),  # ort-cuda, --kv-layout paged
+        (MS, ops.ATTENTION),
+        (MS, ops.MULTI_HEAD_ATTENTION),
+        (MS, ops.GROUP_QUERY_ATTENTION),
+        (MS, ops.PAGED_ATTENTION),  # ort-cuda, --kv-layout paged
     },
     "norm": {
-        ("", "SimplifiedLayerNormalization"),
-        ("com.microsoft", "SimplifiedLayerNormalization"),
-        ("com.microsoft", "SkipLayerNormalization"),
-        ("com.microsoft", "SkipSimplifiedLayerNormalization"),
+        ("", ops.SIMPLIFIED_LAYER_NORM),
+        (MS, ops.SIMPLIFIED_LAYER_NORM),
+        (MS, ops.SKIP_LAYER_NORM),
+        (MS, ops.SKIP_SIMPLIFIED_LAYER_NORM),
     },
     "recurrent": {
-        ("com.microsoft", "LinearAttention"),
-        ("com.microsoft", "CausalConvWithState"),
+        (MS, ops.LINEAR_ATTENTION),
+        (MS, ops.CAUSAL_CONV_WITH_STATE),
     },
     "gelu": {
-        ("com.microsoft", "Gelu"),
-        ("com.microsoft", "FastGelu"),
-        ("com.microsoft", "BiasGelu"),
+        (MS, ops.GELU),
+        (MS, ops.FAST_GELU),
+        (MS, ops.BIAS_GELU),
     },
 }
 
@@ -97,17 +102,17 @@ def lower_attention(case: AttentionCase) -> Lowered:
     sink = case.sink
     cached = case.cached_kv() if gqa_ok and spec.causal and spec.bottom_right else None
     if cached is not None:
-        y = build.gqa_past(cached, case.bias, spec, sink)
+        y = gqa_past(build, cached, case.bias, spec, sink)
         return Lowered(y, "GroupQueryAttention (past)")
     # what MultiHeadAttention cannot do: a mask it would need as a bias, a softcap, a sink
     needs_gqa = spec.causal or spec.window or case.bias is not None or sink is not None
     if gqa_ok and case.self_attention and (needs_gqa or spec.softcap):
-        return Lowered(build.gqa(case.v, case.bias, spec, sink), "GroupQueryAttention")
+        return Lowered(gqa(build, case.v, case.bias, spec, sink), "GroupQueryAttention")
     if spec.softcap and sink is None and case.opset >= ATTENTION23_OPSET:
         # measured on ORT 1.32's CPU kernel: its tanh comes before attn_mask, as canonical
         return Lowered(build.attention23(case.v, case.bias, spec), "Attention")
     if sink is not None and not spec.softcap:  # MultiHeadAttention, the sink as a zero key
-        return Lowered(build.mha_sink(case.v, case.bias, spec, sink), "MultiHeadAttention (sink)")
+        return Lowered(mha_sink(build, case.v, case.bias, spec, sink), "MultiHeadAttention (sink)")
     for present, what in ((spec.softcap, "softcap"), (sink is not None, "attention-sink input")):
         if present:  # MultiHeadAttention has neither: the standard ops, reported
             reason = (
@@ -122,21 +127,21 @@ def lower_attention(case: AttentionCase) -> Lowered:
             )
             return Lowered(build.decomposed(case.v, case.bias, spec, sink), "decomposed", reason)
     mask = build.full_mask(case.bias, spec, causal=spec.causal, window=spec.window)
-    return Lowered(build.mha(case.v, mask, spec), "MultiHeadAttention")
+    return Lowered(mha(build, case.v, mask, spec), "MultiHeadAttention")
 
 
 def lower_norm(case: NormCase) -> Lowered:
     if case.rms:  # the residual Add inside the kernel: one node fewer per norm (measured)
-        return case.skip() or case.simplified()
+        return skip(case) or simplified(case)
     return case.layer_normalization(keep_residual_apart=True)
 
 
 def lower_norm_with_skip(case: NormCase) -> Lowered:
     """ONNX Runtime's skip kernels where the norm reads a residual ``Add`` (``ort-cuda``)."""
-    skip = case.skip()
-    if skip is not None:
-        return skip
-    return case.simplified() if case.rms else case.layer_normalization()
+    fused = skip(case)
+    if fused is not None:
+        return fused
+    return simplified(case) if case.rms else case.layer_normalization()
 
 
 ROTARY_HEAD_MULTIPLE = 16  # GroupQueryAttention do_rotary on the CPU provider
@@ -174,7 +179,7 @@ ORT = register(
         fused_ops=fused_ops(ORT_FUSED),
         extra_passes=extra_passes,
         lower_recurrent=contrib_kernel,
-        nonstandard_default_ops=frozenset({"SimplifiedLayerNormalization"}),
+        nonstandard_default_ops=frozenset({ops.SIMPLIFIED_LAYER_NORM}),
         session=SessionSettings(providers=("cpu",)),
         runner="onnxruntime",
         row_lengths=True,  # GroupQueryAttention's seqlens_k is per row

@@ -15,7 +15,6 @@ from tfgraph.passes.target_arg import require_target
 
 logger = logging.getLogger(__name__)
 
-MS_DOMAIN = "com.microsoft"
 GELU_OPSET = 20  # Gelu joined the default domain in opset 20
 NEEDS_OPSET = f"Gelu needs opset {GELU_OPSET}"
 
@@ -23,19 +22,16 @@ NEEDS_OPSET = f"Gelu needs opset {GELU_OPSET}"
 class LowerGeluPass(ir.passes.InPlacePass):
     """Replace every ``tfgraph.Gelu`` with its target's op (``target.lower_gelu``).
 
-    The builders a target picks from:
-
-    1. :func:`ms_gelu`: ``com.microsoft::Gelu(x)`` for ``approximate="none"`` and
-       ``com.microsoft::FastGelu(x)`` for ``"tanh"`` (both in ONNX Runtime's CPU provider,
-       checked against ``torch.nn.functional.gelu`` to 1e-6);
-    2. :func:`standard_gelu`, when the model's default-domain opset is 20 or more:
-       ``y = Gelu(x, approximate=...)`` of the standard domain; below opset 20 the standard
-       ops of the formula, ``0.5 · x · (1 + erf(x · 1/√2))`` or
-       ``0.5 · x · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))``, with the reason
-       ``"Gelu needs opset 20"`` on the ``Erf`` or ``Tanh`` node.
+    The standard builder, :func:`standard_gelu`, when the model's default-domain opset is 20
+    or more: ``y = Gelu(x, approximate=...)`` of the standard domain; below opset 20 the
+    standard ops of the formula, ``0.5 · x · (1 + erf(x · 1/√2))`` or
+    ``0.5 · x · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))``, with the reason
+    ``"Gelu needs opset 20"`` on the ``Erf`` or ``Tanh`` node. A target with its own GELU
+    kernels builds them itself (``ort``: ``tfgraph.exporters.ort.gelu``).
 
     No other op is lowered. ``modified`` counts replaced nodes; a second run reports ``False``.
-    ``target``: a :class:`tfgraph.exporters.targets.Target` (``tfgraph.exporters.targets.get_target(name)``).
+    ``target``: a :class:`tfgraph.exporters.target.Target`
+    (``tfgraph.exporters.targets.get_target(name)``).
     """
 
     def __init__(self, target) -> None:
@@ -70,12 +66,6 @@ class GeluLowering(RewriteRuleClassBase):
     def rewrite(self, op, x, gelu):
         spec = GeluOp.read(gelu.producer())
         return self._target.lower_gelu(op, x, spec, self._opset)
-
-
-def ms_gelu(op, x, spec: GeluOp, opset: int):
-    """ONNX Runtime's contrib kernels."""
-    ms_op = op.FastGelu if spec.approximate == "tanh" else op.Gelu
-    return ms_op(x, _domain=MS_DOMAIN)
 
 
 def standard_gelu(op, x, spec: GeluOp, opset: int):

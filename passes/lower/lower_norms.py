@@ -1,23 +1,15 @@
 """``LowerNormsPass``: every ``tfgraph.LayerNorm`` / ``tfgraph.RMSNorm`` becomes what its target
-chooses (``tfgraph/targets/*.py``), built by :class:`NormCase`:
+chooses (``Target.lower_norm``), built on a :class:`NormCase`, whose standard forms are:
 
 - :meth:`~NormCase.layer_normalization`: ``LayerNormalization`` (opset 17);
-- :meth:`~NormCase.simplified`: ``SimplifiedLayerNormalization`` (ONNX Runtime's RMSNorm kernel,
-  registered in the default domain although ONNX has no such op);
 - :meth:`~NormCase.rms_normalization`: ``RMSNormalization`` (opset 23);
-- :meth:`~NormCase.skip`: ``com.microsoft.SkipLayerNormalization`` /
-  ``SkipSimplifiedLayerNormalization`` with the residual ``Add`` (``None`` when there is none)::
-
-    a ─┐                            a ─┐
-       Add ─► s ─► Norm ─► y   ⇒       SkipNorm ─► y
-    b ─┘      └──► (other uses)     b ─┘   └─────► s  (output 3: a + b)
-
-  It applies when ``a`` and ``b`` have the same rank-2 or rank-3 shape (what ORT's kernels
-  accept) and the sum is not a graph output;
 - :meth:`~NormCase.decomposed`: RMSNorm expanded back into standard ops, reported as missed
   with the target's reason.
 
-A norm without a scale gets ``γ = 1``.
+A target's own kernels are built by its folder on the same case (``ort``:
+``tfgraph.exporters.ort.norms``, ONNX Runtime's RMSNorm and skip kernels); a kernel that
+computes the residual ``Add`` the norm reads as well takes it over with
+:meth:`~NormCase.absorb_add`. A norm without a scale gets ``γ = 1``.
 """
 
 from __future__ import annotations
@@ -40,8 +32,6 @@ from tfgraph.passes.rewrite_utils import (
 from tfgraph.passes.target_arg import require_target
 
 logger = logging.getLogger(__name__)
-
-MS_DOMAIN = "com.microsoft"
 
 
 @dataclass
@@ -88,11 +78,6 @@ class NormCase:
         y = self.tape.op("LayerNormalization", inputs, {"axis": -1, "epsilon": self.epsilon})
         return Lowered(y, "LayerNormalization")
 
-    def simplified(self) -> Lowered:
-        attrs = {"axis": -1, "epsilon": self.epsilon, "stash_type": 1}
-        y = self.tape.op("SimplifiedLayerNormalization", [self.x, self.scale], attrs)
-        return Lowered(y, "SimplifiedLayerNormalization")
-
     def rms_normalization(self) -> Lowered:
         attrs = {"axis": -1, "epsilon": self.epsilon}
         return Lowered(
@@ -107,33 +92,19 @@ class NormCase:
         mark_missed(square_mean, reason)
         return Lowered(y, "decomposed")
 
-    def skip(self) -> Lowered | None:
-        """The skip (residual) kernel, when the norm's input is such an ``Add``."""
-        add = _residual_add(self.graph, self.x)
-        if add is None:
-            return None
-        ones = self.scale.producer()
-        if ones is not None and any(
-            v is self.x for n in (ones, *_producers(ones)) for v in n.inputs
-        ):
-            return None  # ones read off the sum's shape: the fused sum would feed itself
-        a, b = add.inputs
-        inputs = [a, b, self.scale] + ([self.bias] if self.bias is not None else [])
-        op = "SkipSimplifiedLayerNormalization" if self.rms else "SkipLayerNormalization"
-        new = self.tape.op_multi_out(
-            op, inputs, {"epsilon": self.epsilon}, num_outputs=4, domain=MS_DOMAIN
-        )
-        total = new[3]
+    def absorb_add(self, add: ir.Node, total: ir.Value) -> None:
+        """A kernel built on this case computes ``add``'s sum as ``total`` too (a skip norm):
+        the ``Add`` is removed and its readers read ``total``."""
         _keep_type(add.outputs[0], total)
         self.replaced.append((add.outputs[0], total))
         self.removed.append(add)
-        return Lowered(new[0], op)
 
 
 class LowerNormsPass(ir.passes.InPlacePass):
     """Replace every canonical norm by its target's choice (see the module docstring).
 
-    ``target``: a :class:`tfgraph.exporters.targets.Target` (``tfgraph.exporters.targets.get_target(name)``).
+    ``target``: a :class:`tfgraph.exporters.target.Target`
+    (``tfgraph.exporters.targets.get_target(name)``).
     """
 
     def __init__(self, target) -> None:
@@ -179,28 +150,10 @@ def _keep_type(old: ir.Value, new: ir.Value) -> None:
     new.type = old.type
 
 
-def _producers(node: ir.Node) -> list[ir.Node]:
-    return [v.producer() for v in node.inputs if v is not None and v.producer() is not None]
-
-
-def _residual_add(graph: ir.Graph, x: ir.Value) -> ir.Node | None:
-    add = x.producer()
-    if add is None or add.op_type != "Add" or add.domain not in ("", "ai.onnx"):
-        return None
-    a, b = add.inputs
-    if a is None or b is None or a.shape is None or b.shape is None:
-        return None
-    if len(a.shape) not in (2, 3) or list(a.shape) != list(b.shape):
-        return None
-    if add.outputs[0].is_graph_output():
-        return None
-    return add
-
-
 def _ones_like_last_dim(tape: ir.tape.Tape, x: ir.Value, prefix: str) -> ir.Value:
     """A norm without a weight (nanochat's ``F.rms_norm(x, (x.size(-1),))``): ones, a constant
     where the last axis is static. Read off ``Shape(x)`` it would make a cycle once the skip
-    kernel replaces the ``Add`` that computes ``x`` (:meth:`NormCase.skip` then declines)."""
+    kernel replaces the ``Add`` that computes ``x`` (ONNX Runtime's skip kernel then declines)."""
     dtype = x.dtype or ir.DataType.FLOAT
     size = x.shape[-1] if x.shape is not None and len(x.shape) else None
     if isinstance(size, int):

@@ -1,8 +1,9 @@
 """``LowerRecurrentPass``: every ``tfgraph.LinearAttention`` / ``tfgraph.CausalConv`` becomes
 what its target chooses (``Target.lower_recurrent``):
 
-- a kernel: ONNX Runtime's ``com.microsoft.LinearAttention`` / ``CausalConvWithState``, which
-  take the canonical ops' inputs as they are (:func:`contrib_kernel`);
+- a kernel the target builds itself (``ort``: ONNX Runtime's ``com.microsoft.LinearAttention``
+  / ``CausalConvWithState``, which take the canonical ops' inputs as they are:
+  ``tfgraph.exporters.ort.recurrent``), returned as a :class:`LoweredRecurrence`;
 - standard ops (:mod:`.recurrent_standard`): a ``Scan`` over the tokens for the recurrence,
   ``Concat`` + ``Conv`` + ``Slice`` for the convolution, reported as missed with the target's
   reason (targets without such kernels: ``onnx``, ``tensorrt``).
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from tfgraph.passes.canonical import RECURRENT_OPS, CausalConvOp, LinearAttentionOp, is_canonical
+from tfgraph.passes.canonical import RECURRENT_OPS, CausalConvOp, is_canonical
 from tfgraph.passes.rewrite_utils import (
     LOWERED_FROM_KEY,
     import_used_domains,
@@ -30,9 +31,6 @@ from tfgraph.passes.target_arg import require_target
 
 logger = logging.getLogger(__name__)
 
-MS_DOMAIN = "com.microsoft"
-_CONTRIB = {"LinearAttention": "LinearAttention", "CausalConv": "CausalConvWithState"}
-
 
 @dataclass(frozen=True)
 class LoweredRecurrence:
@@ -42,23 +40,6 @@ class LoweredRecurrence:
     outputs: tuple[ir.Value, ir.Value]
     op: str
     missed: str | None = None
-
-
-def contrib_kernel(tape: ir.tape.Tape, node: ir.Node) -> LoweredRecurrence:
-    """ONNX Runtime's kernel for the canonical op: the same inputs and outputs."""
-    spec = RECURRENT_OPS[node.op_type].read(node)
-    if isinstance(spec, LinearAttentionOp):
-        attrs = {
-            "q_num_heads": spec.q_num_heads,
-            "kv_num_heads": spec.kv_num_heads,
-            "update_rule": spec.update_rule,
-            "scale": spec.scale,
-        }
-    else:
-        attrs = {"activation": spec.activation, "ndim": 1}
-    op = _CONTRIB[node.op_type]
-    outs = tape.op_multi_out(op, list(node.inputs), attrs, num_outputs=2, domain=MS_DOMAIN)
-    return LoweredRecurrence((outs[0], outs[1]), op)
 
 
 def standard_ops(tape: ir.tape.Tape, node: ir.Node, reason: str) -> LoweredRecurrence:

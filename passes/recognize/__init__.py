@@ -1,1 +1,2 @@
-"""Recognition: subgraphs rewritten into the canonical ops of the ``tfgraph`` domain (norms, GELU)."""
+"""Recognition: subgraphs rewritten into the canonical ops of the ``tfgraph`` domain (norms,
+GELU; attention in :mod:`.attention`)."""

@@ -13,7 +13,7 @@ concatenations (in either operand order of the final ``Add``)::
 
     MatMul(Softmax(MatMul(Q, Concat(Kᵀa, Kᵀb, axis=-1)) [+ mask]), Concat(Va, Vb, axis=-2))
 
-which the core rules of :mod:`.attention_rules` then fuse (PEGASUS-X's blocks are 5-D
+which the core rules of :mod:`.rules` then fuse (PEGASUS-X's blocks are 5-D
 (B, H, blocks, block, d): the flat rules, one-head views). A key set shared by every block
 (the global keys, (B, H, 1, ·, ·) once :mod:`.einsum_rules` broadcasts them) is expanded to
 Q's leading dims first. Rejections: a concatenation or a softmax not over the last axis;

@@ -1,6 +1,6 @@
 """Attention written with ``torch.einsum`` (CvT, some vision and research models): the two
 contractions around a softmax become ``MatMul`` so that the core rules of
-:mod:`.attention_rules` see the layout they know::
+:mod:`.rules` see the layout they know::
 
     Einsum("bhlk,bhtk->bhlt", q, k)  →  MatMul(q, Transpose(k, (0, 1, 3, 2)))
     Einsum("bhlt,bhtv->bhlv", p, v)  →  MatMul(p, v)

@@ -110,13 +110,13 @@ class FuseAttentionPass(ir.passes.InPlacePass):
     """Fuse every attention core into one ``tfgraph.Attention``.
 
     0. Einsum contractions around a softmax become ``MatMul`` (:mod:`.einsum_rules`); scores
-       masked by a 0/1 buffer (:class:`.attention_rules.MultiplicativeMaskRule`) or by
+       masked by a 0/1 buffer (:class:`.score_masks.MultiplicativeMaskRule`) or by
        selection (``Where(keep, s, −inf)``, ``masked_fill``) become scores plus an additive
-       mask (:class:`.attention_rules.SelectionMaskRule`), and probabilities zeroed again on
-       the same condition lose that zeroing (:class:`.attention_rules.ZeroMaskedProbsRule`);
+       mask (:class:`.score_masks.SelectionMaskRule`), and probabilities zeroed again on
+       the same condition lose that zeroing (:class:`.score_masks.ZeroMaskedProbsRule`);
        two biases added one after the other become one
-       (:class:`.attention_rules.StackedBiasRule`); a softmax with attention sinks becomes
-       ``tfgraph.SinkSoftmax`` (:mod:`.sink_rules`); a softmax feeding several
+       (:class:`.score_masks.StackedBiasRule`); a softmax with attention sinks becomes
+       ``tfgraph.SinkSoftmax`` (:mod:`.sink`); a softmax feeding several
        ``MatMul(probs, V_i)`` gets one copy of its chain per V (:func:`unshare_softmax`);
        scores of two key sets joined for one softmax and probabilities split again for two
        value sets become one attention over the concatenated keys and values
@@ -126,9 +126,9 @@ class FuseAttentionPass(ir.passes.InPlacePass):
        ``Attention`` (SDPA exported at opset ≥ 23), to be lowered for the profile like the rest.
        What is left with Q, Kᵀ, V of one rank other than 4 and the same leading dims
        (heads folded into the batch, or a window axis) fuses on one-head (N, 1, ·, ·) views
-       (:data:`.attention_rules.FLAT_RULES`).
+       (:data:`.rules.FLAT_RULES`).
        A softmax-weighted sum over the softmax's axis (MobileViTV2's separable attention:
-       logits given directly, one query) becomes one too (:mod:`.separable_attention_rules`).
+       logits given directly, one query) becomes one too (:mod:`.separable`).
     2. Layout cleanup: the transpose of Kᵀ cancels against the ones that built it (plain or
        SDPA's 3-D view), and a ``repeat_interleave`` of K and V (GQA/MQA) is absorbed into
        ``kv_num_heads``.

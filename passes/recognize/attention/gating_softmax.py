@@ -1,5 +1,5 @@
 """Tell a gate's softmax (a mixture-of-experts router, a CTC head) from attention's: the
-attention rules (:mod:`.fuse_attention`, :mod:`.separable_attention_rules`) skip it, and the KV
+attention rules (:mod:`.fuse`, :mod:`.separable`) skip it, and the KV
 cache pass (:mod:`.insert_kv_cache`) does not count it as an unfused attention core."""
 
 from __future__ import annotations

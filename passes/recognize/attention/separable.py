@@ -10,7 +10,7 @@ MobileViTV2 projects x (B, C, P, N) (P pixels of a patch, N patches) to one logi
 That is attention with ONE query per (B, P) whose logits over the N keys are given directly:
 ``y = softmax(Q·Kᵀ)·V`` with Q = 1 (one query of head size 1), K = s (N keys of head size 1),
 V = v (N values of head size d) and scale 1, since ``1·s_n = s_n``. The rule writes it on
-one-head views, the other axes L folded into R rows (as :func:`.attention_rules._flat_attention`)::
+one-head views, the other axes L folded into R rows (as :func:`.core._flat_attention`)::
 
     K = Reshape(Transpose(s, L + [t, a]), (R, 1, N, 1))
     V = Reshape(Transpose(v, L + [t, a]), (R, 1, N, d))       a: the value axis

@@ -1,6 +1,6 @@
 """Attention sinks: a learned logit per head in the softmax's denominator (gpt-oss, GPT-OSS-style
 MoEs, Granite's sliding-window models), recognized as ``tfgraph.SinkSoftmax(s, sink)`` for the
-core rules (:mod:`.attention_rules`) to fuse into ``tfgraph.Attention(Q, K, V, bias, sink)``.
+core rules (:mod:`.rules`) to fuse into ``tfgraph.Attention(Q, K, V, bias, sink)``.
 
 ``SinkSoftmax(s, sink)`` over the last axis is ``p_j = exp(s_j) / (Σ_k exp(s_k) + exp(sink_h))``
 with ``sink`` (H,) read along the head axis 1 of the (B, H, T, S) scores. Two exported forms:
