@@ -2,7 +2,8 @@
 
 :class:`SlotBatcher` keeps a fixed pool of cache **slots**: the rows of one preallocated KV
 buffer per layer (``kv_layout`` ``shared``, with per-row past lengths: the ``ort`` target's
-``past_sequence_lengths`` input, :mod:`tfgraph.passes.cache.row_lengths`). Each slot holds ``capacity``
+``past_sequence_lengths`` input, :mod:`tfgraph.passes.cache.row_lengths`). Each slot holds
+``capacity``
 positions.
 
 - :meth:`~SlotBatcher.admit` prefills a new request alone, straight into its free slot (a
@@ -15,7 +16,8 @@ positions.
 Each request keeps its own decoding settings and random generator, so its tokens are those of
 :func:`tfgraph.runtime.generate` on its prompt alone (greedy and seeded sampling), up to the
 fp32 noise of a batched step against a batch of one (a near tie of two logits may break the
-other way; tests/runtime/test_inflight.py measures it). A step's batch spans the slots up to the highest
+other way; tests/runtime/test_inflight.py measures it). A step's batch spans the slots up to the
+highest
 active one; a free slot below it runs one dummy token at length 0 (it is overwritten by the
 next prefill), so no row of the cache ever moves.
 

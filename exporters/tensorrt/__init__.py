@@ -1,1 +1,2 @@
-"""The ``tensorrt`` target: graphs TensorRT's ONNX parser takes, its static compat check and engines."""
+"""The ``tensorrt`` target: graphs TensorRT's ONNX parser takes, its static compat check and
+engines."""

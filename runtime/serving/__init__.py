@@ -3,7 +3,8 @@
 ``write_repository(artifact, out)`` is what ``python -m tfgraph triton`` runs
 (:mod:`.repository`); :class:`~.launcher.TritonServer` runs the ``nvidia-pytriton`` wheel's
 ``tritonserver`` here (:mod:`.launcher`), from the server environment that
-``python -m tfgraph.runtime.serving.install`` creates (:mod:`.install`: the wheel and the ``numpy<2``
+``python -m tfgraph.runtime.serving.install`` creates (:mod:`.install`: the wheel and the
+``numpy<2``
 its Python backend needs, apart from tfgraph's environment)."""
 
 

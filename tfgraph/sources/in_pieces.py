@@ -12,7 +12,8 @@ session's 5 GB put a 7B int4 export past 12 GiB. Past :data:`LARGE` elements:
   asked for.
 
 The rows come from the checkpoint for the fp32 streamed model (:func:`in_pieces`), from the
-artifact's bytes for the quantized reference (:mod:`tfgraph.exporters.ort.weights.chunked_reference`).
+artifact's bytes for the quantized reference
+(:mod:`tfgraph.exporters.ort.weights.chunked_reference`).
 Each takes its module's place after the streamed model is built (its offload hook goes with
 the old module); activation quantization hooks are registered on the new one.
 """

@@ -5,7 +5,8 @@ The cached engine (:func:`tfgraph.runtime.generate` on a :class:`CachedDecoder`)
 the whole padded prefix at every step. Each step's logits (the ones that chose a token) are
 compared within a tolerance, and the chosen tokens must be equal.
 
-Used by ``tests/e2e/test_generation_parity.py`` and the differential fuzzer (:mod:`tfgraph.tools.fuzz`).
+Used by ``tests/e2e/test_generation_parity.py`` and the differential fuzzer
+(:mod:`tfgraph.tools.fuzz`).
 """
 
 from __future__ import annotations

@@ -61,7 +61,8 @@ def row_tolerance(
     the logits by as much as the activation quantization itself
     (:mod:`tfgraph.verify.activation_rule`). Batched and alone are each within that
     allowance of the reference, so within twice it of each other; a row read at a wrong
-    length or position moves by far more (``tests/exporters/ort/weights/test_quantized_cache_rows.py``)."""
+    length or position moves by far more
+    (``tests/exporters/ort/weights/test_quantized_cache_rows.py``)."""
     if decode_allowed:
         return Tolerance(atol=2 * decode_allowed, rtol=0.0)
     if precision not in EPS:

@@ -12,7 +12,8 @@ creation; measured).
 - **Gemm** (GPT-2's ``Conv1D`` traces to it) becomes ``MatMul`` first
   (:mod:`tfgraph.passes.lower.gemm_as_matmul`): the quantizer takes MatMuls only.
 - **Embeddings** (int4 only; ``embeddings=False`` keeps them): the ``Gather`` of each
-  embedding table becomes ``GatherBlockQuantized`` (:mod:`tfgraph.exporters.ort.weights.gather_nbits`),
+  embedding table becomes ``GatherBlockQuantized``
+  (:mod:`tfgraph.exporters.ort.weights.gather_nbits`),
   blocks of ``block_size`` along the hidden axis. A decode step reads one row of it; the
   session no longer holds the fp32 table (the largest fp32 weight left in an int4 Llama).
   int8 keeps them fp32 (ONNX Runtime's Gather quantization is 4 bits only).
