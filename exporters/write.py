@@ -51,6 +51,8 @@ def write_artifact(graph, stage: Path, source, options, steps, encoder=None):
     files = save_onnx(graph, stage, external_data=options.external_data) + files
     files += copy_tokenizer(source.origin, stage)
     fusions = count_fusions(graph, options.pipeline, target=target)
+    if encoder is not None:  # the model's fusions: the encoder's layers count too
+        fusions = _merged(count_fusions(encoder, options.pipeline, target=target), fusions)
     manifest = build_manifest(
         graph,
         kv_cache=options.kv_cache,
@@ -67,6 +69,20 @@ def write_artifact(graph, stage: Path, source, options, steps, encoder=None):
     manifest["target"]["runner"] = target.runner_for(options.precision)
     write_json(stage / MANIFEST_FILE, manifest)
     return Saved(manifest, files, fusions)
+
+
+def _merged(first: dict, second: dict) -> dict:
+    """Two graphs' fusion reports as one (counts added, lists joined in graph order)."""
+    out = {}
+    for kind in [*first, *(k for k in second if k not in first)]:
+        a, b = first.get(kind, {}), second.get(kind, {})
+        out[kind] = {
+            k: (a.get(k, 0) + b.get(k, 0))
+            if isinstance(a.get(k, b.get(k)), int)
+            else (list(a.get(k, [])) + list(b.get(k, [])))
+            for k in [*a, *(k for k in b if k not in a)]
+        }
+    return out
 
 
 TOKENIZER_FILES = (
