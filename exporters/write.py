@@ -12,6 +12,7 @@ from typing import NamedTuple
 from tfgraph.contract import ENCODER_FILE
 from tfgraph.exporters.artifact import write_json
 from tfgraph.exporters.compile import count_fusions
+from tfgraph.exporters.flavours import get_flavour
 from tfgraph.exporters.manifest import MANIFEST_FILE, build_manifest
 from tfgraph.exporters.onnx_file import save_onnx
 from tfgraph.passes.cache.split_encoder import split_encoder
@@ -45,10 +46,16 @@ def write_artifact(graph, stage: Path, source, options, steps, encoder=None):
     target's artifact; the manifest says what was done to it (``steps.records``) and what
     fused (``fusions``, counted once, on the graph as saved)."""
     target = options.target
+    flavour = get_flavour(options.flavour)
     files: list[str] = []
     if encoder is not None:
         files += save_onnx(encoder, stage, external_data=options.external_data, name=ENCODER_FILE)
-    files = save_onnx(graph, stage, external_data=options.external_data) + files
+    if "/" in flavour.model_file:
+        (stage / flavour.model_file).parent.mkdir(parents=True, exist_ok=True)
+    files = (
+        save_onnx(graph, stage, external_data=options.external_data, name=flavour.model_file)
+        + files
+    )
     files += copy_tokenizer(source.origin, stage)
     fusions = count_fusions(graph, options.pipeline, target=target)
     if encoder is not None:  # the model's fusions: the encoder's layers count too
@@ -67,6 +74,8 @@ def write_artifact(graph, stage: Path, source, options, steps, encoder=None):
     )
     manifest["precision"] = options.precision
     manifest["target"]["runner"] = target.runner_for(options.precision)
+    manifest["flavour"] = flavour.name
+    manifest["files"] += flavour.write(stage, graph, source, manifest, options)
     write_json(stage / MANIFEST_FILE, manifest)
     return Saved(manifest, files, fusions)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from tfgraph.exporters import check_target, staged_directory, write_json
 from tfgraph.exporters.artifact import scratch_directory
 from tfgraph.exporters.budget import check_budget
+from tfgraph.exporters.flavours import get_flavour
 from tfgraph.exporters.ort.paging import page, paged_report
 from tfgraph.exporters.targets import get_target
 from tfgraph.exporters.write import split, write_artifact
@@ -158,6 +159,10 @@ def _rewrite(graph, source, options, shapes, steps, stages, scratch) -> tuple:
             done.kv_quantization, done.kv_reference = quantize_kv_cache(
                 graph, source, quantizing, shapes, steps, directory
             )
+    flavour = get_flavour(options.flavour)
+    if flavour.name != "tfgraph":  # the runtime's own conventions, after every other rewrite
+        with stages.timed("flavour"):
+            flavour.rewrite(graph, source, options.view("flavouring"), steps)
     return graph, done
 
 
@@ -194,6 +199,7 @@ def _report(source, options, graph, saved, parity, done, budget, stages) -> dict
         "parity": parity,
         "fusions": saved.fusions,
         "kv_cache": options.kv_cache,
+        "flavour": options.flavour,
         "target": saved.manifest["target"],
         "opset": graph.opset_imports.get("", options.opset),
         "pipeline": options.pipeline,

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, make_dataclass
 
 from tfgraph.errors import TfgraphError
+from tfgraph.exporters.flavours import get_flavour
 from tfgraph.exporters.ort.weights.quantize import DEFAULT_BLOCK_SIZE, check_weights
 from tfgraph.exporters.targets import Target, get_target
 from tfgraph.verify.tolerance import FP32, PARITY_SHAPES, Tolerance
@@ -57,6 +58,9 @@ class ExportOptions:
     # tfgraph/exporters/ort/paging.py)
     kv_layout: str = "shared"
     kv_block_size: int = 16
+    # the runtime the artifact is laid out for: tfgraph, genai (onnxruntime-genai), optimum
+    # (Optimum and transformers.js); tfgraph/exporters/flavours/
+    flavour: str = "tfgraph"
 
     @classmethod
     def of(cls, options: ExportOptions | None, fields: dict) -> ExportOptions:
@@ -82,6 +86,7 @@ class ExportOptions:
         level = check_weights(self.weights, self.block_size, target, self.accuracy_level)
         check_kv_dtype(self.kv_dtype, self.kv_scales, self.kv_cache, target, self.precision)
         check_kv_layout(self, target)
+        get_flavour(self.flavour).check(self, target)
         opset = target.opset if self.opset is None else self.opset
         check_opset(opset)
         return dataclasses.replace(self, target=target, accuracy_level=level, opset=opset)
@@ -96,7 +101,10 @@ class ExportOptions:
         from tfgraph.passes import PipelineOptions
 
         return PipelineOptions(
-            kv_cache=self.kv_cache, max_positions=max_positions, row_lengths=self.row_lengths
+            kv_cache=self.kv_cache,
+            max_positions=max_positions,
+            row_lengths=self.row_lengths,
+            kv_layout=get_flavour(self.flavour).kv_layout,
         )
 
 
@@ -117,7 +125,8 @@ VIEWS = {
         "accuracy_level",
         "kv_scales",
     ),
-    "saving": ("target", "pipeline", "precision", "kv_cache", "external_data"),
+    "saving": ("target", "pipeline", "precision", "kv_cache", "external_data", "flavour"),
+    "flavouring": ("target", "precision", "weights", "kv_cache", "kv_dtype", "flavour"),
     "verifying": ("kv_cache", "precision", "tolerance", "weights"),
 }
 _VIEW_CLASSES = {

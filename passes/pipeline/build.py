@@ -46,6 +46,9 @@ class PipelineOptions:
     # per-row past lengths where the target takes them (in-flight batching); False: the
     # machinery is sliced to the new rows only (one request at a time or a static batch)
     row_lengths: bool = True
+    # "shared": past and present share one buffer per layer where the target can (explicit
+    # past lengths); "concat": a growing past, present = past + new (Optimum's convention)
+    kv_layout: str = "shared"
 
 
 def _target(target):

@@ -14,6 +14,7 @@ from tfgraph.cli.output import (
     progress,
     table,
 )
+from tfgraph.exporters.flavours import FLAVOURS
 
 EXPORT_STEPS = ("load", "trace", "passes", "save", "parity")
 
@@ -174,6 +175,14 @@ def _add_kv_cache(p):
         "--target ort-cuda --precision fp16; CUDA only: the graph is checked here, not run)",
     )
     p.add_argument(
+        "--flavour",
+        choices=FLAVOURS,
+        default="tfgraph",
+        help="lay the artifact out for a runtime: tfgraph (default; its own runtime), genai "
+        "(onnxruntime-genai's og.Model), optimum (Optimum's ORTModelForCausalLM and "
+        "transformers.js); docs/ecosystem.md",
+    )
+    p.add_argument(
         "--kv-block-size",
         type=int,
         default=16,
@@ -226,6 +235,7 @@ def options_from_args(args):
         kv_scales=args.kv_scales,
         kv_layout=args.kv_layout,
         kv_block_size=args.kv_block_size,
+        flavour=args.flavour,
     )
 
 
