@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import onnx_ir as ir
 
@@ -30,7 +30,14 @@ def save_onnx(
     name: str = MODEL_FILE,
 ) -> list[str]:
     """Save as ``directory/name``; ``external_data=None`` decides by size (above
-    :data:`EXTERNAL_FROM`; the data file is ``name + ".data"``). Returns the file names."""
+    :data:`EXTERNAL_FROM`; the data file is ``name + ".data"``). Returns the file names.
+    A ``name`` in a folder (``onnx/model.onnx``) is saved from inside it: external data is
+    located relative to the model file, as ONNX Runtime reads it."""
+    folder, base = PurePosixPath(name).parent, PurePosixPath(name).name
+    if str(folder) != ".":
+        (directory / folder).mkdir(parents=True, exist_ok=True)
+        saved = save_onnx(model, directory / folder, external_data=external_data, name=base)
+        return [f"{folder}/{file}" for file in saved]
     if external_data is None:
         external_data = weight_bytes(model) > EXTERNAL_FROM
     path = directory / name

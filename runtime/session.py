@@ -40,14 +40,41 @@ _ORT_DTYPES = {
 }
 
 
+def step_file(manifest: Mapping | None) -> str:
+    """The step graph of an artifact, relative to its directory: the manifest's first file
+    (``onnx/model.onnx`` in the ``optimum`` flavour), ``model.onnx`` without a manifest."""
+    files = (manifest or {}).get("files") or []
+    first = files[0] if files and isinstance(files[0], str) else ""
+    if not first.endswith(".onnx"):
+        return contract.MODEL_FILE
+    if os.path.isabs(first) or PureWindowsPath(first).anchor or ".." in Path(first).parts:
+        raise TfgraphError(
+            f"the manifest names the model '{first}', outside the artifact; re-export it"
+        )
+    return first
+
+
 def model_path(path: str | Path) -> Path:
-    """``DIR/model.onnx`` for an artifact directory, the path itself for an ``.onnx`` file."""
+    """The step graph of an artifact directory (:func:`step_file`), the path itself for an
+    ``.onnx`` file."""
     path = Path(path)
     if path.is_dir():
-        path = path / "model.onnx"
+        path = path / step_file(read_manifest(path))
     if not path.is_file():
         raise TfgraphError(f"no ONNX model at '{path}': give an artifact directory or a .onnx file")
     return path
+
+
+def _manifest_of(model_file: Path) -> dict | None:
+    """The manifest of the artifact ``model_file`` belongs to: beside it, or one folder up
+    where that manifest names it as its step graph (``onnx/model.onnx``)."""
+    manifest = read_manifest(model_file.parent)
+    if manifest is not None:
+        return manifest
+    above = read_manifest(model_file.parent.parent)
+    if above is not None and step_file(above) == f"{model_file.parent.name}/{model_file.name}":
+        return above
+    return None
 
 
 def checked_model(path: str | Path) -> tuple[Path, dict | None]:
@@ -55,7 +82,7 @@ def checked_model(path: str | Path) -> tuple[Path, dict | None]:
     manifest's format is one this tfgraph understands, and external data stays in its directory.
     """
     model_file = model_path(path)
-    manifest = read_manifest(model_file.parent)
+    manifest = _manifest_of(model_file)
     check_external_data(model_file)
     return model_file, manifest
 
@@ -272,7 +299,11 @@ class Session:
     def _read_signature(self) -> contract.Signature:
         """Roles from ``manifest.json`` (this file's entry), else from the model's metadata."""
         if self.manifest is not None:
-            stated = contract.signature_from_manifest(self.manifest, self.path.name)
+            # the step graph is the manifest's model.onnx entry wherever the flavour saved it
+            parts = Path(step_file(self.manifest)).parts
+            step = self.path.parts[-len(parts) :] == parts
+            name = contract.MODEL_FILE if step else self.path.name
+            stated = contract.signature_from_manifest(self.manifest, name)
             if stated is not None:
                 return stated
 

@@ -1,0 +1,60 @@
+"""``--flavour optimum`` with the real clients (issue 46's acceptance): Optimum's
+``ORTModelForCausalLM.generate`` (in its own virtual environment: it pins transformers < 4.58)
+and transformers.js in node (``pipeline("text-generation", dir)``, local files) give
+tfgraph's greedy tokens for a Llama and a GPT-2 shape, batch 1 and a left-padded batch of 2.
+
+The clients are installed by the session fixture through the documented installer
+(``python -m tfgraph.tools.peer_clients``: idempotent, a no-op when they are there), so the
+slow tier passes on a fresh machine after the README's set-up (node and npm on PATH, the
+package registries reachable).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import tfgraph
+from tests.exporters.flavours.test_optimum import (
+    EOS,
+    NEW_TOKENS,
+    PAD,
+    PROMPTS,
+    eager_tokens,
+    make_model,
+    tfgraph_tokens,
+)
+from tfgraph.errors import TfgraphError
+from tfgraph.tools import peer_clients
+from tfgraph.tools.peer_run import optimum_generate, transformersjs_generate
+
+
+@pytest.fixture(scope="session")
+def clients():
+    """Both clients, installed if missing (minutes the first time: pip and npm)."""
+    return peer_clients.install_optimum(), peer_clients.install_transformersjs()
+
+
+# slow: a second Python environment and node, installed once (minutes) and started per case
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_clients_give_tfgraphs_greedy_tokens(arch, clients, tmp_path):
+    hf_dir = make_model(tmp_path / "hf", arch)
+    artifact = tmp_path / "artifact"
+    result = tfgraph.export(str(hf_dir), artifact, kv_cache=True, flavour="optimum")
+    assert result.passed
+    fused = result.report["fusions"]["attention"]
+    assert fused["fused"] == fused["total"] == 2
+    for batch, prompts in PROMPTS.items():
+        want = tfgraph_tokens(artifact, prompts)
+        assert want == eager_tokens(hf_dir, prompts), batch
+        kwargs = {"eos_token_id": EOS, "pad_token_id": PAD}
+        assert optimum_generate(artifact, prompts, NEW_TOKENS, **kwargs) == want, batch
+        assert transformersjs_generate(artifact, prompts, NEW_TOKENS, **kwargs) == want, batch
+    assert len({t for row in want for t in row}) > 3, want  # the tokens vary
+
+
+def test_missing_clients_name_the_install_command(tmp_path):
+    for find in (peer_clients.find_optimum, peer_clients.find_transformersjs):
+        with pytest.raises(TfgraphError, match="python -m tfgraph.tools.peer_clients") as info:
+            find(tmp_path / "nowhere")
+        assert "not installed" in str(info.value) and "\n" not in str(info.value)
