@@ -22,6 +22,8 @@ def test_growth_per_doubling():
     assert doubling["total_overall"] == pytest.approx(2.0)
 
 
+# slow: 1.5 min of exports timed; its schema tests stay in the default tier
+@pytest.mark.slow
 def test_reduced_run(tmp_path, monkeypatch):
     monkeypatch.setattr(compile_cost, "QUICK_LAYERS", [1, 2])
     messages = []

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tfgraph.bench import prefill
 
 MEASUREMENT = {"seconds", "peak_rss_mib", "run_extra_rss_mib"}
 RATIOS = {"eager_over_config_latency", "config_over_unfused_peak_rss"}
 
 
+# slow: 1.5 min of benchmark runs; the bench smoke test covers the command
+@pytest.mark.slow
 def test_prefill_quick_schema(tmp_path, monkeypatch):
     plan = prefill.Plan(
         models={"gpt-tiny": prefill.ModelSpec("gpt-tiny")}, seqs=(16,), repeats=lambda seq: 1

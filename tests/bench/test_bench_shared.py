@@ -38,6 +38,8 @@ def test_a_quick_scope_shares_sources_traces_and_identical_exports(tmp_path):
     assert shared.stats() is None and not shared.warm()
 
 
+# slow: 50 s of exports; the quick-scope sharing test stays
+@pytest.mark.slow
 def test_no_sharing_outside_a_quick_scope(tmp_path):
     with shared.scope(False):
         assert shared.stats() is None

@@ -118,16 +118,12 @@ def hf_dirs(tmp_path_factory):
     return paths
 
 
-# slow: HF architectures x attention implementations x targets; gpt2, t5, qwen3_next and mamba
-# (eager) stay in the default tier
+# slow: HF architectures x attention implementations x targets; gpt2 (eager) stays in the
+# default tier (the zoo's t5-tiny and the recurrent-state tests cover an encoder-decoder and
+# recurrent layers there)
 @pytest.mark.parametrize(
     ("name", "attn"),
-    [
-        c
-        if c in (("gpt2", "eager"), ("t5", "eager"), ("qwen3_next", "eager"), ("mamba", "eager"))
-        else pytest.param(*c, marks=pytest.mark.slow)
-        for c in CASES
-    ],
+    [c if c == ("gpt2", "eager") else pytest.param(*c, marks=pytest.mark.slow) for c in CASES],
 )
 def test_hf_model_all_targets(name, attn, hf_dirs, tmp_path):
     source = load_source(str(hf_dirs[name]), attn_implementation=attn)

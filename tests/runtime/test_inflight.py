@@ -228,7 +228,8 @@ SEQ2SEQ = [
     ("bart-tiny", "ort"), ("transformer-tiny", "onnx"), ("t5-tiny", "ort"),
     # Hugging Face classes as loaded from a directory: no attention_mask input, so the cache
     # pass adds the encoder mask the slots need
-    ("hf:bart", "ort"), ("hf:t5", "onnx"),
+    ("hf:bart", "ort"),
+    pytest.param("hf:t5", "onnx", marks=pytest.mark.slow),  # slow: 55 s; hf:bart stays
 ]  # fmt: skip
 
 

@@ -37,7 +37,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("model_type", list(CASES))
+# slow: the two encoder-decoders' traces (30 s each); SigLIP2's stays in the default tier
+@pytest.mark.parametrize(
+    "model_type",
+    [m if m == "siglip2" else pytest.param(m, marks=pytest.mark.slow) for m in CASES],
+)
 def test_exports_and_matches_eager(model_type, tmp_path):
     kind, cls_name, attention = CASES[model_type]
     hf = _save(model_type, kind, cls_name, tmp_path / "hf")

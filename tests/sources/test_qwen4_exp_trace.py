@@ -82,6 +82,8 @@ def test_substituted_only_within_the_block():
     assert not any("_select_tokens" in vars(m) for m in model.modules())
 
 
+# slow: 36 s (architecture coverage); the refusal with its reason stays
+@pytest.mark.slow
 def test_exports_with_parity(tmp_path):
     """Parity shapes (2, 33) have 8 complete blocks for the last queries: the top 4 are kept."""
     model = _model()

@@ -65,6 +65,8 @@ def llama_checkpoint(tmp_path_factory):
     return write_random_checkpoint(config, tmp_path_factory.mktemp("llama8") / "ckpt")
 
 
+# slow: 40 s; the live-module and shortcut cases stay in the default tier
+@pytest.mark.slow
 def test_streamed_checkpoint_graph_equals_the_full_trace(llama_checkpoint, monkeypatch):
     full, full_source, short, source = traced_both_ways(
         lambda: load_source(str(llama_checkpoint)), monkeypatch

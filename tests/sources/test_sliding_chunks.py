@@ -143,6 +143,8 @@ def test_longformer_fuses_and_keeps_the_band(tmp_path):
         np.testing.assert_allclose(got, _logits(model, ids, mask).numpy(), atol=1e-4, rtol=1e-3)
 
 
+# slow: 1 min on LED (architecture coverage); Longformer's fusion test stays
+@pytest.mark.slow
 def test_led_is_cached_and_generates(tmp_path):
     model = _led()
     model.save_pretrained(tmp_path / "hf")

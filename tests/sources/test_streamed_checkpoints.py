@@ -193,12 +193,10 @@ def no_whole_load(monkeypatch):
 
 
 # slow: bf16 and fp16 checkpoints of the 17 HF architectures the tests use, exported to all
-# four targets (136 cases); three decoders on ort, an encoder on onnx, an encoder-decoder (BART)
+# four targets (136 cases); a decoder on ort, an encoder on onnx, an encoder-decoder (BART)
 # and Mixtral, which loads whole, on ort stay in the default tier
 DEFAULT_TIER = {
     ("llama", "bf16", "ort"),
-    ("mistral", "fp16", "ort"),
-    ("qwen2", "bf16", "ort"),
     ("bert", "fp16", "onnx"),
     ("bart", "bf16", "ort"),
     ("mixtral", "fp16", "ort"),

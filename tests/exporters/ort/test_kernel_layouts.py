@@ -8,6 +8,7 @@ PyTorch hold."""
 
 import numpy as np
 import onnx
+import pytest
 
 import tfgraph
 from tests.passes.cache.test_slice_machinery import save_hf_t5
@@ -17,6 +18,9 @@ from tfgraph.sources import load_source
 from tfgraph.verify.generation_parity import compare_greedy
 
 
+# slow: 3 min on HF T5 (every step graph checked); the zoo t5-tiny keeps the layouts in
+# the default tier
+@pytest.mark.slow
 def test_hf_t5_step_has_no_transposes_and_reads_cross_kv_as_is(tmp_path):
     source = save_hf_t5(tmp_path / "hf", vocab=200, d_model=64, d_kv=16)
     result = tfgraph.export(source, tmp_path / "a", kv_cache=True)

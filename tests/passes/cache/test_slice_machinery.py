@@ -123,6 +123,8 @@ def save_hf_t5(path, vocab: int = 100, d_model: int = 32, d_kv: int = 8) -> str:
     return str(path)
 
 
+# slow: 40 s on HF T5; the zoo position-bias cases stay
+@pytest.mark.slow
 def test_hugging_face_t5_bias_never_builds_the_square(tmp_path):
     """HF T5 buckets ``Min(rel, zeros_like(rel))``: the ``zeros_like`` is an ``Expand`` to
     ``Shape`` of the (L, L) positions, so its target must come from the cut positions, or the

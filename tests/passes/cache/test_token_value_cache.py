@@ -20,6 +20,8 @@ from tfgraph.verify.generation_parity import compare_greedy
 transformers = pytest.importorskip("transformers")
 
 
+# slow: 1 min on an indexer model (architecture coverage); the mask-candidate tests stay
+@pytest.mark.slow
 def test_indexer_keys_are_cached_and_select_as_eager(tmp_path):
     config = tiny_config("deepseek_v32", "causal-lm")
     config.index_topk = 3  # fewer keys than the prompts: the selection decides the output

@@ -172,6 +172,8 @@ def test_hf_gpt_oss_generates_like_hf(tmp_path):
     assert got.tokens == want[:, ids.shape[1] :].tolist()
 
 
+# slow: 36 s; GPT-OSS's sink generation stays in the default tier
+@pytest.mark.slow
 def test_sinks_with_narrower_value_heads_run_on_multihead_attention(tmp_path):
     """HY-V4: sinks, and V heads narrower than Q/K's (16 vs 32), which GroupQueryAttention
     refuses: MultiHeadAttention takes the sink as one more key (a zero row in K and V, the

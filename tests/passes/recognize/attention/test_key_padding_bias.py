@@ -44,6 +44,8 @@ def test_hf_mistral_mask_is_three_ops_on_the_mask(tmp_path, kv_cache):
     assert len(gqa) == 2 and all(len(n.input) > 10 and n.input[10] for n in gqa)
 
 
+# slow: 1 min (architecture coverage); the Mistral mask cases stay
+@pytest.mark.slow
 def test_a_bias_with_position_values_is_kept(tmp_path):
     transformers = pytest.importorskip("transformers")
     config = transformers.BloomConfig(vocab_size=300, hidden_size=64, n_layer=2, n_head=4)
