@@ -31,7 +31,7 @@ import onnx_ir as ir
 from tfgraph import contract
 from tfgraph.errors import TfgraphError
 from tfgraph.passes.provenance import module_name
-from tfgraph.runtime.session import checked_model
+from tfgraph.runtime.session import checked_model, model_path
 from tfgraph.verify.parity import FP32, compare
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def recheck(directory: str | Path, *, trust_remote_code: bool = False, bisect_fa
         directory, trust_remote_code=trust_remote_code
     )
     precision = manifest.get("precision", "fp32")
-    model_file = directory / contract.MODEL_FILE
+    model_file = model_path(directory)  # the manifest's step graph (a flavour's folder)
     shapes = [tuple(s) for s in report.get("parity", {}).get("shapes", PARITY_SHAPES)]
     check = check_cache_parity if report.get("kv_cache") else check_parity
     parity = check(reference, model_file, shapes=shapes, precision=precision)

@@ -182,3 +182,27 @@ def test_a_source_without_a_hf_config_is_refused(tmp_path):
         tfgraph.export("gpt-tiny", tmp_path / "out", kv_cache=True, flavour="optimum")
     assert "\n" not in str(info.value)
     assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_a_graph_saved_in_a_folder_finds_its_external_data(tmp_path):
+    """save_onnx with ``onnx/model.onnx``: the data file lies beside the model and is named
+    relative to it, as ONNX Runtime (and the clients) resolve it."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from tfgraph.exporters import save_onnx
+
+    weight = ir.tensor(np.arange(256, dtype=np.float32).reshape(16, 16), name="w")
+    x = ir.Value(name="x", shape=ir.Shape([1, 16]), type=ir.TensorType(ir.DataType.FLOAT))
+    w = ir.Value(name="w", const_value=weight, shape=weight.shape, type=ir.TensorType(weight.dtype))
+    node = ir.node("MatMul", [x, w], outputs=[ir.Value(name="y")])
+    node.outputs[0].type = ir.TensorType(ir.DataType.FLOAT)
+    graph = ir.Graph([x], node.outputs, nodes=[node], initializers=[w], opset_imports={"": 20})
+    model = ir.Model(graph, ir_version=10)
+    files = save_onnx(model, tmp_path, external_data=True, name="onnx/model.onnx")
+    assert files == ["onnx/model.onnx", "onnx/model.onnx.data"]
+    saved = onnx.load(tmp_path / "onnx" / "model.onnx", load_external_data=False)
+    assert saved.graph.initializer[0].external_data[0].value == "model.onnx.data"
+    session = ort.InferenceSession(tmp_path / "onnx" / "model.onnx")
+    x_in = np.ones((1, 16), np.float32)
+    np.testing.assert_allclose(session.run(None, {"x": x_in})[0], x_in @ weight.numpy())

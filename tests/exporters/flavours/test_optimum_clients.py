@@ -1,7 +1,8 @@
 """``--flavour optimum`` with the real clients (issue 46's acceptance): Optimum's
 ``ORTModelForCausalLM.generate`` (in its own virtual environment: it pins transformers < 4.58)
 and transformers.js in node (``pipeline("text-generation", dir)``, local files) give
-tfgraph's greedy tokens for a Llama and a GPT-2 shape, batch 1 and a left-padded batch of 2.
+tfgraph's greedy tokens for a Llama and a GPT-2 shape, batch 1 and a left-padded batch of 2
+(and a Llama with int4 weights in an external data file).
 
 The clients are installed by the session fixture through the documented installer
 (``python -m tfgraph.tools.peer_clients``: idempotent, a no-op when they are there), so the
@@ -36,17 +37,29 @@ def clients():
 
 # slow: a second Python environment and node, installed once (minutes) and started per case
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_clients_give_tfgraphs_greedy_tokens(arch, clients, tmp_path):
+@pytest.mark.parametrize(
+    "arch, options",
+    [
+        ("llama", {}),
+        ("gpt2", {}),
+        # int4 weights (MatMulNBits) with the weights in onnx/model.onnx.data
+        ("llama", {"weights": "int4", "external_data": True}),
+    ],
+    ids=["llama", "gpt2", "llama-int4-external"],
+)
+def test_clients_give_tfgraphs_greedy_tokens(arch, options, clients, tmp_path):
     hf_dir = make_model(tmp_path / "hf", arch)
     artifact = tmp_path / "artifact"
-    result = tfgraph.export(str(hf_dir), artifact, kv_cache=True, flavour="optimum")
+    result = tfgraph.export(str(hf_dir), artifact, kv_cache=True, flavour="optimum", **options)
     assert result.passed
     fused = result.report["fusions"]["attention"]
     assert fused["fused"] == fused["total"] == 2
+    if options.get("external_data"):
+        assert (artifact / "onnx" / "model.onnx.data").is_file()
     for batch, prompts in PROMPTS.items():
         want = tfgraph_tokens(artifact, prompts)
-        assert want == eager_tokens(hf_dir, prompts), batch
+        if not options:  # fp32: the eager model's own tokens too
+            assert want == eager_tokens(hf_dir, prompts), batch
         kwargs = {"eos_token_id": EOS, "pad_token_id": PAD}
         assert optimum_generate(artifact, prompts, NEW_TOKENS, **kwargs) == want, batch
         assert transformersjs_generate(artifact, prompts, NEW_TOKENS, **kwargs) == want, batch
