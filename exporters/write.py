@@ -104,6 +104,8 @@ TOKENIZER_FILES = (
     "spiece.model",
     "tokenizer.model",
     "added_tokens.json",
+    "chat_template.jinja",  # where transformers >= 4.43 saves a tokenizer's chat template
+    "chat_template.json",
 )
 
 

@@ -29,11 +29,16 @@ def stream_tokens(
     text: str | bytes | None = None,
     **parameters,
 ) -> Iterator[tuple[int, str | None]]:
-    """Stream one request's tokens (``input_ids`` or ``text``; request ``parameters``)."""
+    """Stream one request's tokens (``input_ids`` or ``text``; request ``parameters``): a
+    response per token (``stream``: true)."""
+    parameters = {**parameters, "stream": True}
     try:
         import tritonclient.grpc as grpcclient
-    except ImportError as exc:
-        raise TfgraphError("the client needs tritonclient: pip install 'tfgraph[serve]'") from exc
+    except (ImportError, RuntimeError) as exc:  # RuntimeError: tritonclient without [grpc]
+        raise TfgraphError(
+            "the client needs tritonclient with gRPC: pip install 'tritonclient[grpc]' "
+            "(or 'tfgraph[serve]')"
+        ) from exc
     client = grpcclient.InferenceServerClient(url)
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))

@@ -28,6 +28,7 @@ import functools
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import site
@@ -126,7 +127,7 @@ def _free_port() -> int:
 
 
 @functools.cache
-def _address_flags(install: TritonInstall) -> tuple[str, ...]:
+def _address_flags(install: TritonInstall, host: str = "127.0.0.1") -> tuple[str, ...]:
     """``--http-address``/``--grpc-address``/``--metrics-address`` where the binary has them."""
     result = subprocess.run(
         [str(install.binary), "--help"],
@@ -138,7 +139,41 @@ def _address_flags(install: TritonInstall) -> tuple[str, ...]:
     )
     text = result.stdout + result.stderr
     flags = ("--http-address", "--grpc-address", "--metrics-address")
-    return tuple(f"{flag}=127.0.0.1" for flag in flags if flag in text)
+    return tuple(f"{flag}={host}" for flag in flags if flag in text)
+
+
+def server_command(
+    install: TritonInstall,
+    repository: Path,
+    *,
+    shm_prefix: str,
+    ports: tuple[int, int, int],
+    metrics: bool = True,
+    host: str = "127.0.0.1",
+    model_control: str = "explicit",
+    models: Iterable[str] = (),
+    stop_timeout: float = 5,
+) -> list[str]:
+    """The ``tritonserver`` command line: ``repository`` on ``ports`` (HTTP, gRPC, metrics)
+    at ``host``, the backends copy with the stub, the Python backend's shared memory named
+    with ``shm_prefix`` (names collide between servers otherwise)."""
+    http_port, grpc_port, metrics_port = ports
+    return [
+        str(install.binary),
+        f"--model-repository={Path(repository).resolve()}",
+        f"--backend-directory={_backends_with_stub(install)}",
+        f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
+        f"--http-port={http_port}",
+        f"--grpc-port={grpc_port}",
+        f"--metrics-port={metrics_port}",
+        f"--allow-metrics={'true' if metrics else 'false'}",
+        *(["--allow-gpu-metrics=false", "--allow-cpu-metrics=false"] if metrics else []),
+        *_address_flags(install, host),
+        f"--model-control-mode={model_control}",
+        *[f"--load-model={name}" for name in models],
+        "--exit-on-error=true",
+        f"--exit-timeout-secs={max(1, int(stop_timeout))}",
+    ]
 
 
 def _kill_group(process: subprocess.Popen, grace_s: float, shm_prefix: str) -> None:
@@ -227,27 +262,16 @@ class TritonServer:
 
     def command(self, install: TritonInstall) -> list[str]:
         """The ``tritonserver`` command line."""
-        return [
-            str(install.binary),
-            f"--model-repository={self.repository.resolve()}",
-            f"--backend-directory={_backends_with_stub(install)}",
-            # the Python backend's shared-memory names collide between servers otherwise
-            f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
-            f"--http-port={self.http_port}",
-            f"--grpc-port={self.grpc_port}",
-            f"--metrics-port={self.metrics_port}",
-            f"--allow-metrics={'true' if self.metrics_enabled else 'false'}",
-            *(
-                ["--allow-gpu-metrics=false", "--allow-cpu-metrics=false"]
-                if self.metrics_enabled
-                else []
-            ),  # fmt: skip
-            *_address_flags(install),
-            f"--model-control-mode={self.model_control}",
-            *[f"--load-model={name}" for name in self.models],
-            "--exit-on-error=true",
-            f"--exit-timeout-secs={max(1, int(self.stop_timeout))}",
-        ]
+        return server_command(
+            install,
+            self.repository,
+            shm_prefix=self._shm_prefix,
+            ports=(self.http_port, self.grpc_port, self.metrics_port),
+            metrics=self.metrics_enabled,
+            model_control=self.model_control,
+            models=self.models,
+            stop_timeout=self.stop_timeout,
+        )
 
     def start(self) -> None:
         """Start the server and wait until ``/v2/health/ready``; stop it if that fails."""
@@ -393,3 +417,65 @@ class TritonServer:
             except (ValueError, KeyError, TypeError):
                 reason = body.strip() or f"HTTP {code}"
             raise TfgraphError(f"Triton could not {action} model {name!r}: {reason}")
+
+
+# --- ``tfgraph tritonserver REPO``: the server in the foreground ----------------------------
+
+_BACKEND_LINE = re.compile(r'^\s*(backend|platform)\s*:\s*"([^"]+)"', re.MULTILINE)
+_PLATFORM_BACKENDS = {"tensorrt_plan": "tensorrt", "onnxruntime_onnx": "onnxruntime"}
+
+
+def loadable_models(repository: Path, install: TritonInstall) -> tuple[list[str], dict[str, str]]:
+    """The models of ``repository`` this server has a backend for, and the others with why
+    not (the ``nvidia-pytriton`` wheel has the Python backend only: the generation models)."""
+    load, skipped = [], {}
+    for config in sorted(Path(repository).glob("*/config.pbtxt")):
+        name = config.parent.name
+        match = _BACKEND_LINE.search(config.read_text(errors="replace"))
+        if match is None:
+            skipped[name] = "its config.pbtxt names no backend"
+            continue
+        backend = _PLATFORM_BACKENDS.get(match.group(2), match.group(2))
+        if (install.backends_dir / backend).is_dir():
+            load.append(name)
+        else:
+            skipped[name] = f"no {backend} backend in this tritonserver"
+    return load, skipped
+
+
+def serve_foreground(
+    repository: Path,
+    *,
+    host: str = "127.0.0.1",
+    http_port: int = 8000,
+    grpc_port: int = 8001,
+    metrics_port: int = 8002,
+    models: Iterable[str] = (),
+    stop_timeout: float = 5,
+) -> int:
+    """Run the server environment's ``tritonserver`` on ``repository`` until it exits or this
+    process is interrupted (then it and its stubs are stopped); its exit code. Its log goes
+    to this process's output. What ``tfgraph tritonserver`` runs: the environment, backends
+    directory and stub that :class:`TritonServer` sets up, on the given ports."""
+    repository = Path(repository)
+    if not repository.is_dir():
+        raise TfgraphError(f"model repository {repository} is not a directory")
+    install = find_tritonserver()
+    shm_prefix = f"tfgraph_{os.getpid()}_{next(_server_ids)}_"
+    cmd = server_command(
+        install,
+        repository,
+        shm_prefix=shm_prefix,
+        ports=(http_port, grpc_port, metrics_port),
+        host=host,
+        models=models,
+        stop_timeout=stop_timeout,
+    )
+    logger.debug("starting %s", " ".join(cmd))
+    process = subprocess.Popen(
+        cmd, env=server_env(install), stdin=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        return process.wait()
+    finally:
+        _kill_group(process, stop_timeout + 2, shm_prefix)

@@ -378,7 +378,8 @@ def _batching(manifest: dict, concurrency: int, slots, capacity) -> Batching:
 
 def generate_config(name: str, tokenizer: bool, batching: Batching | int, paths: list[str]) -> str:
     inputs = ['  { name: "input_ids" data_type: TYPE_INT64 dims: [ -1 ] optional: true }']
-    outputs = ['  { name: "token_id" data_type: TYPE_INT64 dims: [ 1 ] }']
+    # a token per response when streaming, else every token in one response
+    outputs = ['  { name: "token_id" data_type: TYPE_INT64 dims: [ -1 ] }']
     if tokenizer:
         inputs.append('  { name: "text" data_type: TYPE_STRING dims: [ 1 ] optional: true }')
         outputs.append('  { name: "token_text" data_type: TYPE_STRING dims: [ 1 ] }')
@@ -450,9 +451,10 @@ def parse_config(path: Path):
     try:
         from google.protobuf import text_format
         from tritonclient.grpc import model_config_pb2
-    except ImportError as exc:
+    except (ImportError, RuntimeError) as exc:  # RuntimeError: tritonclient without [grpc]
         raise TfgraphError(
-            "checking Triton configs needs tritonclient: pip install 'tfgraph[serve]'"
+            "checking Triton configs needs tritonclient with gRPC: pip install "
+            "'tritonclient[grpc]' (or 'tfgraph[serve]')"
         ) from exc
     config = model_config_pb2.ModelConfig()
     try:

@@ -1,12 +1,16 @@
 """Triton Python-backend model: tfgraph's generation loop over an artifact, tokens streamed.
 
 :mod:`tfgraph.runtime.serving.repository` copies this file as ``model.py`` into ``NAME_generate/1/``
-beside a copy of the artifact (``artifact/``). The model is decoupled: every chosen token goes
-back as its own response (``token_id``, and ``token_text`` when the artifact carries a
-tokenizer), then an empty final response closes the stream.
+beside a copy of the artifact (``artifact/``). The model is decoupled. With the request
+parameter ``stream`` true every chosen token goes back as its own response (``token_id``, and
+``token_text`` when the artifact carries a tokenizer), then an empty final response closes the
+stream; without it (the default, as in Triton's vLLM and TensorRT-LLM backends) one final
+response holds all the tokens and their text, so Triton's HTTP ``generate`` endpoint (exactly
+one response) answers 200 with them, or the error's status (400 for a bad request, 500 for a
+failed generation, 503 when unloaded) with the error.
 
 **Requests.** ``input_ids`` (INT64, one prompt) or ``text`` (a UTF-8 string, with a tokenizer);
-an encoder-decoder's prompt feeds its encoder. Request parameters: ``max_new_tokens``,
+an encoder-decoder's prompt feeds its encoder. Request parameters: ``stream``, ``max_new_tokens``,
 ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``eos_token_id`` (and
 ``pad_token_id``, ``decoder_start_token_id``); ``temperature``, ``top_k`` or ``top_p`` imply
 sampling unless ``do_sample`` is false. Anything else is refused with one error response
@@ -59,6 +63,7 @@ import threading
 import time
 
 PARAMETERS = {
+    "stream": bool,
     "max_new_tokens": int,
     "do_sample": bool,
     "temperature": float,
@@ -75,9 +80,11 @@ SAMPLING = ("temperature", "top_k", "top_p")
 class Job:
     """One request waiting for, or in, a batch."""
 
-    def __init__(self, prompt, config, limit, seed, start, sender):
+    def __init__(self, prompt, config, limit, seed, start, sender, stream=False):
         self.prompt, self.config, self.limit, self.seed = prompt, config, limit, seed
         self.start, self.sender, self.sent = start, sender, 0
+        self.stream = stream  # a response per token; else one response with all of them
+        self.tokens = []  # chosen so far (sent at the end when not streaming)
         self.request = None  # its SlotBatcher request, in-flight batching
         c = config  # requests with equal keys can share a batch
         self.key = (c.do_sample, c.temperature, c.top_k, c.top_p, c.eos_token_id,
@@ -143,6 +150,10 @@ class RequestError(Exception):
     """A bad request: its message goes back to the client."""
 
 
+# how each failure reaches the client: Triton's HTTP endpoints map the code to the status
+BAD_REQUEST, FAILED, UNLOADED = "INVALID_ARG", "INTERNAL", "UNAVAILABLE"
+
+
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
@@ -198,7 +209,7 @@ class TritonPythonModel:
             try:
                 job = self._prepare(request, sender)
             except RequestError as exc:
-                self._fail(sender, str(exc))
+                self._fail(sender, str(exc), BAD_REQUEST)
                 continue
             with self.ready:
                 self.pending.append(job)
@@ -211,7 +222,7 @@ class TritonPythonModel:
             self.ready.notify()
         self.worker.join(timeout=60)
         for job in self.pending:
-            self._fail(job.sender, "model unloaded before generating")
+            self._fail(job.sender, "model unloaded before generating", UNLOADED)
 
     # --- a request ------------------------------------------------------------------------
 
@@ -244,6 +255,7 @@ class TritonPythonModel:
             raise RequestError("the prompt is empty: give at least one token")
         if self.vocab is not None and any(not 0 <= t < self.vocab for t in prompt):
             raise RequestError(f"input_ids must lie in [0, {self.vocab}): the vocabulary")
+        stream = options.pop("stream", False)
         start = options.pop("decoder_start_token_id", 0)
         seed = options.pop("seed", None)
         limit = options.pop("max_new_tokens", GenerationConfig.max_new_tokens)
@@ -258,7 +270,7 @@ class TritonPythonModel:
             )
         except TfgraphError as exc:
             raise RequestError(str(exc)) from exc
-        return Job(prompt, config, limit, seed, start, sender)
+        return Job(prompt, config, limit, seed, start, sender, stream)
 
     def _parameters(self, request) -> dict:
         try:
@@ -341,20 +353,20 @@ class TritonPythonModel:
                 if self.stopping.is_set():
                     for row, job in enumerate(batch):
                         if row not in finished:
-                            self._fail(job.sender, "model unloaded while generating")
+                            self._fail(job.sender, "model unloaded while generating", UNLOADED)
                     return
                 for row, token in step.tokens.items():
                     job = batch[row]
-                    job.sent += 1
-                    job.sender.send(self._response(token))
                     eos = first.eos_token_id is not None and token == first.eos_token_id
-                    if job.sent == job.limit or eos:
-                        job.sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    last = job.sent + 1 == job.limit or eos
+                    self._emit(job, token, last)
+                    if last:
                         finished.add(row)
         except Exception as exc:  # noqa: BLE001 - the clients hear of it, the server goes on
             for row, job in enumerate(batch):
                 if row not in finished:
-                    self._fail(job.sender, f"generation failed: {type(exc).__name__}: {exc}")
+                    message = f"generation failed: {type(exc).__name__}: {exc}"
+                    self._fail(job.sender, message, FAILED)
 
     # --- in-flight batching ------------------------------------------------------------
 
@@ -375,7 +387,8 @@ class TritonPythonModel:
                 try:
                     request = batcher.admit(job.prompt, job.config, job.seed, job.start)
                 except Exception as exc:  # noqa: BLE001 - this client hears of it
-                    self._fail(job.sender, f"generation failed: {type(exc).__name__}: {exc}")
+                    message = f"generation failed: {type(exc).__name__}: {exc}"
+                    self._fail(job.sender, message, FAILED)
                     continue
                 jobs[request.slot] = job
                 job.request = request
@@ -384,9 +397,10 @@ class TritonPythonModel:
                 try:
                     tokens = batcher.step()
                 except Exception as exc:  # noqa: BLE001 - the clients hear of it
+                    message = f"generation failed: {type(exc).__name__}: {exc}"
                     for slot, job in list(jobs.items()):
                         batcher.release(slot)
-                        self._fail(job.sender, f"generation failed: {type(exc).__name__}: {exc}")
+                        self._fail(job.sender, message, FAILED)
                     jobs.clear()
                     continue
                 for slot, token in tokens.items():
@@ -398,17 +412,14 @@ class TritonPythonModel:
                     self.metrics.count("cancelled")
             self.metrics.update(len(batcher.active), len(self.pending))
         for job in jobs.values():
-            self._fail(job.sender, "model unloaded while generating")
+            self._fail(job.sender, "model unloaded while generating", UNLOADED)
 
     def _deliver(self, jobs, slot, token):
         """Send ``token`` to the request in ``slot``; close its stream when it has ended; free
         the slot when its client cannot be reached."""
         job = jobs[slot]
         try:
-            job.sender.send(self._response(token))
-            job.sent += 1
-            if job.request.finished:
-                job.sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            self._emit(job, token, job.request.finished)
         except Exception:  # noqa: BLE001 - the client went away mid-stream
             self.batcher.release(slot)
             jobs.pop(slot)
@@ -426,17 +437,34 @@ class TritonPythonModel:
         except Exception:  # noqa: BLE001 - a sender that cannot tell is not cancelled
             return False
 
-    def _response(self, token: int):
+    def _emit(self, job, token: int, last: bool):
+        """``token`` to its client: its own response when streaming, else kept for the one
+        response that ``last`` sends with every token."""
+        job.sent += 1
+        final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if job.stream:
+            job.sender.send(self._response([token]))
+            if last:
+                job.sender.send(flags=final)
+            return
+        job.tokens.append(token)
+        if last:
+            job.sender.send(self._response(job.tokens), flags=final)
+
+    def _response(self, tokens: list):
         import numpy as np
 
-        outputs = [self.pb.Tensor("token_id", np.array([token], np.int64))]
-        if self.tokenizer is not None:  # this token's piece of text
-            piece = self.tokenizer.decode([token])
-            outputs.append(self.pb.Tensor("token_text", np.array([piece.encode()], np.object_)))
+        outputs = [self.pb.Tensor("token_id", np.array(tokens, np.int64))]
+        if self.tokenizer is not None:  # these tokens' text
+            text = self.tokenizer.decode(tokens)
+            outputs.append(self.pb.Tensor("token_text", np.array([text.encode()], np.object_)))
         return self.pb.InferenceResponse(output_tensors=outputs)
 
-    def _fail(self, sender, message: str):
+    def _fail(self, sender, message: str, code: str = BAD_REQUEST):
+        error = self.pb.TritonError
+        code = getattr(error, code, None)
+        failure = error(message) if code is None else error(message, code)
         sender.send(
-            self.pb.InferenceResponse(error=self.pb.TritonError(message)),
+            self.pb.InferenceResponse(error=failure),
             flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
         )

@@ -24,13 +24,27 @@ from tfgraph.cli import (
     listing,
     parity,
     run,
+    serve,
     triton,
 )
 from tfgraph.cli.listing import models_table
 from tfgraph.errors import TfgraphError
 
 # in `tfgraph --help` order; listing adds `targets` and `models`
-COMMANDS = (export, run, coverage, generate, bench, parity, engine, triton, inspect, fuzz, listing)
+COMMANDS = (
+    export,
+    run,
+    coverage,
+    generate,
+    bench,
+    parity,
+    engine,
+    serve,
+    triton,
+    inspect,
+    fuzz,
+    listing,
+)
 
 __all__ = ["build_parser", "main", "models_table"]
 

@@ -1,9 +1,15 @@
 """``tfgraph triton DIR -o REPO``: a Triton Inference Server model repository from an
-artifact."""
+artifact; ``tfgraph tritonserver REPO``: the server environment's ``tritonserver`` serving it
+(``python -m tfgraph.serving.install`` installs that environment)."""
 
 from __future__ import annotations
 
+import shlex
+
 from tfgraph.cli.output import table
+from tfgraph.errors import TfgraphError
+
+INSTALL_COMMAND = "python -m tfgraph.serving.install"
 
 
 def add_parser(sub):
@@ -50,6 +56,23 @@ def add_parser(sub):
         "else the requests that arrive together)",
     )
     p.set_defaults(func=run)
+    add_server_parser(sub)
+
+
+def add_server_parser(sub):
+    p = sub.add_parser(
+        "tritonserver",
+        help="run tritonserver (the server environment's) on a repository tfgraph triton wrote",
+    )
+    p.add_argument("repository", nargs="?", help="the model repository (tfgraph triton -o's)")
+    p.add_argument(
+        "--model-repository", dest="model_repository", help="the same, as tritonserver spells it"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--http-port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (default 8001)")
+    p.add_argument("--metrics-port", type=int, default=8002, help="metrics port (default 8002)")
+    p.set_defaults(func=run_server)
 
 
 def run(args) -> int:
@@ -71,5 +94,47 @@ def run(args) -> int:
     print(table(rows, ["model", "backend", "kind", "notes"]))
     serve = next((m.name for m in models if m.kind == "generate"), None)
     if serve:
-        print(f"serve: tritonserver --model-repository {args.output} (stream from '{serve}')")
+        repo = shlex.quote(str(args.output))
+        print(f"serve: tfgraph tritonserver {repo} (stream from '{serve}')")
+        print(
+            f"  (once, the server environment: {INSTALL_COMMAND}; in NVIDIA's Triton "
+            f"container: tritonserver --model-repository {repo})"
+        )
+    return 0
+
+
+def run_server(args) -> int:
+    from pathlib import Path
+
+    from tfgraph.interrupts import unwinding
+    from tfgraph.runtime.serving.install import find_tritonserver
+    from tfgraph.runtime.serving.launcher import loadable_models, serve_foreground
+
+    if (args.repository is None) == (args.model_repository is None):
+        raise TfgraphError("give the repository once: tfgraph tritonserver REPO")
+    repository = Path(args.repository or args.model_repository)
+    if not repository.is_dir():
+        raise TfgraphError(f"model repository '{repository}' is not a directory")
+    install = find_tritonserver()  # one line naming the install command when missing
+    load, skipped = loadable_models(repository, install)
+    for name, why in skipped.items():
+        print(f"not loading {name}: {why} (the Triton container has it)")
+    if not load:
+        raise TfgraphError(f"'{repository}' holds no model this tritonserver can load")
+    print(
+        f"tritonserver on {args.host}: HTTP {args.http_port}, gRPC {args.grpc_port}, metrics "
+        f"{args.metrics_port}; loading {', '.join(load)}; Ctrl-C stops it",
+        flush=True,
+    )
+    with unwinding():  # SIGTERM too stops the server and its stubs
+        code = serve_foreground(
+            repository,
+            host=args.host,
+            http_port=args.http_port,
+            grpc_port=args.grpc_port,
+            metrics_port=args.metrics_port,
+            models=load,
+        )
+    if code != 0:
+        raise TfgraphError(f"tritonserver exited with code {code}; its log is above")
     return 0

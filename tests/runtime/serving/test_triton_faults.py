@@ -71,6 +71,7 @@ def _stream(server, prompt, **params):
     array = np.asarray(prompt, dtype=np.int64)
     tensor = grpcclient.InferInput("input_ids", list(array.shape), "INT64")
     tensor.set_data_from_numpy(array)
+    params = {"stream": True, **params}  # a response per token
     client.async_stream_infer(MODEL, [tensor], parameters=params, enable_empty_final_response=True)
     tokens, error = [], None
     while True:
@@ -99,7 +100,7 @@ def test_clients_that_disconnect_mid_stream_free_their_slots(served):
         tensor.set_data_from_numpy(np.array([i + 1, 2, 3], np.int64))
         # thousands of tokens: it would hold its slot for seconds if nobody noticed
         client.async_stream_infer(
-            MODEL, [tensor], parameters={"max_new_tokens": CAPACITY - 8},
+            MODEL, [tensor], parameters={"max_new_tokens": CAPACITY - 8, "stream": True},
             enable_empty_final_response=True,
         )  # fmt: skip
         for _ in range(3):  # a few tokens, then the client goes away mid-stream

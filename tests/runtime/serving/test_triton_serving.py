@@ -115,6 +115,7 @@ def _grpc_stream(server, model, prompt=None, text=None, dtype=np.int64, started=
         tensor = grpcclient.InferInput("text", [1], "BYTES")
         tensor.set_data_from_numpy(np.array([text], dtype=np.object_))
         inputs.append(tensor)
+    params = {"stream": True, **params}  # a response per token
     client.async_stream_infer(model, inputs, parameters=params, enable_empty_final_response=True)
     tokens, texts, error = [], [], None
     while True:
@@ -160,7 +161,7 @@ def test_http_generate_stream_and_text(served):
     """Triton's HTTP ``generate_stream`` (server-sent events) on the model with a tokenizer:
     text in, tokens and their text out."""
     server, root = served
-    body = json.dumps({"text": "the cat sat on", "max_new_tokens": 6}).encode()
+    body = json.dumps({"text": "the cat sat on", "max_new_tokens": 6, "stream": True}).encode()
     request = urllib.request.Request(
         f"http://{server.http_url}/v2/models/{TEXT}_generate/generate_stream",
         data=body,
@@ -178,6 +179,42 @@ def test_http_generate_stream_and_text(served):
     assert all(isinstance(e["token_text"], (str, list)) for e in events)
     _, texts, error = _grpc_stream(server, f"{TEXT}_generate", text="the dog ran", max_new_tokens=4)
     assert error is None and len(texts) == 4
+
+
+def _http_generate(server, model, body):
+    """(status, JSON answer) of Triton's HTTP ``generate`` endpoint (one response)."""
+    request = urllib.request.Request(
+        f"http://{server.http_url}/v2/models/{model}/generate",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_http_generate_answers_whole_and_errors_with_their_status(served):
+    """Without ``stream`` the model answers in one response, so Triton's HTTP ``generate``
+    (which takes exactly one) gives 200 with every token and their text; a bad request gets
+    400 with the error (before: 200 with Triton's "exactly 1 response" error)."""
+    server, root = served
+    model = f"{TEXT}_generate"
+    code, answer = _http_generate(server, model, {"text": "the cat sat on", "max_new_tokens": 6})
+    want = _local(root, TEXT, [2, 3, 4, 5], max_new_tokens=6)
+    assert code == 200, answer
+    assert [int(t) for t in np.ravel(answer["token_id"])] == want
+    text = answer["token_text"]
+    words = [WORDS[t] if t < len(WORDS) else f"w{t}" for t in want]
+    assert (text if isinstance(text, str) else text[0]) == " ".join(words)
+    for body, needle in [
+        ({"text": "the cat", "beam_width": 4}, "unknown parameter"),
+        ({"input_ids": [], "max_new_tokens": 2}, "prompt is empty"),
+        ({"text": "the cat", "max_new_tokens": 500}, "positions"),
+    ]:
+        code, answer = _http_generate(server, model, body)
+        assert code == 400 and needle in answer["error"], (code, answer)
 
 
 @pytest.mark.parametrize("name", [DECODER, TEXT])  # TEXT has an attention mask: padded batches
