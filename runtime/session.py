@@ -1,25 +1,27 @@
 """Open an artifact (a directory with ``model.onnx``, or an ``.onnx`` file) with ONNX Runtime:
 :class:`Session`, the ONNX Runtime implementation of the runner protocol (:mod:`.runner`).
 
-Before ONNX Runtime sees a file, it is checked: the artifact's ``manifest.json`` (if any) must be
-of a format this tfgraph understands, and every external-data location must name a file inside
-the model's directory (no ``..``, no absolute path, no symlink leading out).
+Before ONNX Runtime sees a file, it is checked (:mod:`.model_files`): the artifact's
+``manifest.json`` (if any) must be of a format this tfgraph understands, and every external-data
+location must name a file inside the model's directory (no ``..``, no absolute path, no symlink
+leading out). A directory's graph is the manifest's first file (``onnx/model.onnx`` in the
+``optimum`` flavour).
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
-import os
-from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path, PureWindowsPath
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 
 from tfgraph import contract
 from tfgraph.errors import TfgraphError, first_line
-from tfgraph.exporters.manifest import read_manifest
+from tfgraph.runtime.model_files import checked_model, model_path, step_file
 from tfgraph.runtime.runner import RUNNERS, KVCache, RoleKey
+
+__all__ = ["PROVIDERS", "Session", "checked_model", "model_path", "state_zeros", "step_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,122 +40,6 @@ _ORT_DTYPES = {
     "tensor(bool)": np.bool_,
     "tensor(int8)": np.int8,  # an int8 KV cache
 }
-
-
-def step_file(manifest: Mapping | None) -> str:
-    """The step graph of an artifact, relative to its directory: the manifest's first file
-    (``onnx/model.onnx`` in the ``optimum`` flavour), ``model.onnx`` without a manifest."""
-    files = (manifest or {}).get("files") or []
-    first = files[0] if files and isinstance(files[0], str) else ""
-    if not first.endswith(".onnx"):
-        return contract.MODEL_FILE
-    if os.path.isabs(first) or PureWindowsPath(first).anchor or ".." in Path(first).parts:
-        raise TfgraphError(
-            f"the manifest names the model '{first}', outside the artifact; re-export it"
-        )
-    return first
-
-
-def model_path(path: str | Path) -> Path:
-    """The step graph of an artifact directory (:func:`step_file`), the path itself for an
-    ``.onnx`` file."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / step_file(read_manifest(path))
-    if not path.is_file():
-        raise TfgraphError(f"no ONNX model at '{path}': give an artifact directory or a .onnx file")
-    return path
-
-
-def _manifest_of(model_file: Path) -> dict | None:
-    """The manifest of the artifact ``model_file`` belongs to: beside it, or one folder up
-    where that manifest names it as its step graph (``onnx/model.onnx``)."""
-    manifest = read_manifest(model_file.parent)
-    if manifest is not None:
-        return manifest
-    above = read_manifest(model_file.parent.parent)
-    if above is not None and step_file(above) == f"{model_file.parent.name}/{model_file.name}":
-        return above
-    return None
-
-
-def checked_model(path: str | Path) -> tuple[Path, dict | None]:
-    """``(model file, manifest or None)``, checked before any ONNX library reads the file: the
-    manifest's format is one this tfgraph understands, and external data stays in its directory.
-    """
-    model_file = model_path(path)
-    manifest = _manifest_of(model_file)
-    check_external_data(model_file)
-    return model_file, manifest
-
-
-# An external-data entry always carries the key "location": field 1 (tag 0x0a), 8 bytes.
-_LOCATION_KEY = b"\n\x08location"
-
-
-def _may_have_external_data(model_file: Path) -> bool:
-    """False when the file cannot reference external data (no ``location`` key in its bytes),
-    so that the common inline model is not parsed twice."""
-    with open(model_file, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return False
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return data.find(_LOCATION_KEY) >= 0
-
-
-def _tensors(graph) -> Iterator:
-    """Every TensorProto of a GraphProto: initializers, sparse ones, node attributes, subgraphs."""
-    yield from graph.initializer
-    for sparse in graph.sparse_initializer:
-        yield sparse.values
-        yield sparse.indices
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.HasField("t"):
-                yield attr.t
-            yield from attr.tensors
-            if attr.HasField("g"):
-                yield from _tensors(attr.g)
-            for sub in attr.graphs:
-                yield from _tensors(sub)
-
-
-def _location_problem(root: Path, location: str) -> str | None:
-    if not location:
-        return "has no location"
-    if os.path.isabs(location) or PureWindowsPath(location).anchor:
-        return "is an absolute path"
-    if ".." in Path(location.replace("\\", "/")).parts:
-        return "climbs out of the model directory"
-    if not (root / location).resolve().is_relative_to(root):
-        return "is a link that leads out of the model directory"
-    return None
-
-
-def check_external_data(model_file: Path) -> None:
-    """Refuse a model whose external data lies outside its directory (ONNX Runtime would read
-    any file the location names)."""
-    if not _may_have_external_data(model_file):
-        return
-    import onnx
-
-    try:
-        proto = onnx.load(str(model_file), load_external_data=False)
-    except Exception as exc:
-        raise TfgraphError(
-            f"cannot read '{model_file}' as ONNX ({first_line(exc)}); re-export it"
-        ) from exc
-    root = model_file.parent.resolve()
-    for tensor in _tensors(proto.graph):
-        if tensor.data_location != onnx.TensorProto.EXTERNAL:
-            continue
-        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
-        problem = _location_problem(root, location)
-        if problem:
-            raise TfgraphError(
-                f"'{model_file}' is refused: the external data '{location}' of tensor "
-                f"'{tensor.name}' {problem}; external data must be a file beside the model"
-            )
 
 
 # Named dims that count token positions: checked against the manifest's ``max_positions``.
