@@ -56,7 +56,7 @@ def write_artifact(graph, stage: Path, source, options, steps, encoder=None):
         save_onnx(graph, stage, external_data=options.external_data, name=flavour.model_file)
         + files
     )
-    files += copy_tokenizer(source.origin, stage)
+    files += source.save_tokenizer(stage) or copy_tokenizer(source.origin, stage)
     fusions = count_fusions(graph, options.pipeline, target=target)
     if encoder is not None:  # the model's fusions: the encoder's layers count too
         fusions = _merged(count_fusions(encoder, options.pipeline, target=target), fusions)

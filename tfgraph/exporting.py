@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tfgraph.exporters import check_target, staged_directory, write_json
 from tfgraph.exporters.artifact import scratch_directory
@@ -29,10 +30,14 @@ from tfgraph.passes.pipeline.run import Steps
 from tfgraph.precision.stage import convert_precision, quantize_kv_cache, quantize_weights
 from tfgraph.progress import stage
 from tfgraph.sources import ModelSource, load_source
+from tfgraph.sources.objects import with_tokenizer
 from tfgraph.sources.trace import TraceCache
 from tfgraph.sources.tracing import trace_source
 from tfgraph.verify.artifact import check_artifact, weights_error
 from tfgraph.verify.kv_quantization import check_int8_cache
+
+if TYPE_CHECKING:
+    from torch.nn import Module
 
 logger = logging.getLogger(__name__)
 
@@ -84,16 +89,17 @@ class Rewritten:
 
 @unwound  # SIGINT, SIGTERM and SIGHUP unwind: nothing is left behind
 def export(
-    model: str | ModelSource,
+    model: str | Path | ModelSource | Module,
     out_dir: str | Path,
     options: ExportOptions | None = None,
     *,
+    tokenizer=None,
     progress: Callable[[str], None] = _no_progress,
     trace_cache: TraceCache | None = None,
     **fields,
 ) -> ExportResult:
-    """Export ``model`` (a MODEL string, or a :class:`ModelSource`) into ``out_dir`` with
-    ``options`` (or its fields as keywords); ``trace_cache``: an earlier export's trace."""
+    """Export ``model`` (see :func:`_load`) into ``out_dir`` with ``options`` (or its fields as
+    keywords), ``tokenizer`` into its ``tokenizer/``; ``trace_cache``: an earlier trace."""
     out_dir = Path(out_dir)
     options = ExportOptions.of(options, fields)
     target = get_target(options.target)  # an unknown target is refused first
@@ -101,7 +107,7 @@ def export(
     options = options.resolved(target)
     stages = Stages(progress)
     with stages.timed("load"):
-        source = model if isinstance(model, ModelSource) else _load(model, options)
+        source = _load(model, options, tokenizer)
     budget = check_budget(source, options.view("quantizing"), out_dir)  # disk, memory: first
     with stages.timed("trace"):
         source, graph = trace_source(model, source, options.view("tracing"), trace_cache)
@@ -184,8 +190,14 @@ def _paged(graph, stage: Path, source, options, steps, encoder, parity, done):
     return saved
 
 
-def _load(model: str, options: ExportOptions) -> ModelSource:
-    return load_source(model, **asdict(options.view("loading")))
+def _load(model, options: ExportOptions, tokenizer=None) -> ModelSource:
+    """The source of ``model``: a MODEL string or path (preset, ``package.module:function``,
+    Hugging Face directory), a model object (an ``nn.Module``, ``(nn.Module, example_inputs)``,
+    a transformers ``PreTrainedModel``: :mod:`tfgraph.sources.objects`) or a
+    :class:`ModelSource` as it is; carrying ``tokenizer`` (saved into the artifact)."""
+    if not isinstance(model, ModelSource):
+        model = load_source(model, **asdict(options.view("loading")))
+    return with_tokenizer(model, tokenizer)
 
 
 def _positions(source: ModelSource) -> int | None:

@@ -12,6 +12,7 @@ import argparse
 import logging
 import signal
 import sys
+from difflib import get_close_matches
 
 from tfgraph.cli import (
     bench,
@@ -61,13 +62,38 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_parser(sub)
     for p in sub.choices.values():  # every command: -v, last
         p.add_argument("-v", "--verbose", action="store_true", help="per-pass and per-layer detail")
+    parser.commands = sub.choices  # command name → its parser (unknown flags: _parse)
     return parser
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, except that arguments a command does not take are refused by
+    that command's parser (its own usage, not the top level's), each unknown flag with the
+    closest one it takes: ``--kv-cahce`` → "did you mean --kv-cache?"; then the command's
+    ``resolve(args)`` (its aliases: ``export -m MODEL OUT``), whose conflicts are usage errors."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = parser.commands[args.command]
+        flags = [s for action in command._actions for s in action.option_strings]
+        hints = {}
+        for arg in unknown:
+            close = arg.startswith("-") and get_close_matches(arg.split("=")[0], flags, n=1)
+            if close:
+                hints[arg] = close[0]
+        said = [f"{arg}: did you mean {flag}?" for arg, flag in hints.items()]
+        if len(hints) == 1:
+            said = [f"did you mean {next(iter(hints.values()))}?"]
+        hint = f" ({'; '.join(said)})" if said else ""
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    if getattr(args, "resolve", None) is not None:  # a command's aliases and their conflicts
+        args.resolve(args)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = _parse(parser, argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return int(exc.code or 0)
     logging.basicConfig(

@@ -18,6 +18,23 @@ from tfgraph.exporters.flavours import FLAVOURS
 
 EXPORT_STEPS = ("load", "trace", "passes", "save", "parity")
 
+# optimum-cli's spellings (`optimum-cli export onnx -m MODEL --task … --dtype … --device … OUT`)
+DEVICES = {"cpu": "ort", "cuda": "ort-cuda"}  # --device → the ONNX Runtime target
+# --task: what `optimum-cli export onnx` takes; "-with-past" asks for the KV cache. The graph's
+# inputs and outputs come from the model itself (its config's architecture), whatever the task
+TASKS = (
+    "auto",
+    *(
+        f"{task}{past}"
+        for task in ("text-generation", "text2text-generation", "automatic-speech-recognition",
+                     "image-to-text")
+        for past in ("", "-with-past")
+    ),
+    "feature-extraction", "fill-mask", "text-classification", "token-classification",
+    "question-answering", "multiple-choice", "sentence-similarity", "image-classification",
+    "audio-classification", "object-detection", "semantic-segmentation",
+)  # fmt: skip
+
 
 def add_parser(sub):
     """The ``export`` subcommand; its flags group by group, in the order ``--help`` lists them."""
@@ -27,7 +44,7 @@ def add_parser(sub):
     _add_precision_and_weights(p)
     _add_loading(p)
     _add_kv_cache(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, resolve=resolve_aliases, usage_error=p.error)
 
 
 def _add_source_and_pipeline(p):
@@ -35,15 +52,34 @@ def _add_source_and_pipeline(p):
     from tfgraph.exporters.targets import target_names
     from tfgraph.passes import PIPELINES
 
-    p.add_argument("model", help="preset name, package.module:function, or a HF model directory")
-    p.add_argument("-o", "--output", required=True, type=Path, help="artifact directory")
+    p.add_argument(
+        "model",
+        nargs="?",
+        help="preset name, package.module:function, or a HF model directory (or -m MODEL)",
+    )
+    p.add_argument(
+        "output_dir", nargs="?", metavar="OUTPUT", type=Path, help="artifact directory (or -o)"
+    )
+    p.add_argument("-m", "--model", dest="model_option", metavar="MODEL", help="the model")
+    p.add_argument("-o", "--output", type=Path, help="artifact directory")
     p.add_argument("--pipeline", default="default", choices=list(PIPELINES))
     p.add_argument(
         "--target",
-        default="ort",
         metavar="TARGET",
         help=f"target backend: {', '.join(target_names())}, or tensorrt@X.Y "
         "(python -m tfgraph targets lists them; default: ort)",
+    )
+    p.add_argument(
+        "--device",
+        choices=list(DEVICES),
+        help="as optimum-cli: cpu → --target ort, cuda → --target ort-cuda",
+    )
+    p.add_argument(
+        "--task",
+        choices=TASKS,
+        metavar="TASK",
+        help="as optimum-cli: text-generation-with-past (any *-with-past) → --kv-cache; other "
+        "tasks export the model as its config.json names it",
     )
     p.add_argument(
         "--opset", type=int, help="default-domain opset (default: the target's; 20 for ort)"
@@ -75,6 +111,8 @@ def _add_precision_and_weights(p):
     """The graph's float type and weight-only quantization."""
     p.add_argument(
         "--precision",
+        "--dtype",  # optimum-cli's spelling
+        dest="precision",
         choices=["fp32", "fp16", "bf16"],
         default="fp32",
         help="the graph's float type; fp32 islands are kept where measured values need them "
@@ -237,6 +275,40 @@ def options_from_args(args):
         kv_block_size=args.kv_block_size,
         flavour=args.flavour,
     )
+
+
+def resolve_aliases(args) -> None:
+    """optimum-cli's spellings as the flags they stand for: ``-m MODEL`` (the positional then
+    being the output), a positional output directory, ``--device``, ``--task``; a conflict is
+    a usage error (``args.usage_error``: the subcommand's usage). Run as the arguments are
+    parsed (``main``)."""
+    error = args.usage_error
+    positional = [a for a in (args.model, args.output_dir) if a is not None]
+    if args.model_option is not None:
+        if len(positional) == 2:
+            error(f"the model is given twice: -m {args.model_option} and {positional[0]}")
+        args.model, outputs = args.model_option, [Path(p) for p in positional]
+    else:
+        if not positional:
+            error("the following arguments are required: model (or -m MODEL)")
+        args.model, outputs = str(positional[0]), positional[1:]
+    if args.output is not None:
+        outputs.append(args.output)
+    if len({Path(o) for o in outputs}) != 1:
+        error(
+            "give the artifact directory once: -o DIR, or as the last positional argument"
+            if not outputs
+            else f"two artifact directories: {' and '.join(map(str, outputs))}"
+        )
+    args.output = Path(outputs[0])
+    if args.device is not None:
+        wanted = DEVICES[args.device]
+        if args.target not in (None, wanted) and args.target in DEVICES.values():
+            error(f"--device {args.device} and --target {args.target} disagree: drop one")
+        args.target = args.target or wanted
+    args.target = args.target or "ort"
+    if args.task is not None and args.task.endswith("-with-past"):
+        args.kv_cache = True
 
 
 def run(args) -> int:

@@ -15,6 +15,7 @@ import importlib
 import inspect
 import logging
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -23,20 +24,26 @@ from torch.utils import _pytree
 
 from tfgraph.errors import TfgraphError, first_line
 from tfgraph.sources.model import InputMaker, ModelSource, max_positions
+from tfgraph.sources.objects import from_hf_object, is_hf_model
 
 logger = logging.getLogger(__name__)
 
 
 def load_source(
-    spec: str, *, trust_remote_code: bool = False, attn_implementation: str | None = None
+    spec, *, trust_remote_code: bool = False, attn_implementation: str | None = None
 ) -> ModelSource:
-    """Resolve a MODEL argument of the CLI: preset name, ``pkg.mod:fn`` or a directory.
+    """Resolve a MODEL argument of the CLI: preset name, ``pkg.mod:fn`` or a directory (a
+    string or a path); from Python also a model object (:mod:`tfgraph.sources.objects`).
 
-    ``attn_implementation`` (``eager``, ``sdpa``) applies to Hugging Face directories only;
+    ``attn_implementation`` (``eager``, ``sdpa``) applies to Hugging Face models only;
     ``None`` keeps the library's default.
     """
     from tfgraph.models import PRESETS
 
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
+    if not isinstance(spec, str):
+        return from_object(spec, attn_implementation=attn_implementation)
     if spec in PRESETS:
         return _from_preset(spec)
     if os.path.isdir(spec):
@@ -52,10 +59,42 @@ def load_source(
             f"'{spec}' is a file, not a model: give a preset name, a package.module:function "
             "factory, or a Hugging Face model directory"
         )
+    if _HUB_ID.fullmatch(spec):
+        local = spec.rpartition("/")[2]
+        raise TfgraphError(
+            f"no directory '{spec}' here; if it is a Hugging Face hub id, tfgraph reads local "
+            f"files only: download it first (`hf download {spec} --local-dir {local}`), then "
+            f"export {local}"
+        )
     raise TfgraphError(
         f"unknown model '{spec}': not a preset (list them with `python -m tfgraph models`), "
         "not a package.module:function factory, not a directory"
     )
+
+
+# a Hugging Face hub id: owner/name (letters, digits, '-', '_', '.'; at most 96 characters each)
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
+
+
+def from_object(obj, *, attn_implementation: str | None = None) -> ModelSource:
+    """The source of a model object (from Python): a transformers ``PreTrainedModel`` through
+    the Hugging Face source (:func:`tfgraph.sources.objects.from_hf_object`), an ``nn.Module``
+    or ``(nn.Module, example_inputs)`` through :func:`from_module`."""
+    example = None
+    if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], nn.Module):
+        obj, example = obj
+    if not isinstance(obj, nn.Module):
+        raise TfgraphError(
+            f"cannot export a {type(obj).__name__}: give an nn.Module, (nn.Module, "
+            "example_inputs), a transformers PreTrainedModel, or a MODEL string (preset, "
+            "package.module:function, directory)"
+        )
+    if is_hf_model(obj):
+        if example is not None:
+            logger.info("%s: its inputs come from its config; the examples are not used",
+                        type(obj).__name__)  # fmt: skip
+        return from_hf_object(obj, attn_implementation)
+    return from_module(obj, example, origin=f"module:{type(obj).__name__}")
 
 
 def _from_preset(name: str) -> ModelSource:
@@ -102,7 +141,12 @@ def from_module(module: nn.Module, example_inputs=None, *, origin: str = "module
        not run with another size of dim 1 (an image's channels) keeps only ``batch`` dynamic.
     3. With nothing: a single ``input_ids`` input of (batch, sequence) token ids drawn from
        the vocabulary of the module's first ``nn.Embedding``.
+
+    A transformers ``PreTrainedModel`` goes to the Hugging Face source instead
+    (:mod:`tfgraph.sources.objects`): its inputs come from its config.
     """
+    if is_hf_model(module):  # its forward returns a DynamicCache: the Hugging Face source
+        return from_object(module if example_inputs is None else (module, example_inputs))
     module = module.eval()
     if example_inputs is None and all(
         hasattr(module, a) for a in ("input_names", "example_inputs", "dynamic_axes")

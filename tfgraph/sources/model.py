@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -26,13 +27,25 @@ class ModelSource:
     output_names: tuple[str, ...]
     dynamic_axes: dict[str, dict[int, str]]
     make_inputs: InputMaker
-    origin: str  # "preset:gpt-tiny", "factory:pkg.mod:fn", "hf:/path"
+    origin: str  # "preset:gpt-tiny", "factory:pkg.mod:fn", "hf:/path", "object:LlamaForCausalLM"
     info: dict = field(default_factory=dict)
     device: str = "cpu"  # where the eager module runs; parity of a GPU engine uses "cuda"
     # what torch.export traces when it is not ``module`` (a checkpoint's model built without
     # weights), and what binds the traced graph's weights then (tfgraph.sources.streamed)
     trace_module: nn.Module | None = None
     binder: object | None = None
+    # a tokenizer given with the model (``export(obj, out, tokenizer=…)``): saved into the
+    # artifact's ``tokenizer/`` (a Hugging Face directory's own files are copied instead)
+    tokenizer: object | None = None
+
+    def save_tokenizer(self, stage: Path) -> list[str]:
+        """The tokenizer given with the model, saved with ``save_pretrained`` into
+        ``stage/tokenizer``; its files, relative to ``stage`` ([] without one)."""
+        if self.tokenizer is None:
+            return []
+        directory = stage / "tokenizer"
+        self.tokenizer.save_pretrained(directory)
+        return sorted(p.relative_to(stage).as_posix() for p in directory.rglob("*") if p.is_file())
 
     def on_device(self, device: str) -> ModelSource:
         """This source with its eager module on ``device`` (a moved copy; inputs follow it and

@@ -29,8 +29,8 @@ def trace_source(
 ) -> tuple[ModelSource, ir.Model]:
     """(the source that traced, its graph at ``options.opset``). Some Hugging Face attention
     back-ends do not trace with dynamic shapes (T5 with sdpa in transformers 5); the eager
-    implementation computes the same function: ``model`` (the MODEL string) is reloaded with
-    it, unless the user chose the implementation."""
+    implementation computes the same function: ``model`` (the MODEL string, or the model
+    object) is reloaded with it, unless the user chose the implementation."""
 
     def traced(source: ModelSource) -> ir.Model:
         if trace_cache is None:
@@ -43,15 +43,18 @@ def trace_source(
         implementation = source.info.get("attn_implementation")
         if options.attn_implementation or implementation in (None, "eager"):
             raise
+        if isinstance(model, ModelSource):  # a source made by the caller: nothing to reload
+            raise
         logger.warning(
             "tracing with attn_implementation=%s failed; retrying with eager attention",
             implementation,
         )
-        source = load_source(
+        reloaded = load_source(
             model, trust_remote_code=options.trust_remote_code, attn_implementation="eager"
         )
-        source.info["attn_fallback"] = "eager"
-        return source, traced(source)
+        reloaded.info["attn_fallback"] = "eager"
+        reloaded.tokenizer = source.tokenizer  # the one given with the model, if any
+        return reloaded, traced(reloaded)
 
 
 def _trace(source: ModelSource, opset: int):

@@ -43,17 +43,29 @@ def is_embedding(node: ir.Node) -> bool:
     return "aten.embedding" in node.metadata_props.get("pkg.torch.onnx.fx_node", "")
 
 
+_ZERO_BLOCKS_SAID: set[str] = set()  # tables whose all-zero blocks were logged (once each)
+
+
 def _quantized(tensor, block_size: int, symmetric: bool) -> tuple:
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantizer
 
     data = tensor.numpy()
-    chunks = [  # rows quantize on their own: the same bytes, temporaries of 8192 rows
-        DefaultWeightOnlyQuantizer.quantize_ndarray(
-            np.ascontiguousarray(data[r : r + TABLE_CHUNK]), 1, block_size, symmetric
-        )
-        for r in range(0, data.shape[0], TABLE_CHUNK)  # even rows a chunk: packing stays aligned
-    ]
-    return tuple(None if p[0] is None else np.concatenate(p) for p in zip(*chunks, strict=True))
+    # ONNX Runtime's quant_slice_(a)symmetric divide every block by its scale before np.where
+    # drops the blocks whose scale is 0 (all zeros: a padding row); numpy's RuntimeWarnings
+    # about those discarded values (one per read of the lazy table) stay out of the output
+    with np.errstate(divide="ignore", invalid="ignore"):
+        chunks = [  # rows quantize on their own: the same bytes, temporaries of 8192 rows
+            DefaultWeightOnlyQuantizer.quantize_ndarray(
+                np.ascontiguousarray(data[r : r + TABLE_CHUNK]), 1, block_size, symmetric
+            )
+            for r in range(0, data.shape[0], TABLE_CHUNK)  # even rows: packing stays aligned
+        ]
+    parts = tuple(None if p[0] is None else np.concatenate(p) for p in zip(*chunks, strict=True))
+    zero = int((parts[1] == 0).sum())
+    if zero and tensor.name not in _ZERO_BLOCKS_SAID:
+        _ZERO_BLOCKS_SAID.add(tensor.name)
+        logger.debug("%s: %d all-zero blocks (scale 0, quantized to 0)", tensor.name, zero)
+    return parts
 
 
 def quantize_embeddings(

@@ -1,0 +1,150 @@
+"""``tfgraph.load(dir)``: an artifact ready to generate from Python (a notebook, a script).
+
+::
+
+    model = tfgraph.load("out")
+    model.generate("w1 w2 w3", max_new_tokens=8)   # → the new text
+    model.generate([1, 5, 9], max_new_tokens=8)    # → the new token ids
+
+:class:`LoadedModel` puts the pieces the CLI's ``generate`` joins behind one object: the
+runner the artifact's target names (:func:`open_runner`), the :class:`CachedDecoder` and
+:func:`generate` over it, the artifact's tokenizer (:mod:`.tokenizer`) and its manifest. What
+goes in comes out: text in → text out (the new tokens decoded, special tokens skipped), token
+ids in → token ids out; a list of either is a batch (left-padded). Decoding stops at the
+tokenizer's end-of-sequence token unless ``ignore_eos``.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from tfgraph.errors import TfgraphError
+from tfgraph.exporters.manifest import read_manifest
+from tfgraph.runtime.generate import CachedDecoder, GenerationConfig, generate, seq2seq_prompts
+from tfgraph.runtime.runner import Runner, open_runner
+from tfgraph.runtime.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def load(path: str | Path, *, provider: str | Sequence[str] = "cpu") -> LoadedModel:
+    """The artifact in ``path`` (exported with ``kv_cache=True`` to generate), opened with the
+    runner its target names; ``provider``: ``cpu`` (default) or ``cuda`` (ONNX Runtime)."""
+    return LoadedModel(path, provider=provider)
+
+
+class LoadedModel:
+    """An opened artifact: :meth:`generate`, its :attr:`tokenizer` (``None`` when it carries
+    none), its :attr:`manifest` and the :attr:`runner` it runs on."""
+
+    def __init__(self, path: str | Path, *, provider: str | Sequence[str] = "cpu") -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise TfgraphError(f"no artifact directory at '{self.path}': give an export's output")
+        self.manifest: dict = read_manifest(self.path) or {}
+        providers = [provider] if isinstance(provider, str) else list(provider)
+        self.runner: Runner = open_runner(self.path, providers=providers)
+        self.tokenizer = load_tokenizer(self.path) if (self.path / "tokenizer").is_dir() else None
+        self._decoder: CachedDecoder | None = None
+
+    def __repr__(self) -> str:
+        origin = self.manifest.get("model", "?")
+        tokenizer = "a tokenizer" if self.tokenizer is not None else "no tokenizer"
+        return f"<tfgraph.LoadedModel {str(self.path)!r}: {origin}, {tokenizer}>"
+
+    @property
+    def decoder(self) -> CachedDecoder:
+        """The KV-cached decoder over :attr:`runner` (a one-line error for an artifact exported
+        without ``kv_cache``)."""
+        if self._decoder is None:
+            self._decoder = CachedDecoder(self.runner)
+        return self._decoder
+
+    def generate(
+        self,
+        prompt,
+        max_new_tokens: int = 32,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        eos_token_id: int | None = None,
+        ignore_eos: bool = False,
+        pad_token_id: int | None = None,
+        decoder_start_token_id: int = 0,
+    ):
+        """Generate after ``prompt``: a text (→ the new text), token ids (→ the new ids; a
+        list, an array, a tensor or the tokenizer's output), or a list of either (a batch → a
+        list). Greedy unless ``do_sample`` (with ``temperature``, ``top_k``, ``top_p``,
+        ``seed``). Stops after ``max_new_tokens`` or at ``eos_token_id`` (default: the
+        tokenizer's; ``ignore_eos``: never). Padding uses ``pad_token_id`` (default: the
+        tokenizer's, else its EOS, else 0); an encoder-decoder's decoder starts from
+        ``decoder_start_token_id``."""
+        texts, prompts, single = self._prompts(prompt)
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            eos_token_id=None if ignore_eos else self._special("eos", eos_token_id),
+            pad_token_id=self._special("pad", pad_token_id) or 0,
+        )
+        decoder, extra = self.decoder, None
+        if decoder.seq2seq:  # the prompts feed the encoder; the decoder starts afresh
+            prompts, extra = seq2seq_prompts(
+                decoder, prompts, config.pad_token_id, decoder_start_token_id
+            )
+        tokens = generate(decoder, prompts, config, extra=extra).tokens
+        if texts:
+            out = [self.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+        else:
+            out = tokens
+        return out[0] if single else out
+
+    def _prompts(self, prompt) -> tuple[bool, list[list[int]], bool]:
+        """(whether the prompts are texts, their token ids, whether there was one prompt)."""
+        if isinstance(prompt, Mapping) and "input_ids" in prompt:  # the tokenizer's output
+            prompt = prompt["input_ids"]
+        if hasattr(prompt, "tolist"):  # a numpy array or a tensor of ids
+            prompt = prompt.tolist()
+        single = isinstance(prompt, str) or _ids(prompt)
+        batch = [prompt] if single else list(prompt) if isinstance(prompt, (list, tuple)) else []
+        if batch and all(isinstance(p, str) for p in batch):
+            if self.tokenizer is None:
+                raise TfgraphError(
+                    f"'{self.path}' carries no tokenizer: give token ids, or export with "
+                    "tokenizer=… (or from a Hugging Face directory that has one)"
+                )
+            return True, [self.tokenizer(p)["input_ids"] for p in batch], single
+        batch = [p.tolist() if hasattr(p, "tolist") else p for p in batch]
+        if not batch or not all(_ids(p) for p in batch):
+            raise TfgraphError(
+                "prompt: a text, a list of token ids, or a list of either (a batch); got "
+                f"{type(prompt).__name__}"
+            )
+        return False, [[int(t) for t in p] for p in batch], single
+
+    def _special(self, kind: str, given: int | None) -> int | None:
+        """``given``, else the tokenizer's ``eos``/``pad`` token id (pad: its eos if no pad)."""
+        if given is not None or self.tokenizer is None:
+            return given
+        found = getattr(self.tokenizer, f"{kind}_token_id", None)
+        if found is None and kind == "pad":
+            found = getattr(self.tokenizer, "eos_token_id", None)
+        return found
+
+
+def _ids(prompt) -> bool:
+    """A non-empty list of token ids (ints)."""
+    return (
+        isinstance(prompt, (list, tuple))
+        and len(prompt) > 0
+        and all(isinstance(t, numbers.Integral) for t in prompt)
+    )
