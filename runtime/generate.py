@@ -12,6 +12,9 @@ Decoding: greedy, or sampling with temperature, top-k, top-p and a seed; stops a
 ``max_new_tokens`` or when every row has produced ``eos_token_id``. Prompts of different lengths
 are left-padded with ``pad_token_id``; with an ``attention_mask`` input the padding is masked,
 without one the model sees the pad tokens (as eager PyTorch on the same padded batch does).
+An artifact that reads its past lengths off the mask (``--flavour genai``: onnxruntime-genai's
+right-padded convention, ``kv_layout.lengths_from``) gets each step's batch compacted first
+(:func:`compacted`): a row's real tokens first, the mask 1 on the row's own positions.
 """
 
 from __future__ import annotations
@@ -90,6 +93,8 @@ class CachedDecoder:
         mask = signature.input(contract.ATTENTION_MASK)
         self.mask_input = mask.name if mask is not None else None
         self.shared = signature.shared_buffer
+        # past lengths read off the mask (the genai flavour): each step's batch is compacted
+        self.lengths_from_mask = signature.lengths_from_mask and self.mask_input is not None
         self.extra_inputs = [
             p.name
             for p in signature.inputs
@@ -179,7 +184,7 @@ class CachedDecoder:
                 f"the KV cache holds {cache.capacity} positions but {cache.length + new} are "
                 "needed; allocate it with a larger capacity"
             )
-        feeds = {(contract.TOKEN_IDS, None): np.asarray(tokens, np.int64)}
+        feeds, order = {}, None
         if self.mask_input is not None:
             if mask is None:  # nothing padded
                 mask = np.ones((tokens.shape[0], cache.length + new), np.int64)
@@ -188,7 +193,11 @@ class CachedDecoder:
                     f"'{self.mask_input}' is {tuple(np.shape(mask))}; it spans past + new "
                     f"tokens: ({tokens.shape[0]}, {cache.length + new})"
                 )
-            feeds[(contract.ATTENTION_MASK, None)] = np.asarray(mask, np.int64)
+            mask = np.asarray(mask, np.int64)
+            if self.lengths_from_mask:
+                tokens, mask, order = compacted(tokens, mask)
+            feeds[(contract.ATTENTION_MASK, None)] = mask
+        feeds[(contract.TOKEN_IDS, None)] = np.asarray(tokens, np.int64)
         for name in self.extra_inputs:
             if (extra is None or name not in extra) and name in self._slot_masks:
                 # the slot mask export added: ones, the model as written (slots feed theirs)
@@ -199,7 +208,29 @@ class CachedDecoder:
                 raise TfgraphError(f"the model also needs input '{name}'")
             feeds[self._keys[name]] = extra[name]
         outputs, cache = self.session.step(feeds, cache, new)
-        return self.session.to_numpy(outputs[self._logits]), cache
+        logits = self.session.to_numpy(outputs[self._logits])
+        if order is not None:  # each row's positions back where the caller had them
+            logits = np.take_along_axis(logits, np.argsort(order, axis=1)[:, :, None], axis=1)
+        return logits, cache
+
+
+def compacted(tokens: np.ndarray, mask: np.ndarray) -> tuple:
+    """A step's batch as a graph that reads past lengths off the mask takes it
+    (onnxruntime-genai's convention, :mod:`tfgraph.exporters.flavours.genai_graph`): each
+    row's real new tokens first (a left-padded prompt's pads moved after them), and the mask
+    ``1`` on the row's first ``sum(mask)`` positions, where its keys lie. (tokens, mask,
+    order): ``order[b]`` the new positions' original indices, None when no row moved.
+
+    Pads among the new tokens are a prompt's (an empty past): a row of a later step with
+    pads among several new tokens would be read at a wrong past length."""
+    order = None
+    real = mask[:, mask.shape[1] - tokens.shape[1] :] != 0
+    if tokens.shape[1] > 1 and not real.all():
+        order = np.argsort(~real, axis=1, kind="stable")  # real ones first, in their order
+        tokens = np.take_along_axis(tokens, order, axis=1)
+    total = mask.sum(axis=1)
+    mask = (np.arange(mask.shape[1])[None, :] < total[:, None]).astype(np.int64)
+    return tokens, mask, order
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:

@@ -2,9 +2,9 @@
 
 :class:`SlotBatcher` keeps a fixed pool of cache **slots**: the rows of one preallocated KV
 buffer per layer (``kv_layout`` ``shared``, with per-row past lengths: the ``ort`` target's
-``past_sequence_lengths`` input, :mod:`tfgraph.passes.cache.row_lengths`). Each slot holds
-``capacity``
-positions.
+``past_sequence_lengths`` input, :mod:`tfgraph.passes.cache.row_lengths`, or a ``--flavour
+genai`` artifact's ``attention_mask``, whose row sums it reads them off: the step's mask below
+is already in that form). Each slot holds ``capacity`` positions.
 
 - :meth:`~SlotBatcher.admit` prefills a new request alone, straight into its free slot (a
   batch of one over that row of the buffer: nothing is copied), and returns its first token;

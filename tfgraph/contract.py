@@ -220,9 +220,19 @@ class Signature:
 
     @property
     def row_lengths(self) -> bool:
-        """Rows of a batch may hold different past lengths (``past_lengths`` input): the
-        graph serves in-flight batching."""
-        return self.shared_buffer and self.input(PAST_LENGTHS) is not None
+        """Rows of a batch may hold different past lengths (``past_lengths`` input, or the
+        attention mask's row sums: :attr:`lengths_from_mask`): the graph serves in-flight
+        batching."""
+        return self.shared_buffer and (
+            self.input(PAST_LENGTHS) is not None or self.lengths_from_mask
+        )
+
+    @property
+    def lengths_from_mask(self) -> bool:
+        """The graph reads each row's past length off ``attention_mask`` (its sum less the
+        new tokens, the row's keys compacted: onnxruntime-genai's convention, the ``genai``
+        flavour) instead of taking ``past_length`` / ``past_lengths`` inputs."""
+        return bool(self.kv_layout) and self.kv_layout.get("lengths_from") == ATTENTION_MASK
 
     def as_dict(self) -> dict:
         return {
@@ -352,10 +362,15 @@ def kv_layout(metadata: Mapping[str, str], input_names: Iterable[str]) -> dict |
         ),
         # why the graph takes no per-row lengths, when the KV-cache pass said
         **({"row_lengths_refused": why} if (why := _row_lengths_refused(metadata)) else {}),
+        # past lengths read off the attention mask (Signature.lengths_from_mask)
+        **({"lengths_from": ATTENTION_MASK} if metadata.get(LENGTHS_FROM_KEY) else {}),
     }
 
 
 ROW_LENGTHS_KEY = "tfgraph.row_lengths"  # model metadata: "per_row", or why not
+# model metadata: "attention_mask" where the past lengths are read off the mask (the genai
+# flavour, tfgraph/exporters/flavours/genai_graph.py)
+LENGTHS_FROM_KEY = "tfgraph.lengths_from"
 
 
 def _row_lengths_refused(metadata: Mapping[str, str]) -> str | None:
