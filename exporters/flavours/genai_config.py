@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tfgraph import contract
 from tfgraph.errors import TfgraphError
+from tfgraph.exporters.ort import ops
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ def _dims(graph) -> tuple[int, int]:
         (
             n.attributes.get_int("num_heads")
             for n in graph.graph
-            if n.op_type == "GroupQueryAttention"
+            if (n.domain, n.op_type) == (ops.MS_DOMAIN, ops.GROUP_QUERY_ATTENTION)
         ),
         None,
     )
