@@ -6,7 +6,7 @@ before parity runs). ``options`` is the ``saving`` view."""
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
 from tfgraph.contract import ENCODER_FILE
@@ -49,7 +49,9 @@ def write_artifact(graph, stage: Path, source, options, steps, encoder=None):
     flavour = get_flavour(options.flavour)
     files: list[str] = []
     if encoder is not None:
-        files += save_onnx(encoder, stage, external_data=options.external_data, name=ENCODER_FILE)
+        # beside the step graph, where the runtime looks for it (a flavour's folder too)
+        beside = str(PurePosixPath(flavour.model_file).with_name(ENCODER_FILE))
+        files += save_onnx(encoder, stage, external_data=options.external_data, name=beside)
     if "/" in flavour.model_file:
         (stage / flavour.model_file).parent.mkdir(parents=True, exist_ok=True)
     files = (

@@ -44,12 +44,14 @@ def model_path(path: str | Path) -> Path:
 
 def _manifest_of(model_file: Path) -> dict | None:
     """The manifest of the artifact ``model_file`` belongs to: beside it, or one folder up
-    where that manifest names it as its step graph (``onnx/model.onnx``)."""
+    where that manifest lists it among its files (``onnx/model.onnx``, ``onnx/encoder.onnx``)."""
     manifest = read_manifest(model_file.parent)
     if manifest is not None:
         return manifest
     above = read_manifest(model_file.parent.parent)
-    if above is not None and step_file(above) == f"{model_file.parent.name}/{model_file.name}":
+    if above is not None and f"{model_file.parent.name}/{model_file.name}" in (
+        above.get("files") or []
+    ):
         return above
     return None
 

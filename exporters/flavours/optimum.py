@@ -28,11 +28,13 @@ import json
 import logging
 import shutil
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
+from tfgraph.contract import ENCODER_FILE
 from tfgraph.errors import TfgraphError
 from tfgraph.exporters.flavours import Flavour
-from tfgraph.exporters.flavours.optimum_io import lay_out_io
+from tfgraph.exporters.flavours.optimum_io import lay_out_io, rename_batch_dims
+from tfgraph.exporters.flavours.optimum_seq2seq import write_seq2seq_pair
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +82,6 @@ def model_config(source) -> dict:
         config = model.config.to_dict()
     if not config.get("model_type"):
         raise TfgraphError("--flavour optimum: the model's config.json names no model_type")
-    if config.get("is_encoder_decoder"):
-        raise TfgraphError(
-            "--flavour optimum lays out decoders only: an encoder-decoder needs Optimum's "
-            "encoder_model.onnx / decoder_model.onnx pair, not written yet; export it with "
-            "--flavour tfgraph"
-        )
     return config
 
 
@@ -128,8 +124,11 @@ class OptimumFlavour(Flavour):
             raise TfgraphError("--flavour optimum grows the cache: drop --kv-layout paged")
 
     def rewrite(self, graph, source, options, steps) -> None:
-        model_config(source)  # a source the clients cannot build refused before saving
-        steps.run("OptimumIOPass", lambda: lay_out_io(graph), graph, changed=bool)
+        config = model_config(source)  # a source the clients cannot build refused before saving
+        if config.get("is_encoder_decoder"):  # the clients' pair is written from the saved one
+            steps.run("OptimumIOPass", lambda: rename_batch_dims(graph), graph, changed=bool)
+        else:
+            steps.run("OptimumIOPass", lambda: lay_out_io(graph), graph, changed=bool)
 
     def write(self, stage: Path, graph, source, manifest: dict, options) -> list[str]:
         config = model_config(source)
@@ -138,6 +137,12 @@ class OptimumFlavour(Flavour):
         (stage / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         generation = generation_config(source, config)
         (stage / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
+        encoder = str(PurePosixPath(self.model_file).with_name(ENCODER_FILE))
+        if encoder in manifest["files"]:
+            hidden = config.get("d_model") or config.get("hidden_size")
+            written += write_seq2seq_pair(
+                stage, encoder, self.model_file, hidden, options.external_data
+            )
         tokenizer = [f for f in manifest["files"] if f.startswith("tokenizer/")]
         for file in tokenizer:  # where both clients read it: the root
             shutil.copyfile(stage / file, stage / Path(file).name)

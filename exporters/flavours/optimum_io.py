@@ -141,9 +141,15 @@ def lay_out_io(model: ir.Model) -> bool:
     if inputs != list(graph.inputs) or outputs != list(graph.outputs):
         graph.inputs[:], graph.outputs[:] = inputs, outputs
         changed = True
-    for value in [*graph.inputs, *graph.outputs]:
+    return rename_batch_dims(model) or changed
+
+
+def rename_batch_dims(model: ir.Model) -> bool:
+    """The traced batch dim named ``batch_size`` wherever a value's shape states it."""
+    changed = False
+    for value in [*model.graph.inputs, *model.graph.outputs]:
         changed = _renamed_dims(value) or changed
-    for node in graph:
+    for node in model.graph:
         for value in node.outputs:
             changed = _renamed_dims(value) or changed
     return changed

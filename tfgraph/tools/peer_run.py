@@ -1,11 +1,13 @@
 """Greedy generation by the clients of an ``optimum``-flavour artifact, each in its own
 environment (:mod:`tfgraph.tools.peer_clients`): Optimum's ``ORTModelForCausalLM.generate``
-and transformers.js's ``pipeline("text-generation", …).model.generate`` in node.
+(``ORTModelForSeq2SeqLM`` for an encoder-decoder, as ``config.json`` says) and transformers.js's
+``pipeline("text-generation" | "text2text-generation", …).model.generate`` in node.
 
 Both get the same left-padded batch (prompts right-aligned, ``attention_mask`` 0 on the pads)
-and return each row's new tokens only, as lists of ids: what tfgraph's own ``generate`` returns
-for the same prompts. A row that meets ``eos_token_id`` stops there (the EOS kept; the clients
-pad the rest, which is dropped). Each call starts a fresh process (seconds).
+and return each row's new tokens only (an encoder-decoder's after its decoder start token), as
+lists of ids: what tfgraph's own ``generate`` returns for the same prompts. A row that meets
+``eos_token_id`` stops there (the EOS kept; the clients pad the rest, which is dropped). Each
+call starts a fresh process (seconds).
 """
 
 from __future__ import annotations
@@ -21,20 +23,23 @@ from tfgraph.tools.peer_clients import find_optimum, find_transformersjs
 _OPTIMUM = """\
 import json, sys
 import torch
-from optimum.onnxruntime import ORTModelForCausalLM
+from optimum.onnxruntime import ORTModelForCausalLM, ORTModelForSeq2SeqLM
 
 job = json.load(sys.stdin)
-model = ORTModelForCausalLM.from_pretrained(job["artifact"])
+cls = ORTModelForSeq2SeqLM if job["seq2seq"] else ORTModelForCausalLM
+model = cls.from_pretrained(job["artifact"])
 ids = torch.tensor(job["ids"], dtype=torch.long)
 out = model.generate(
     input_ids=ids,
     attention_mask=torch.tensor(job["mask"], dtype=torch.long),
     max_new_tokens=job["max_new_tokens"],
     do_sample=False,
+    num_beams=1,
     eos_token_id=job["eos"],
     pad_token_id=job["pad"],
 )
-print(json.dumps(out[:, ids.shape[1]:].tolist()))
+start = 1 if job["seq2seq"] else ids.shape[1]  # after the decoder's start token, the prompt
+print(json.dumps(out[:, start:].tolist()))
 """
 
 _TRANSFORMERSJS = """\
@@ -43,7 +48,8 @@ import { basename, dirname } from 'node:path';
 const job = JSON.parse(process.argv[1]);
 env.allowRemoteModels = false;  // local files only
 env.localModelPath = dirname(job.artifact);
-const generator = await pipeline('text-generation', basename(job.artifact), { dtype: 'fp32' });
+const task = job.seq2seq ? 'text2text-generation' : 'text-generation';
+const generator = await pipeline(task, basename(job.artifact), { dtype: 'fp32' });
 const tensor = (rows) => new Tensor('int64', BigInt64Array.from(rows.flat().map(BigInt)),
                                     [rows.length, rows[0].length]);
 const out = await generator.model.generate({
@@ -51,8 +57,8 @@ const out = await generator.model.generate({
     max_new_tokens: job.max_new_tokens, do_sample: false,
     eos_token_id: job.eos, pad_token_id: job.pad,
 });
-const width = job.ids[0].length;
-console.log(JSON.stringify(out.tolist().map((row) => row.slice(width).map(Number))));
+const start = job.seq2seq ? 1 : job.ids[0].length;  // after the start token, the prompt
+console.log(JSON.stringify(out.tolist().map((row) => row.slice(start).map(Number))));
 """
 
 
@@ -75,7 +81,10 @@ def until_eos(rows: Sequence[Sequence[int]], eos: int | None) -> list[list[int]]
 
 def _job(artifact, prompts, max_new_tokens, eos, pad) -> dict:
     ids, mask = left_padded(prompts, pad)
+    config = Path(artifact) / "config.json"
+    seq2seq = bool(json.loads(config.read_text()).get("is_encoder_decoder"))
     return {
+        "seq2seq": seq2seq,
         "artifact": str(Path(artifact).resolve()),
         "ids": ids,
         "mask": mask,

@@ -24,6 +24,7 @@ import tfgraph
 from tfgraph.errors import TfgraphError
 from tfgraph.options import ExportOptions
 from tfgraph.runtime import CachedDecoder, GenerationConfig, Session, generate
+from tfgraph.runtime.generate import seq2seq_prompts
 from tfgraph.tools.peer_run import left_padded, until_eos
 
 transformers = pytest.importorskip("transformers")
@@ -70,22 +71,47 @@ def make_model(path: Path, arch: str) -> Path:
     return path
 
 
+def make_t5(path: Path) -> Path:
+    """A random-init 2-layer T5 with the tokenizer (``initializer_factor`` 2: greedy tokens
+    vary; the default repeats one token); seeded."""
+    config = transformers.T5Config(
+        vocab_size=len(WORDS), d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=EOS, initializer_factor=2.0,
+    )  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        transformers.T5ForConditionalGeneration(config).eval().save_pretrained(path)
+    write_tokenizer(path)
+    return path
+
+
 def eager_tokens(hf_dir: Path, prompts) -> list[list[int]]:
     """Hugging Face ``generate``'s greedy new tokens on the left-padded prompts, cut at EOS."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
-    ids, mask = left_padded(prompts, PAD)
+    config = transformers.AutoConfig.from_pretrained(hf_dir)
+    seq2seq = config.is_encoder_decoder
+    auto = transformers.AutoModelForSeq2SeqLM if seq2seq else transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(hf_dir).eval()
+    pad = config.pad_token_id if seq2seq else PAD
+    ids, mask = left_padded(prompts, pad)
     with torch.no_grad():
         out = model.generate(
             torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=NEW_TOKENS,
-            do_sample=False, eos_token_id=EOS, pad_token_id=PAD,
+            do_sample=False, num_beams=1, eos_token_id=EOS, pad_token_id=pad,
         )  # fmt: skip
-    return until_eos(out[:, len(ids[0]) :].tolist(), EOS)
+    return until_eos(out[:, 1 if seq2seq else len(ids[0]) :].tolist(), EOS)
 
 
 def tfgraph_tokens(artifact: Path, prompts) -> list[list[int]]:
-    """tfgraph's runtime: greedy new tokens, cut at EOS."""
-    config = GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_id=EOS, pad_token_id=PAD)
-    return until_eos(generate(CachedDecoder(Session(artifact)), prompts, config).tokens, EOS)
+    """tfgraph's runtime: greedy new tokens, cut at EOS (an encoder-decoder's prompts feed
+    its encoder; its decoder starts from ``decoder_start_token_id``)."""
+    decoder = CachedDecoder(Session(artifact))
+    config = json.loads((artifact / "config.json").read_text())
+    extra, pad = None, PAD
+    if config.get("is_encoder_decoder"):
+        pad = config["pad_token_id"]
+        prompts, extra = seq2seq_prompts(decoder, prompts, pad, config["decoder_start_token_id"])
+    generation = GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_id=EOS, pad_token_id=pad)
+    return until_eos(generate(decoder, prompts, generation, extra=extra).tokens, EOS)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,9 @@
 ``ORTModelForCausalLM.generate`` (in its own virtual environment: it pins transformers < 4.58)
 and transformers.js in node (``pipeline("text-generation", dir)``, local files) give
 tfgraph's greedy tokens for a Llama and a GPT-2 shape, batch 1 and a left-padded batch of 2
-(and a Llama with int4 weights in an external data file).
+(and a Llama with int4 weights in an external data file); and a T5 shape through Optimum's
+``ORTModelForSeq2SeqLM`` and transformers.js's ``text2text-generation`` (batch 1 also equal to
+eager ``generate``; a padded batch sees its pads in the encoder, in tfgraph as in the clients).
 
 The clients are installed by the session fixture through the documented installer
 (``python -m tfgraph.tools.peer_clients``: idempotent, a no-op when they are there), so the
@@ -22,6 +24,7 @@ from tests.exporters.flavours.test_optimum import (
     PROMPTS,
     eager_tokens,
     make_model,
+    make_t5,
     tfgraph_tokens,
 )
 from tfgraph.errors import TfgraphError
@@ -64,6 +67,26 @@ def test_clients_give_tfgraphs_greedy_tokens(arch, options, clients, tmp_path):
         assert optimum_generate(artifact, prompts, NEW_TOKENS, **kwargs) == want, batch
         assert transformersjs_generate(artifact, prompts, NEW_TOKENS, **kwargs) == want, batch
     assert len({t for row in want for t in row}) > 3, want  # the tokens vary
+
+
+# slow: as above, an encoder-decoder (Optimum's ORTModelForSeq2SeqLM, transformers.js's
+# text2text-generation on onnx/encoder_model.onnx + onnx/decoder_model_merged.onnx)
+@pytest.mark.slow
+def test_clients_give_tfgraphs_greedy_tokens_for_t5(clients, tmp_path):
+    hf_dir = make_t5(tmp_path / "hf")
+    artifact = tmp_path / "artifact"
+    result = tfgraph.export(str(hf_dir), artifact, kv_cache=True, flavour="optimum")
+    assert result.passed
+    for name in ("encoder_model.onnx", "decoder_model_merged.onnx", "model.onnx", "encoder.onnx"):
+        assert (artifact / "onnx" / name).is_file(), name
+    kwargs = {"eos_token_id": EOS, "pad_token_id": 0}
+    for batch, prompts in PROMPTS.items():
+        want = tfgraph_tokens(artifact, prompts)
+        if batch == "one":  # a padded batch sees its pads, in tfgraph as in the clients
+            assert want == eager_tokens(hf_dir, prompts)
+            assert len({t for row in want for t in row}) > 3, want  # the tokens vary
+        assert optimum_generate(artifact, prompts, NEW_TOKENS, **kwargs) == want, batch
+        assert transformersjs_generate(artifact, prompts, NEW_TOKENS, **kwargs) == want, batch
 
 
 def test_missing_clients_name_the_install_command(tmp_path):
