@@ -14,14 +14,16 @@ split one step earlier, at the encoder's last hidden state:
   ``present.{i}.decoder.*``, ``present.{i}.encoder.*``: tfgraph's decoder with the cross
   projections moved in front of it (:func:`onnx.compose.merge_graphs`).
 
-The merged decoder computes the cross K/V from ``encoder_hidden_states`` at every step and
-returns them as ``present.{i}.encoder.*``; it takes the ``past_key_values.{i}.encoder.*`` the
-clients feed back but does not read them (no ``use_cache_branch`` If: one graph, the
-projections repeated per step: the cost of a (hidden x hidden) MatMul per layer over the
-encoder positions). Where tfgraph traced the model without a padding mask (its Hugging Face
-seq2seq wrapper: an all-ones mask), the encoder takes no ``attention_mask`` and the decoder's
-slot mask is ones inside the graph: a padded batch sees its pads, in the clients exactly as
-in tfgraph's runtime (batch 1 is Hugging Face's own result).
+The merged decoder computes the cross K/V from ``encoder_hidden_states`` at the first step
+(the clients feed an empty encoder past then) and returns them as ``present.{i}.encoder.*``;
+later steps return the ``past_key_values.{i}.encoder.*`` the clients feed back (an If on the
+past's length, in place of Optimum's ``use_cache_branch`` input, which transformers.js feeds
+only where a graph takes it).
+
+Where tfgraph traced the model without a padding mask (its Hugging Face seq2seq wrapper: an
+all-ones mask), the encoder takes no ``attention_mask`` and the decoder's slot mask is ones
+inside the graph: a padded batch sees its pads, in the clients exactly as in tfgraph's runtime
+(batch 1 is Hugging Face's own result).
 
 tfgraph's own files stay beside these (its runtime reads ``onnx/model.onnx`` and
 ``onnx/encoder.onnx``): the weights are stored twice.
@@ -145,11 +147,52 @@ def _projection(encoder: onnx.ModelProto, hidden_state: str, cross: list[str]):
     return projection
 
 
-def _decoder_merged(encoder, decoder, hidden_state: str, cross: list[str]) -> onnx.ModelProto:
+def _encoder_past(name: str, roles: dict) -> str:
+    role, layer = roles[name]
+    return f"past_key_values.{layer}.encoder.{'key' if role == contract.CROSS_KEY else 'value'}"
+
+
+def _cached(projection: onnx.ModelProto, cross: list[str], roles: dict, shape: list):
+    """``projection`` run only at the clients' first step (an empty encoder past: Optimum
+    and transformers.js feed 0 positions); later steps return the encoder pasts they feed
+    back (an If on the first past's length): the cross K/V computed once per prompt."""
+    graph = projection.graph
+    outputs = [o.name for o in graph.output]
+    pasts = {_PREFIX + n: _encoder_past(n, roles) for n in cross}
+    dtype = graph.output[0].type.tensor_type.elem_type
+    _rename(graph, {o: f"{o}__computed" for o in outputs})
+    project = onnx.helper.make_graph(
+        list(graph.node), "project", [], list(graph.output), list(graph.initializer)
+    )
+    reuse = onnx.helper.make_graph(
+        [onnx.helper.make_node("Identity", [pasts[o]], [f"{o}__reused"]) for o in outputs],
+        "reuse",
+        [],
+        [onnx.helper.make_tensor_value_info(f"{o}__reused", dtype, shape) for o in outputs],
+    )
+    length, empty = f"{_PREFIX}past_length", f"{_PREFIX}first_step"
+    nodes = [
+        onnx.helper.make_node("Shape", [pasts[outputs[0]]], [length], start=2, end=3),
+        onnx.helper.make_node("Equal", [length, f"{_PREFIX}zero"], [empty]),
+        onnx.helper.make_node("If", [empty], outputs, then_branch=project, else_branch=reuse),
+    ]
+    zero = onnx.helper.make_tensor(f"{_PREFIX}zero", onnx.TensorProto.INT64, [1], [0])
+    inputs = [graph.input[0]] + [
+        onnx.helper.make_tensor_value_info(pasts[o], dtype, shape) for o in outputs
+    ]
+    outs = [onnx.helper.make_tensor_value_info(o, dtype, shape) for o in outputs]
+    wrapped = onnx.helper.make_graph(nodes, "cross", inputs, outs, [zero])
+    return onnx.helper.make_model(
+        wrapped, opset_imports=list(projection.opset_import), ir_version=projection.ir_version
+    )
+
+
+def _decoder_merged(encoder, decoder, hidden_state: str, cross: list[str], shape: list):
+    roles = _roles(decoder)
     projection = _projection(encoder, hidden_state, cross)
     projection = onnx.compose.add_prefix(projection, _PREFIX)
     _rename(projection.graph, {_PREFIX + hidden_state: "encoder_hidden_states"})
-    roles = _roles(decoder)
+    projection = _cached(projection, cross, roles, shape)
     outputs = [v.name for v in decoder.graph.output] + [_PREFIX + n for n in cross]
     # merge_graphs, not merge_models: its ONNX checker refuses ONNX Runtime's default-domain
     # kernels (SimplifiedLayerNormalization); the saved pair is checked by loading it
@@ -201,17 +244,6 @@ def _ones_for(graph: onnx.GraphProto, name: str) -> None:
         graph.node.insert(0, node)
 
 
-def _add_encoder_pasts(merged: onnx.ModelProto, layers: int, heads: int, head_size: int):
-    """The encoder pasts the clients feed back: taken, not read (module docstring)."""
-    dtype = next(v for v in merged.graph.output if v.name == "logits").type.tensor_type.elem_type
-    for name in _cache_names(layers, "past_key_values", ("encoder",)):
-        merged.graph.input.append(
-            onnx.helper.make_tensor_value_info(
-                name, dtype, ["batch_size", heads, "encoder_sequence_length_out", head_size]
-            )
-        )
-
-
 def write_seq2seq_pair(
     stage: Path, encoder_file: str, decoder_file: str, hidden: int, external: bool | None
 ) -> list[str]:
@@ -229,8 +261,8 @@ def write_seq2seq_pair(
     heads, head_size = shape[1], shape[3]
     hidden_state = _hidden_state(encoder, cross, hidden)
     layers = len(cross) // 2
-    merged = _decoder_merged(encoder, decoder, hidden_state, cross)
-    _add_encoder_pasts(merged, layers, heads, head_size)
+    past_shape = ["batch_size", heads, "encoder_sequence_length_out", head_size]
+    merged = _decoder_merged(encoder, decoder, hidden_state, cross, past_shape)
     singles = ["input_ids", "encoder_attention_mask", "encoder_hidden_states"]  # a mask if any
     _reorder(merged.graph.input, singles + _cache_names(layers, "past_key_values"))
     _reorder(merged.graph.output, ["logits", *_cache_names(layers, "present")])
