@@ -16,6 +16,11 @@ Layout (one for both clients)::
   ``onnx/model{suffix}.onnx`` (suffix from ``dtype``: fp32 has none) and the config and
   tokenizer at the root.
 
+An encoder-decoder also gets ``onnx/encoder.onnx`` (tfgraph's encoder, beside its step graph)
+and the clients' pair ``onnx/encoder_model.onnx`` + ``onnx/decoder_model_merged.onnx``
+(:mod:`.optimum_seq2seq`; Optimum's ``ORTModelForSeq2SeqLM`` and transformers.js's
+``text2text-generation`` load those).
+
 The KV cache grows (``kv_layout = "concat"``: the ONNX Runtime target skips the shared
 buffer), so past and present are separate tensors, present = past + new, as both clients
 carry them. The model must come from Hugging Face (a directory or a ``PreTrainedModel``):

@@ -40,9 +40,9 @@ OPTIMUM_NAMES = {
     contract.PRESENT_KEY: "present.{}.key",
     contract.PRESENT_VALUE: "present.{}.value",
 }
-_SEQ2SEQ = (
-    "an encoder-decoder (Optimum's encoder_model.onnx / decoder_model.onnx pair is not written yet)"
-)
+# an encoder-decoder's pair is written from the saved files (optimum_seq2seq.py); these roles
+# reach this check only from a model whose config.json does not say it is one
+_SEQ2SEQ = "encoder inputs while its config.json does not say is_encoder_decoder"
 _SHARED = "a shared KV buffer with explicit past lengths"
 _WHY = {
     contract.CROSS_KEY: _SEQ2SEQ,

@@ -5,7 +5,9 @@ Default tier: one tiny random-init Llama directory with a WordLevel tokenizer (w
 exported once; its layout (``onnx/model.onnx``, ``config.json``, ``generation_config.json``,
 tokenizer files at the root), Optimum's input/output names and order, the ``batch_size`` dim
 transformers.js resolves, GroupQueryAttention in every layer, and tfgraph's greedy tokens
-(batch 1 and a left-padded batch of 2) equal to eager ``generate``; the refusals. The real
+(batch 1 and a left-padded batch of 2) equal to eager ``generate``; the refusals; and a tiny
+T5: the clients' encoder_model.onnx / decoder_model_merged.onnx pair beside tfgraph's, its
+names and its cross K/V cache (projected once, handed through after). The real
 clients (Optimum in its own environment, transformers.js in node) are in
 test_optimum_clients.py, slow.
 """
@@ -232,3 +234,35 @@ def test_a_graph_saved_in_a_folder_finds_its_external_data(tmp_path):
     session = ort.InferenceSession(tmp_path / "onnx" / "model.onnx")
     x_in = np.ones((1, 16), np.float32)
     np.testing.assert_allclose(session.run(None, {"x": x_in})[0], x_in @ weight.numpy())
+
+
+def test_an_encoder_decoder_gets_the_clients_pair(tmp_path):
+    """T5: tfgraph's own pair (its runtime) and Optimum's encoder_model.onnx +
+    decoder_model_merged.onnx beside it; the merged decoder projects the cross K/V at the first
+    step (empty encoder past) and hands the fed-back pasts through after."""
+    import onnxruntime as ort
+
+    hf_dir = make_t5(tmp_path / "hf")
+    artifact = tmp_path / "artifact"
+    assert tfgraph.export(str(hf_dir), artifact, kv_cache=True, flavour="optimum").passed
+    prompts = PROMPTS["one"]
+    assert tfgraph_tokens(artifact, prompts) == eager_tokens(hf_dir, prompts)
+    encoder = ort.InferenceSession(artifact / "onnx" / "encoder_model.onnx")
+    assert [v.name for v in encoder.get_outputs()] == ["last_hidden_state"]
+    decoder = ort.InferenceSession(artifact / "onnx" / "decoder_model_merged.onnx")
+    kv = [f"{i}.{side}.{k}" for i in range(2) for side in ("decoder", "encoder")
+          for k in ("key", "value")]  # fmt: skip
+    assert [v.name for v in decoder.get_inputs()] == [
+        "input_ids", "encoder_hidden_states", *(f"past_key_values.{n}" for n in kv)
+    ]  # fmt: skip
+    assert [v.name for v in decoder.get_outputs()] == ["logits", *(f"present.{n}" for n in kv)]
+    hidden = encoder.run(None, {"input_ids": np.array(prompts, np.int64)})[0]
+    feeds = {"input_ids": np.zeros((1, 1), np.int64), "encoder_hidden_states": hidden}
+    feeds.update({f"past_key_values.{n}": np.zeros((1, 4, 0, 16), np.float32) for n in kv})
+    names = [o.name for o in decoder.get_outputs()]
+    first = dict(zip(names, decoder.run(None, feeds), strict=True))
+    assert first["present.1.encoder.value"].shape == (1, 4, len(prompts[0]), 16)
+    fed_back = {f"past_key_values.{n}": first[f"present.{n}"] for n in kv}
+    fed_back["past_key_values.0.encoder.key"] = np.full((1, 4, 6, 16), 7.0, np.float32)
+    second = decoder.run(["present.0.encoder.key"], {**feeds, **fed_back})[0]
+    assert (second == 7.0).all()  # handed through, not projected again
