@@ -46,7 +46,9 @@ def lower_norm(case: NormCase) -> Lowered:
 
 def extra_passes(options) -> list:
     # ORT, which verifies these graphs, rejects an Attention mask broadcast over the query axis
-    static = [StaticKVCachePass()] if options.kv_cache else []  # TensorScatter-24 buffers
+    # TensorScatter-24 buffers (unless a growing past is asked: the optimum flavour)
+    shared = getattr(options, "kv_layout", "shared") == "shared"
+    static = [StaticKVCachePass()] if options.kv_cache and shared else []
     return [*static, ExpandAttentionMaskPass()]
 
 

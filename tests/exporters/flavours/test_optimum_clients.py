@@ -47,8 +47,10 @@ def clients():
         ("gpt2", {}),
         # int4 weights (MatMulNBits) with the weights in onnx/model.onnx.data
         ("llama", {"weights": "int4", "external_data": True}),
+        # standard ONNX (Attention-23, RMSNormalization-23) with a growing past
+        ("llama", {"target": "onnx"}),
     ],
-    ids=["llama", "gpt2", "llama-int4-external"],
+    ids=["llama", "gpt2", "llama-int4-external", "llama-onnx-target"],
 )
 def test_clients_give_tfgraphs_greedy_tokens(arch, options, clients, tmp_path):
     hf_dir = make_model(tmp_path / "hf", arch)
@@ -57,11 +59,12 @@ def test_clients_give_tfgraphs_greedy_tokens(arch, options, clients, tmp_path):
     assert result.passed
     fused = result.report["fusions"]["attention"]
     assert fused["fused"] == fused["total"] == 2
+    assert result.report["target"]["name"] == options.get("target", "ort")
     if options.get("external_data"):
         assert (artifact / "onnx" / "model.onnx.data").is_file()
     for batch, prompts in PROMPTS.items():
         want = tfgraph_tokens(artifact, prompts)
-        if not options:  # fp32: the eager model's own tokens too
+        if "weights" not in options:  # fp32: the eager model's own tokens too
             assert want == eager_tokens(hf_dir, prompts), batch
         kwargs = {"eos_token_id": EOS, "pad_token_id": PAD}
         assert optimum_generate(artifact, prompts, NEW_TOKENS, **kwargs) == want, batch
