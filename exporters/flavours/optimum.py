@@ -84,7 +84,9 @@ def model_config(source) -> dict:
                 f"PreTrainedModel), not {source.origin}: Optimum and transformers.js build "
                 "the model class from its config.json"
             )
-        config = model.config.to_dict()
+        config = json.loads(model.config.to_json_string(use_diff=False))
+        config.setdefault("architectures", None)
+        config["architectures"] = config["architectures"] or [type(model).__name__]
     if not config.get("model_type"):
         raise TfgraphError("--flavour optimum: the model's config.json names no model_type")
     return config
