@@ -140,6 +140,9 @@ class OptimumFlavour(Flavour):
     def write(self, stage: Path, graph, source, manifest: dict, options) -> list[str]:
         config = model_config(source)
         config["use_cache"] = True  # the graph takes and returns the cache
+        # transformers.js picks the file by dtype (fp32: onnx/model.onnx, no suffix); its
+        # default elsewhere than node's CPU is another file (wasm: q8, model_quantized.onnx)
+        config.setdefault("transformers.js_config", {})["dtype"] = "fp32"
         written = [CONFIG_FILE, GENERATION_CONFIG_FILE]
         (stage / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         generation = generation_config(source, config)

@@ -137,6 +137,7 @@ def test_files_at_the_clients_places(llama):
     config = json.loads((artifact / "config.json").read_text())
     assert config["model_type"] == "llama" and config["num_key_value_heads"] == 2
     assert config["use_cache"] is True
+    assert config["transformers.js_config"]["dtype"] == "fp32"  # names onnx/model.onnx
     assert json.loads((artifact / "generation_config.json").read_text())["eos_token_id"] == EOS
     assert (artifact / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
     assert result.passed
