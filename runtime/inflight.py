@@ -74,6 +74,11 @@ def signature_support(signature: contract.Signature, encoder_file: bool) -> str 
         refused = (signature.kv_layout or {}).get("row_lengths_refused")
         if refused:
             return f"the artifact's cache takes no per-row past lengths: {refused}"
+        if (signature.kv_layout or {}).get("kind") == "concat":
+            return (
+                "the artifact's cache grows per step (--flavour optimum's layout) and takes no "
+                "per-row past lengths: export it with the default flavour or --flavour genai"
+            )
         return (
             "the artifact's cache takes no per-row past lengths (re-export it with --kv-cache "
             "for the ort or onnx target)"

@@ -99,6 +99,11 @@ def read_artifact(artifact: Path) -> dict:
         raise TfgraphError(
             f"'{path}' is not valid JSON ({exc.msg}); export the artifact again"
         ) from None
+    if manifest.get("flavour") == "optimum":
+        raise TfgraphError(
+            f"'{path.parent}' is laid out for Optimum (--flavour optimum), whose growing cache "
+            "Triton's models do not batch: export it with the default flavour or --flavour genai"
+        )
     if "graphs" not in manifest or "model.onnx" not in manifest["graphs"]:
         raise TfgraphError(f"'{path}' names no model.onnx graph; export the artifact again")
     return manifest

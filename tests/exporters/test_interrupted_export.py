@@ -46,6 +46,9 @@ CONFIGS = {
         "gpt-tiny --kv-cache --target ort-cuda --precision fp16 --kv-layout paged".split(),
         ["precision", "paging"],
     ),
+    # a flavour's step after the last precision step (the optimum flavour refuses a preset
+    # only inside it, so the signal at its start comes first)
+    "gpt-flavour": ("gpt-tiny --kv-cache --flavour optimum".split(), ["flavour"]),
 }
 
 

@@ -320,6 +320,7 @@ def run(args) -> int:
         + 2 * (args.weights is not None)
         + (args.kv_dtype != "fp32")
         + (args.kv_layout == "paged")
+        + (args.flavour != "tfgraph")
     )
     from tfgraph.progress import listening
 

@@ -193,6 +193,20 @@ def test_session_opens_the_step_graph_in_its_folder(llama):
     assert out["present.1.key"].shape == (1, 2, 3, 16)
 
 
+def test_servers_refuse_the_growing_cache_with_what_to_do(llama):
+    """In-flight batching (``tfgraph serve``) and Triton's repository need per-row past
+    lengths: the optimum layout is refused in one line that names the flavours that serve."""
+    from tfgraph.runtime.inflight import inflight_support
+    from tfgraph.runtime.serving.repository import read_artifact
+
+    _, artifact, _ = llama
+    why = inflight_support(CachedDecoder(Session(artifact)))
+    assert why is not None and "--flavour optimum" in why and "--flavour genai" in why, why
+    with pytest.raises(TfgraphError, match="laid out for Optimum") as info:
+        read_artifact(artifact)
+    assert "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize(
     "fields, message",
     [
