@@ -82,7 +82,7 @@ def test_substituted_only_within_the_block():
     assert not any("_select_tokens" in vars(m) for m in model.modules())
 
 
-# slow: 36 s (architecture coverage); the refusal with its reason stays
+# slow: 36 s (architecture coverage); the selection's own tests stay
 @pytest.mark.slow
 def test_exports_with_parity(tmp_path):
     """Parity shapes (2, 33) have 8 complete blocks for the last queries: the top 4 are kept."""
@@ -94,6 +94,8 @@ def test_exports_with_parity(tmp_path):
     assert attention["fused"] == attention["total"] == 1, attention.get("missed")
 
 
+# slow: 23 s (architecture coverage); the selection's own tests stay
+@pytest.mark.slow
 def test_its_cache_is_refused_with_the_reason(tmp_path):
     """The indexer pools its keys into blocks of ``compress_ratio`` along the key axis (an
     axis of ``sequence // 4 + 1``): the KV cache pass cannot carry that, and says so rather

@@ -65,7 +65,7 @@ def llama_checkpoint(tmp_path_factory):
     return write_random_checkpoint(config, tmp_path_factory.mktemp("llama8") / "ckpt")
 
 
-# slow: 40 s; the live-module and shortcut cases stay in the default tier
+# slow: 40 s; the shortcut and PyTorch encoder cases stay in the default tier
 @pytest.mark.slow
 def test_streamed_checkpoint_graph_equals_the_full_trace(llama_checkpoint, monkeypatch):
     full, full_source, short, source = traced_both_ways(
@@ -80,6 +80,8 @@ def test_streamed_checkpoint_graph_equals_the_full_trace(llama_checkpoint, monke
     assert type(lazy).__name__ != "TorchTensor"  # a checkpoint tensor, not the traced storage
 
 
+# slow: 15 s; the shortcut and PyTorch encoder cases stay in the default tier
+@pytest.mark.slow
 def test_live_module_graph_equals_the_full_trace_and_shares_parameters(monkeypatch):
     cfg = ModelConfig(family="decoder", vocab_size=128, d_model=32, n_layers=LAYERS, n_heads=4)
     module = build(cfg, seed=1)

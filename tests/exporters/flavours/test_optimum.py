@@ -251,6 +251,8 @@ def test_a_graph_saved_in_a_folder_finds_its_external_data(tmp_path):
     np.testing.assert_allclose(session.run(None, {"x": x_in})[0], x_in @ weight.numpy())
 
 
+# slow: 25 s (a T5 export); the clients run the pair in the slow tier too
+@pytest.mark.slow
 def test_an_encoder_decoder_gets_the_clients_pair(tmp_path):
     """T5: tfgraph's own pair (its runtime) and Optimum's encoder_model.onnx +
     decoder_model_merged.onnx beside it; the merged decoder projects the cross K/V at the first

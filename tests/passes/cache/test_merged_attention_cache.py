@@ -36,7 +36,7 @@ def test_the_self_block_must_mask_later_keys():
 @pytest.mark.skipif(
     not hasattr(transformers, "T5Gemma2ForConditionalGeneration"), reason="no T5Gemma 2"
 )
-# slow: 1.5 min on T5Gemma2; its static-cache case stays in the default tier
+# slow: 1.5 min on T5Gemma2 (architecture coverage)
 @pytest.mark.slow
 def test_t5gemma2_merged_attention_is_cached(tmp_path):
     import torch
@@ -77,6 +77,8 @@ def test_t5gemma2_merged_attention_is_cached(tmp_path):
     assert row["tokens_equal"], row
 
 
+# slow: 23 s on T5Gemma2 (architecture coverage)
+@pytest.mark.slow
 @pytest.mark.skipif(
     not hasattr(transformers, "T5Gemma2ForConditionalGeneration"), reason="no T5Gemma 2"
 )

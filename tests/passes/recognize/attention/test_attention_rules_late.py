@@ -62,6 +62,8 @@ class SpeechT5(_Heads):
         return {**super().dynamic_axes(), "attention_mask": {0: "batch", 1: "sequence"}}
 
 
+# slow: 12 s on SpeechT5 (architecture coverage)
+@pytest.mark.slow
 def test_speecht5_relative_term_joins_the_bias(tmp_path):
     for masked in (True, False):
         model = trace(from_module(SpeechT5(masked)))

@@ -123,6 +123,8 @@ def test_window_9_is_kv_cached_and_generates_like_eager(tmp_path):
     assert comparison.passed, comparison.steps
 
 
+# slow: 13 s (an HF model traced twice); the window rules' own tests stay
+@pytest.mark.slow
 def test_mask_not_confirmed_at_length_keeps_the_bias(monkeypatch):
     """A mask that is causal at short lengths but not at long ones (rows ≥ 50 cannot see key
     0) must not be dropped: the long check keeps the bias, and the export stays exact."""
