@@ -172,6 +172,8 @@ def test_cancellation_is_kept_in_fp32_by_measurement(tmp_path):
     assert out["max_abs_err"] < out["eager_low_err"] / 10  # better than eager .half()
 
 
+# slow: 18 s; the zoo fp16 cached cases stay in the default tier
+@pytest.mark.slow
 def test_t5_bucket_arithmetic_stays_exact(tmp_path):
     result = tfgraph.export("t5-tiny", tmp_path / "a", precision="fp16")
     islands = result.report["precision"]["islands"]

@@ -620,6 +620,8 @@ def test_streamed_int4_reference_is_rebuilt_from_the_artifact(checkpoints, tmp_p
     assert np.abs(fp32 - want).max() > 1e-3  # the reference is the quantized model, not fp32
 
 
+# slow: 15 s; the streamed exports of the default tier run the same hooks
+@pytest.mark.slow
 def test_a_tensor_made_on_an_offloaded_weights_device_is_made_on_the_cpu(tmp_path):
     """WavLM's relative bias builds its positions with ``device=rel_attn_embed.weight.device``,
     which is meta while that module is offloaded: the streamed reference makes them on the

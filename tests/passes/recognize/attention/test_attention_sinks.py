@@ -133,6 +133,8 @@ def test_a_per_token_sink_is_not_fused_and_keeps_parity(tmp_path):
     assert not [n for n in model.graph if n.domain == "tfgraph"]
 
 
+# slow: 20 s on GPT-OSS (architecture coverage); the sink rules' own tests stay
+@pytest.mark.slow
 def test_hf_gpt_oss_generates_like_hf(tmp_path):
     """gpt-oss (MoE, sinks on every layer, sliding window on alternate ones) from a tiny
     config: fused, cached, and 16 greedy tokens equal ``generate`` for a padded batch."""
