@@ -47,7 +47,7 @@ def lower_norm(case: NormCase) -> Lowered:
 def extra_passes(options) -> list:
     # ORT, which verifies these graphs, rejects an Attention mask broadcast over the query axis
     # TensorScatter-24 buffers (unless a growing past is asked: the optimum flavour)
-    shared = getattr(options, "kv_layout", "shared") == "shared"
+    shared = options.kv_layout == "shared"
     static = [StaticKVCachePass()] if options.kv_cache and shared else []
     return [*static, ExpandAttentionMaskPass()]
 

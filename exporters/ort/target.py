@@ -150,7 +150,7 @@ ROTARY_HEAD_MULTIPLE = 16  # GroupQueryAttention do_rotary on the CPU provider
 def extra_passes(options) -> list:
     passes = []
     # GQA appends in place into buffers past and present share (unless a growing past is asked)
-    if options.kv_cache and getattr(options, "kv_layout", "shared") == "shared":
+    if options.kv_cache and options.kv_layout == "shared":
         passes.append(ShareKVBufferPass())
     # RoPE inside GroupQueryAttention; no layout round trips around the kernels; one packed
     # Q/K/V projection; the layers' identical length subgraphs merged
