@@ -236,26 +236,37 @@ def test_sixteen_concurrent_streams_all_complete_batched_in_flight(served, monke
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_slot(served, monkeypatch):
-    """Each step slowed to 20 ms: 120 tokens would hold the slot for 2.4 s; the client reads
-    two chunks and closes the connection, and the request leaves its slot as cancelled."""
-    step = served.engine.batcher.step
+    """The client reads two chunks and closes the connection; from then on each step waits
+    (up to 30 s) until the server has cancelled the job, so a loaded machine cannot let the
+    request run to its end first. It leaves its slot as cancelled, not finished."""
+    step, submit = served.engine.batcher.step, served.engine.submit
+    left, jobs = threading.Event(), []
 
-    def slow_step():
-        time.sleep(0.02)
+    def held_step():
+        time.sleep(0.02)  # at 20 ms a step, 120 tokens take 2.4 s: time to read two chunks
+        if left.is_set():
+            jobs[0].cancelled.wait(30)
         return step()
 
-    monkeypatch.setattr(served.engine.batcher, "step", slow_step)
-    before = served.engine.ended["cancelled"]
+    def recording_submit(*args, **kwargs):
+        jobs.append(submit(*args, **kwargs))
+        return jobs[-1]
+
+    monkeypatch.setattr(served.engine.batcher, "step", held_step)
+    monkeypatch.setattr(served.engine, "submit", recording_submit)
+    before = dict(served.engine.ended)
     stream = served.client.completions.create(
         model=NAME, prompt="w1 w2", max_tokens=120, temperature=0, stream=True
     )
     for _, _ in zip(range(2), stream, strict=False):
         pass
+    left.set()
     stream.close()
-    deadline = time.monotonic() + 2
-    while served.engine.ended["cancelled"] == before and time.monotonic() < deadline:
+    deadline = time.monotonic() + 30
+    while served.engine.ended["cancelled"] == before.get("cancelled", 0):
+        assert time.monotonic() < deadline, "the server did not notice the client leaving"
         time.sleep(0.02)
-    assert served.engine.ended["cancelled"] == before + 1
+    assert served.engine.ended["finished"] == before.get("finished", 0)
     assert not served.engine.batcher.active
 
 
