@@ -476,6 +476,18 @@ def serve_foreground(
         cmd, env=server_env(install), stdin=subprocess.DEVNULL, start_new_session=True
     )
     try:
-        return process.wait()
+        return _wait_interruptibly(process)
     finally:
         _kill_group(process, stop_timeout + 2, shm_prefix)
+
+
+def _wait_interruptibly(process: subprocess.Popen, poll_s: float = 0.25) -> int:
+    """``process.wait()`` in short waits. A bare ``waitpid`` is only cut short by a signal the
+    kernel hands to the main thread; this process has other threads (ONNX Runtime's, torch's),
+    and a Ctrl-C delivered to one of them would wait for the server to exit on its own. Between
+    short waits Python runs the pending handler within ``poll_s``."""
+    while True:
+        try:
+            return process.wait(timeout=poll_s)
+        except subprocess.TimeoutExpired:
+            continue

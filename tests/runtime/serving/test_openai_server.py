@@ -236,15 +236,17 @@ def test_sixteen_concurrent_streams_all_complete_batched_in_flight(served, monke
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_slot(served, monkeypatch):
-    """The client reads two chunks and closes the connection; from then on each step waits
-    (up to 30 s) until the server has cancelled the job, so a loaded machine cannot let the
-    request run to its end first. It leaves its slot as cancelled, not finished."""
+    """The client reads two chunks and closes the connection. The scheduler's second step
+    waits until the client has left and then until the server has cancelled the job (up to
+    30 s each), so however loaded the machine, the request cannot end on its own first: it
+    leaves its slot as cancelled, not finished."""
     step, submit = served.engine.batcher.step, served.engine.submit
-    left, jobs = threading.Event(), []
+    left, jobs, steps = threading.Event(), [], []
 
     def held_step():
-        time.sleep(0.02)  # at 20 ms a step, 120 tokens take 2.4 s: time to read two chunks
-        if left.is_set():
+        steps.append(None)
+        if len(steps) >= 2:  # the admission gave token 1, the first step token 2
+            left.wait(30)
             jobs[0].cancelled.wait(30)
         return step()
 

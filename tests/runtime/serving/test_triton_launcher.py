@@ -169,3 +169,34 @@ def test_startup_timeout_stops_server(tmp_path):
     with pytest.raises(TfgraphError, match="not ready after 3 s"):
         server.start()
     assert server.process.poll() is not None
+
+
+def test_a_ctrl_c_on_another_thread_stops_the_foreground_wait():
+    """A signal the kernel hands to a thread other than the main one (this process has ONNX
+    Runtime's and torch's) does not cut a bare ``waitpid`` short; the foreground wait still
+    raises within a fraction of a second, not when the server exits on its own."""
+    import signal
+    import threading
+    import time
+
+    from tfgraph.runtime.serving.launcher import _wait_interruptibly
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers run in the main thread only; this runner is not on it")
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+
+    def interrupt_from_this_thread():
+        time.sleep(0.3)
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+
+    other = threading.Thread(target=interrupt_from_this_thread)
+    started = time.monotonic()
+    other.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _wait_interruptibly(process)
+        assert time.monotonic() - started < 5
+    finally:
+        other.join()
+        process.kill()
+        process.wait()
