@@ -125,7 +125,8 @@ CASES = [
                            "sdpa_gpt", "bloom-tiny", "mpt-tiny-sdpa", "mha_lm", "t5_decoder",
                            # ALiBi built from attention_mask (BLOOM) or sliced from a buffer
                            # (MPT), in a bias that also masks: the mask moves with each row
-                           "hf:bloom", "hf:mpt")],
+                           "hf:bloom")],
+    pytest.param("hf:mpt", "ort", marks=pytest.mark.slow),  # slow: 7 s; hf:bloom's ALiBi stays
     # the static standard-ONNX cache: TensorScatter writes each row at its own length, the
     # causal mask is per row
     *[(c, "onnx") for c in ("gpt-tiny", "llama-tiny", "masked:gpt2", "mha_lm", "t5_decoder")],
@@ -225,7 +226,8 @@ def test_artifacts_without_row_lengths_are_refused_with_the_reason(tmp_path):
 
 
 SEQ2SEQ = [
-    ("bart-tiny", "ort"), ("transformer-tiny", "onnx"), ("t5-tiny", "ort"),
+    pytest.param("bart-tiny", "ort", marks=pytest.mark.slow),  # slow: 10 s; hf:bart stays
+    ("transformer-tiny", "onnx"), ("t5-tiny", "ort"),
     # Hugging Face classes as loaded from a directory: no attention_mask input, so the cache
     # pass adds the encoder mask the slots need
     ("hf:bart", "ort"),
