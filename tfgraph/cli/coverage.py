@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from tfgraph.cli.output import table
+from tfgraph.errors import TfgraphError
 
 
 def add_parser(sub):
@@ -17,6 +18,10 @@ def add_parser(sub):
     )
     p.add_argument("--out", default="docs", help="directory for COVERAGE.md and coverage.json")
     p.add_argument("--only", help="comma-separated model types (e.g. gpt2,llama)")
+    p.add_argument(
+        "--kind",
+        help="comma-separated kinds (e.g. vision-language): measure only their rows, keep the rest",
+    )
     p.add_argument("--jobs", type=int, default=1, help="architectures measured at once")
     p.add_argument("--limit", type=int, default=None, help="at most this many new rows")
     p.add_argument("--fresh", action="store_true", help="redo rows already in coverage.json")
@@ -28,8 +33,14 @@ def run(args) -> int:
     from tfgraph.tools import coverage
 
     only = [m for m in (args.only or "").split(",") if m] or None
+    kinds = [k for k in (args.kind or "").split(",") if k] or None
+    unknown = sorted(set(kinds or ()) - set(coverage.KINDS))
+    if unknown:
+        raise TfgraphError(
+            f"unknown kind {', '.join(unknown)}: use one of {', '.join(coverage.KINDS)}"
+        )
     if args.list:
-        rows = [[m, k, c] for m, k, c in coverage.architectures(only)]
+        rows = [[m, k, c] for m, k, c in coverage.architectures(only, kinds)]
         print(table(rows, ["model type", "kind", "class"]))
         print(f"{len(rows)} architectures")
         return 0
@@ -48,6 +59,7 @@ def run(args) -> int:
     data = coverage.run(
         Path(args.out),
         only=only,
+        kinds=kinds,
         jobs=args.jobs,
         limit=args.limit,
         fresh=args.fresh,

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tfgraph.tools import coverage_vlm
 from tfgraph.tools.coverage_generation import greedy_vs_hf
 from tfgraph.tools.coverage_report import DECODER_KINDS, environment, markdown, summarize
 from tfgraph.tools.tiny_configs import (  # noqa: F401 - re-exported
@@ -49,7 +50,15 @@ from tfgraph.tools.tiny_configs import (  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("causal-lm", "seq2seq-lm", "speech-seq2seq", "encoder", "vision", "speech-encoder")
+KINDS = (
+    "causal-lm",
+    "seq2seq-lm",
+    "speech-seq2seq",
+    "encoder",
+    "vision",
+    "speech-encoder",
+    coverage_vlm.KIND,
+)
 # the order a model type is claimed in: encoder-decoders before their decoder-only heads
 # (WhisperForCausalLM, BartForCausalLM), text encoders before their causal-LM heads
 _CLAIM_ORDER = ("speech-seq2seq", "seq2seq-lm", "encoder", "causal-lm", "vision", "speech-encoder")
@@ -60,32 +69,44 @@ _MAPPINGS = {  # kind: transformers auto mapping (model_type → class name)
     "encoder": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
     "vision": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
     "speech-encoder": "MODEL_FOR_CTC_MAPPING_NAMES",
+    coverage_vlm.KIND: coverage_vlm.MAPPING,
 }
+# not claimed: every image-text-to-text model type is also a vision-language row (taken
+# whole, image in), beside the row of the kind that claims it (its text decoder from input_ids)
+_UNCLAIMED = (coverage_vlm.KIND,)
 NO_ATTENTION = "no attention"  # exported, but not a transformer (a ConvNet, a state-space LM)
 TIMEOUT_S = 420  # one architecture, both exports and generation
 
 EAGER_FAILED = "eager failed"  # the tiny model does not run on inputs from its own config
 
 
-def architectures(only: Iterable[str] | None = None) -> list[tuple[str, str, str]]:
+def architectures(
+    only: Iterable[str] | None = None, kinds: Iterable[str] | None = None
+) -> list[tuple[str, str, str]]:
     """(model_type, kind, class name) for every architecture of the installed transformers;
-    a model type counts once, in the first kind of :data:`_CLAIM_ORDER` that lists it (text
-    encoders that also have a causal-LM head count as encoders, Whisper as a speech
-    encoder-decoder)."""
+    a model type counts once among the kinds of :data:`_CLAIM_ORDER`, in the first that lists
+    it (text encoders that also have a causal-LM head count as encoders, Whisper as a speech
+    encoder-decoder), and once more in each kind of :data:`_UNCLAIMED` that lists it (a
+    vision-language model whole). ``only``: these model types; ``kinds``: these kinds."""
     from transformers.models.auto import modeling_auto
 
-    seen: dict[str, tuple[str, str, str]] = {}
-    for kind in _CLAIM_ORDER:
+    seen: dict[tuple[str, str], tuple[str, str, str]] = {}
+    claimed: set[str] = set()
+    for kind in (*_CLAIM_ORDER, *_UNCLAIMED):
         for model_type, cls in getattr(modeling_auto, _MAPPINGS[kind]).items():
-            if model_type in seen:
+            if kind in _CLAIM_ORDER and model_type in claimed:
                 continue
+            claimed.add(model_type)
             if isinstance(cls, (tuple, list)):
                 cls = cls[0]
-            seen[model_type] = (model_type, kind, cls)
+            seen[model_type, kind] = (model_type, kind, cls)
     rows = sorted(seen.values(), key=lambda r: (KINDS.index(r[1]), r[0]))
     if only:
         wanted = set(only)
         rows = [r for r in rows if r[0] in wanted]
+    if kinds:
+        wanted_kinds = set(kinds)
+        rows = [r for r in rows if r[1] in wanted_kinds]
     return rows
 
 
@@ -101,6 +122,8 @@ def measure(model_type: str, kind: str, cls_name: str, work: Path) -> dict:
     from tfgraph.errors import first_line
     from tfgraph.sources.trace import TraceCache
 
+    if kind == coverage_vlm.KIND:
+        return coverage_vlm.measure_vlm(model_type, cls_name, work)
     row: dict = {"model_type": model_type, "kind": kind, "class": cls_name}
     try:
         cls = getattr(transformers, cls_name)
@@ -253,35 +276,46 @@ def run(
     out_dir: Path,
     *,
     only: Iterable[str] | None = None,
+    kinds: Iterable[str] | None = None,
     jobs: int = 1,
     limit: int | None = None,
     progress: Callable[[dict, int, int], None] | None = None,
     fresh: bool = False,
 ) -> dict:
-    """Measure every architecture (or ``only`` these model types), ``jobs`` at a time; rows
-    already in ``out_dir/coverage.json`` are kept unless ``fresh``."""
+    """Measure every architecture (or ``only`` these model types, of these ``kinds``),
+    ``jobs`` at a time; rows already in ``out_dir/coverage.json`` are kept unless ``fresh``
+    (then only the rows measured again are replaced)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "coverage.json"
-    data = json.loads(path.read_text()) if path.is_file() and not fresh else {}
-    rows = {r["model_type"]: r for r in data.get("rows", [])}
-    todo = [a for a in architectures(only) if a[0] not in rows]
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    rows = {(r["model_type"], r["kind"]): r for r in data.get("rows", [])}
+    todo = [a for a in architectures(only, kinds) if fresh or (a[0], a[1]) not in rows]
     if limit is not None:
         todo = todo[:limit]
-    data["meta"] = {**environment(), "known": len(architectures(only))}
+    meta = {**environment(), "known": len(architectures(only))}
+    if kinds and data.get("meta"):  # some kinds only: the other rows' header stays theirs
+        data["meta"]["known"] = meta["known"]
+        data["meta_kinds"] = {**meta, "kinds": sorted(kinds)}
+    else:
+        data["meta"] = meta
     total = len(todo)
 
     def one(arch):
-        return {**run_one(*arch), "measured_at": data["meta"]["commit"]}
+        return {**run_one(*arch), "measured_at": meta["commit"]}
 
     def write() -> None:
         order = sorted(rows.values(), key=lambda r: (KINDS.index(r["kind"]), r["model_type"]))
-        data["rows"], data["summary"] = order, summarize(order)
+        data["rows"] = order
+        data["summary"] = summarize([r for r in order if r["kind"] != coverage_vlm.KIND])
+        vlm = [r for r in order if r["kind"] == coverage_vlm.KIND]
+        if vlm:
+            data["summary_vision_language"] = coverage_vlm.summarize(vlm)
         path.write_text(json.dumps(data, indent=1))
         (out_dir / "COVERAGE.md").write_text(markdown(data))
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         for i, row in enumerate(pool.map(one, todo), 1):
-            rows[row["model_type"]] = row
+            rows[row["model_type"], row["kind"]] = row
             write()
             if progress is not None:
                 progress(row, i, total)

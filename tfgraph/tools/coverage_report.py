@@ -121,7 +121,11 @@ def _count(values: Iterable[str]) -> dict:
 
 
 def markdown(data: dict) -> str:
-    meta, summary, rows = data.get("meta", {}), data.get("summary", {}), data.get("rows", [])
+    from tfgraph.tools import coverage_vlm
+
+    meta, summary, every = data.get("meta", {}), data.get("summary", {}), data.get("rows", [])
+    rows = [r for r in every if r["kind"] != coverage_vlm.KIND]  # whole VLMs: their section
+    vlm = [r for r in every if r["kind"] == coverage_vlm.KIND]
     traced = summary.get("traced", 0)
     statuses = ", ".join(f"{k} {v}" for k, v in sorted(summary.get("by_status", {}).items()))
     lines = [
@@ -135,14 +139,14 @@ def markdown(data: dict) -> str:
         "",
         *(
             [
-                f"**Partial run: {len(rows)} of {meta['known']} architectures measured so far** "
+                f"**Partial run: {len(every)} of {meta['known']} rows measured so far** "
                 "(the command resumes where it stopped; the counts below are of those rows).",
                 "",
             ]
-            if meta.get("known", len(rows)) > len(rows)
+            if meta.get("known", len(every)) > len(every)
             else []
         ),
-        _commits_line(rows),
+        _commits_line(every),
         "",
         f"- architectures tried: **{summary.get('architectures', 0)}**; built tiny from their "
         f"config: {summary.get('built', 0)}; traced and exported: **{traced}**",
@@ -198,6 +202,8 @@ def markdown(data: dict) -> str:
                 "; ".join(str(n).replace("|", "\\|")[:200] for n in notes if n),
             )
         )
+    if vlm:
+        lines += coverage_vlm.markdown(vlm, data.get("meta_kinds") or meta)
     return "\n".join(lines) + "\n"
 
 
