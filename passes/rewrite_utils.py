@@ -59,7 +59,8 @@ def downstream(node: ir.Node, depth: int) -> list[ir.Node]:
 def diagnose(
     model: ir.Model, rules: Iterable[_pattern.RewriteRule], candidate: ir.Node, depth: int = 10
 ) -> str:
-    """The first reason the rules failed on ``candidate``'s subgraph, from the best attempt."""
+    """The first reason the rules failed on ``candidate``'s subgraph, from the best attempt
+    (the matcher's own texts said in words: :func:`readable_reason`)."""
     tracer = MatchingTracer()
     graph = candidate.graph or model.graph
     for node in downstream(candidate, depth):
@@ -74,7 +75,36 @@ def diagnose(
                 best = info
     if best is None or not best.match_result.reason:
         return "no rule matched its subgraph"
-    return str(best.match_result.reason)
+    return readable_reason(str(best.match_result.reason))
+
+
+# onnxscript's matcher texts (its ``fail`` calls) → what a user reads in the fusion report
+_MATCHER_TEXTS = (
+    (r"OpType mismatch: expected (\S+), got (\S+)\.", "{1} where the rules expect {0}"),
+    (r"Domain mismatch: expected (\S*), got (\S*)\.", "domain '{1}' where the rules expect '{0}'"),
+    (
+        r"Attribute (\w+) (?:mismatch|not found|not expected)",
+        "an attribute {0} the rules do not take",
+    ),
+    (r"Value (\S+) is not a constant", "{0} computed where the rules expect a constant"),
+    (r"alue mismatch: expected (.+), got (.+)\.$", "the constant {1} where the rules expect {0}"),
+    (r"Value \S+ (?:is not a scalar|has shape)", "a constant of a shape the rules do not take"),
+    (r"None of the alternatives matched", "none of the variants the rules know"),
+    (r"Matched nodes have other uses", "an intermediate result used elsewhere as well"),
+    (r"Number of inputs", "an op with more inputs than the rules take"),
+    (r"crossing graph boundaries", "a subgraph crossing into a nested graph (If, Loop)"),
+    (r"Mismatch: |output index mismatch|Same pattern node|to be None", "another structure"),
+)
+
+
+def readable_reason(reason: str) -> str:
+    """A miss reason a user can act on: our rules' ``check`` reasons as they are; onnxscript's
+    matcher texts ("OpType mismatch: expected Add, got Reshape.") said in words."""
+    for text, say in _MATCHER_TEXTS:
+        found = re.search(text, reason)
+        if found:
+            return "not a form the rules know: " + say.format(*found.groups())
+    return reason
 
 
 def weight_bytes(model: ir.Model) -> int:

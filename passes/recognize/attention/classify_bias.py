@@ -161,7 +161,17 @@ def evaluate_biases(
 
 
 def classify(bias: np.ndarray) -> dict:
-    """Attributes implied by one evaluated bias (batch row 0), as described above."""
+    """Attributes implied by one evaluated bias (batch row 0), as described above; a bias
+    whose rows differ (unpadded: per window of shifted-window attention, whose row 0 may be
+    all zero) is never dropped for what row 0 alone says."""
+    attrs = _classify_row0(bias)
+    e = np.asarray(bias)
+    if not attrs["keep"] and e.ndim == 4 and not (e == e[:1]).all():
+        return dict(ADDITIVE)
+    return attrs
+
+
+def _classify_row0(bias: np.ndarray) -> dict:
     e = np.asarray(bias, dtype=np.float64)
     e = e[0] if e.ndim == 4 else e  # (H|1, T|1, S)
     while e.ndim < 3:

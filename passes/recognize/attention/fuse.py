@@ -15,6 +15,7 @@ import tfgraph.passes.recognize.attention.onnx_attention as onnx_attention_rules
 import tfgraph.passes.recognize.attention.rules as attention_rules
 import tfgraph.passes.recognize.attention.separable as separable_attention_rules
 import tfgraph.passes.recognize.attention.sink as sink_rules
+import tfgraph.passes.recognize.attention.windowed_mask as windowed_mask_rules
 from tfgraph.passes.recognize.attention.gating_softmax import is_gating_softmax
 from tfgraph.passes.rewrite_utils import apply_rules, constant, diagnose, mark_missed
 
@@ -120,7 +121,9 @@ class FuseAttentionPass(ir.passes.InPlacePass):
        ``MatMul(probs, V_i)`` gets one copy of its chain per V (:func:`unshare_softmax`);
        scores of two key sets joined for one softmax and probabilities split again for two
        value sets become one attention over the concatenated keys and values
-       (:mod:`.concat_keys_rules`: PEGASUS-X's block-local attention).
+       (:mod:`.concat_keys_rules`: PEGASUS-X's block-local attention); a mask added on a
+       view of the scores that is viewed back before the softmax (shifted-window attention:
+       Swin) becomes a bias on the scores (:mod:`.windowed_mask`).
     1. ``MatMul(Softmax(scale·Q·Kᵀ [+ bias]), V)`` in any of its exported forms becomes
        ``tfgraph.Attention(Q, Transpose(Kᵀ), V[, bias])``; so does a standard ONNX
        ``Attention`` (SDPA exported at opset ≥ 23), to be lowered for the profile like the rest.
@@ -142,6 +145,7 @@ class FuseAttentionPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         masked = apply_rules(model, RewriteRuleSet(einsum_rules.EINSUM_RULES))  # → MatMul
         masked += apply_rules(model, RewriteRuleSet(concat_keys_rules.CONCAT_KEYS_RULES))
+        masked += apply_rules(model, RewriteRuleSet(windowed_mask_rules.RULES))  # Swin's views
         masked += apply_rules(model, RewriteRuleSet(attention_rules.MASK_RULES))  # → additive
         masked += apply_rules(model, RewriteRuleSet(attention_rules.BIAS_RULES))  # one bias
         masked += apply_rules(model, RewriteRuleSet(sink_rules.SINK_RULES))  # → SinkSoftmax
@@ -168,6 +172,9 @@ class FuseAttentionPass(ir.passes.InPlacePass):
                 if _looks_like_sinks(node):  # why the sink rules refused says more
                     sink_reason = diagnose(model, sink_rules.SINK_RULES, node, depth=1)
                     reason = sink_reason if "no rule matched" not in sink_reason else reason
+                if windowed_mask_rules.looks_windowed(node):  # Swin: why the view's rule refused
+                    why = diagnose(model, windowed_mask_rules.RULES, node, depth=1)
+                    reason = f"{windowed_mask_rules.PREFIX}: {why}"
                 mark_missed(node, reason)
             elif node.op_type == "Attention" and node.domain in ("", "ai.onnx"):
                 mark_missed(node, diagnose(model, onnx_attention_rules.RULES, node, depth=0))
