@@ -126,6 +126,8 @@ def eager_generate(model, processor, spec: dict | None = None, new_tokens: int =
     import torch
 
     inputs = processor_inputs(processor, spec)
+    # set on the model's own config, not passed: BLIP's generate passes pad_token_id itself
+    model.generation_config.pad_token_id = 0
     with torch.no_grad():
         out = model.generate(
             **inputs,
@@ -133,6 +135,6 @@ def eager_generate(model, processor, spec: dict | None = None, new_tokens: int =
             min_new_tokens=new_tokens,
             do_sample=False,
             num_beams=1,
-            pad_token_id=0,
         )
-    return inputs, out[0, inputs["input_ids"].shape[1] :].tolist()
+    # exactly new_tokens were generated: the last ones (BLIP's output has no prompt in front)
+    return inputs, out[0, -new_tokens:].tolist()
