@@ -108,6 +108,7 @@ def export(
     stages = Stages(progress)
     with stages.timed("load"):
         source = _load(model, options, tokenizer)
+    get_flavour(options.flavour).check_source(source)  # a model it cannot describe: now
     budget = check_budget(source, options.view("quantizing"), out_dir)  # disk, memory: first
     with stages.timed("trace"):
         source, graph = trace_source(model, source, options.view("tracing"), trace_cache)

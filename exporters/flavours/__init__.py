@@ -38,6 +38,10 @@ class Flavour:
     def check(self, options, target) -> None:
         """Refuse options this flavour cannot lay out (a one-line :class:`TfgraphError`)."""
 
+    def check_source(self, source) -> None:
+        """Refuse a loaded model this flavour cannot describe, before it is traced (a
+        one-line :class:`TfgraphError`)."""
+
     def rewrite(self, graph, source, options, steps) -> None:
         """Rewrite ``graph`` (after precision, weights and the int8 cache) through
         ``steps.run`` so the step is recorded, checked and probed like any pass."""

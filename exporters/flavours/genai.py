@@ -68,6 +68,14 @@ class GenaiFlavour(Flavour):
                 "right-pads batches): drop --no-row-lengths"
             )
 
+    def check_source(self, source) -> None:
+        if "attention_mask" not in source.input_names:  # the graph's why_not, before tracing
+            raise TfgraphError(
+                "--flavour genai: onnxruntime-genai cannot drive this model: it takes no "
+                "attention_mask, which genai reads each row's length from; export it without "
+                "--flavour genai for tfgraph's runtime"
+            )
+
     def rewrite(self, graph, source, options, steps) -> None:
         why = why_not(graph)
         if why is not None:

@@ -130,8 +130,11 @@ class OptimumFlavour(Flavour):
         if getattr(options, "kv_layout", "shared") == "paged":
             raise TfgraphError("--flavour optimum grows the cache: drop --kv-layout paged")
 
+    def check_source(self, source) -> None:
+        model_config(source)  # the clients build the model class from its config.json
+
     def rewrite(self, graph, source, options, steps) -> None:
-        config = model_config(source)  # a source the clients cannot build refused before saving
+        config = model_config(source)
         if config.get("is_encoder_decoder"):  # the clients' pair is written from the saved one
             steps.run("OptimumIOPass", lambda: rename_batch_dims(graph), graph, changed=bool)
         else:
