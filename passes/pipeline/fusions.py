@@ -10,7 +10,9 @@ target's fact, :attr:`tfgraph.exporters.targets.Target.fused_ops`):
   reason) counts as missed, not fused: it was not lowered for the target.
 - ``norm``: every normalization op, plus every decomposed norm left in the graph, found by its
   ``ReduceMean`` of a square (``Pow(x, 2)`` or ``Mul(x, x)``: the variance of LayerNorm, the mean
-  square of RMSNorm; one per norm).
+  square of RMSNorm) or its L2 norm (``ReduceL2``, ``LpNormalization``, a sum of squares under a
+  ``Sqrt``: ``F.normalize``); one per norm
+  (:func:`tfgraph.passes.recognize.fuse_norms.is_norm_candidate`).
 - ``gelu``: every GELU op, plus every hand-written GELU left (its ``Erf``, or a ``Tanh`` fed by
   a cube; :func:`tfgraph.passes.recognize.fuse_gelu.unfused_gelu_candidates`).
 - ``recurrent``: every linear-attention recurrence and causal convolution traced as a canonical

@@ -32,7 +32,7 @@ from tfgraph.passes.canonical import DOMAIN, LayerNormOp, RMSNormOp, norm_op
 from tfgraph.passes.rewrite_utils import int_list, scalar
 
 
-def _square(op, v, name: str):
+def square(op, v, name: str):
     return pattern.OrValue([op.Pow(v, pattern.Var(f"{name}_exp")), op.Mul(v, v)])
 
 
@@ -40,7 +40,7 @@ def _plus_epsilon(op, v, epsilon):
     return pattern.OrValue([op.Add(v, epsilon), v])
 
 
-def _check_common(result: pattern.MatchResult, x, epsilon, reductions, exponents):
+def check_common(result: pattern.MatchResult, x, epsilon, reductions, exponents):
     """ε constant; every ReduceMean over the last axis only; every Pow exponent 2."""
     # No ``Add(·, ε)`` at all: ε = 0 (our tracing removes only an exact ``+ 0``; other
     # optimizers, onnxscript's own no-op rules among them, drop an ε below 1e-8 as if 0).
@@ -88,15 +88,15 @@ class LayerNormRule(_DivOrMulReciprocal):
         d = op.Sub(x, mean)
         var = pattern.OrValue(
             [
-                op.ReduceMean(_square(op, d, "dev"), axes_var),
-                op.Sub(op.ReduceMean(_square(op, x, "x"), axes_var), _square(op, mean, "mean")),
+                op.ReduceMean(square(op, d, "dev"), axes_var),
+                op.Sub(op.ReduceMean(square(op, x, "x"), axes_var), square(op, mean, "mean")),
             ]
         )
         return self._divide(op, d, op.Sqrt(_plus_epsilon(op, var, epsilon)))
 
     def check(self, context, x, axes_mean, axes_var, epsilon=None, **kw) -> pattern.MatchResult:
         exps = [kw.get(k) for k in ("dev_exp", "x_exp", "mean_exp")]
-        result, self._epsilon = _check_common(
+        result, self._epsilon = check_common(
             pattern.MatchResult(), x, epsilon, [axes_mean, axes_var], exps
         )
         return result
@@ -109,11 +109,11 @@ class RMSNormRule(_DivOrMulReciprocal):
     """``x/√(mean(x²) + ε)`` with Div or Mul-by-Reciprocal (``x * rsqrt(mean(x²) + ε)``)."""
 
     def pattern(self, op, x, axes, epsilon):
-        rms = op.Sqrt(_plus_epsilon(op, op.ReduceMean(_square(op, x, "x"), axes), epsilon))
+        rms = op.Sqrt(_plus_epsilon(op, op.ReduceMean(square(op, x, "x"), axes), epsilon))
         return self._divide(op, x, rms)
 
     def check(self, context, x, axes, epsilon=None, x_exp=None, **_) -> pattern.MatchResult:
-        result, self._epsilon = _check_common(pattern.MatchResult(), x, epsilon, [axes], [x_exp])
+        result, self._epsilon = check_common(pattern.MatchResult(), x, epsilon, [axes], [x_exp])
         return result
 
     def rewrite(self, op, x, **_):
@@ -131,7 +131,7 @@ class SeedLayerNormRule(pattern.RewriteRuleClassBase):
 
     def pattern(self, op, x, axes_mean, axes_var, epsilon):
         d = op.Sub(x, op.ReduceMean(x, axes_mean))
-        return op.Add(op.Sqrt(op.ReduceMean(_square(op, d, "dev"), axes_var)), epsilon)
+        return op.Add(op.Sqrt(op.ReduceMean(square(op, d, "dev"), axes_var)), epsilon)
 
     def __init__(self) -> None:
         super().__init__(remove_nodes=False)  # σ is only part of the norm: do not ask for more
@@ -183,7 +183,7 @@ class CenteredRMSNormRule(pattern.RewriteRuleClassBase):
         return op.RMSNormalization(d, scale, _outputs=["y"])
 
     def check(self, context, x, axes, y, **_) -> pattern.MatchResult:
-        result, _ = _check_common(pattern.MatchResult(), x, None, [axes], [])
+        result, _ = check_common(pattern.MatchResult(), x, None, [axes], [])
         if result and y.producer().attributes.get_int("axis", -1) not in (-1, len(x.shape) - 1):
             return result.fail("RMSNormalization is not over the last axis", y)
         return result
