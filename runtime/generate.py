@@ -104,6 +104,9 @@ class CachedDecoder:
         self._slot_masks = {
             p.name for p in signature.inputs if p.role == contract.ENCODER_SLOT_MASK
         }
+        # a vision-language decoder merges its image features at the prompt only: later steps
+        # get none (an image token generated later is embedded, as in Hugging Face's generate)
+        self._prompt_only = {p.name for p in signature.inputs if p.role == contract.IMAGE_FEATURES}
         self._logits = (signature.output(contract.LOGITS) or signature.outputs[0]).key
         self.encoder = None
         self.encoder_inputs: list[str] = []
@@ -206,7 +209,10 @@ class CachedDecoder:
                 continue
             if extra is None or name not in extra:
                 raise TfgraphError(f"the model also needs input '{name}'")
-            feeds[self._keys[name]] = extra[name]
+            value = extra[name]
+            if name in self._prompt_only and cache.length:
+                value = value[:, :0]  # (batch, 0, hidden)
+            feeds[self._keys[name]] = value
         outputs, cache = self.session.step(feeds, cache, new)
         logits = self.session.to_numpy(outputs[self._logits])
         if order is not None:  # each row's positions back where the caller had them

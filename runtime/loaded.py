@@ -26,6 +26,7 @@ from tfgraph.exporters.manifest import read_manifest
 from tfgraph.runtime.generate import CachedDecoder, GenerationConfig, generate, seq2seq_prompts
 from tfgraph.runtime.runner import Runner, open_runner
 from tfgraph.runtime.tokenizer import load_tokenizer
+from tfgraph.runtime.vision_language import ImagePrompts, vision_language
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class LoadedModel:
         self.manifest: dict = read_manifest(self.path) or {}
         providers = [provider] if isinstance(provider, str) else list(provider)
         self.runner: Runner = open_runner(self.path, providers=providers)
+        self._providers, self._images = providers, None  # a vision-language artifact's prompts
         self.tokenizer = load_tokenizer(self.path) if (self.path / "tokenizer").is_dir() else None
         self._decoder: CachedDecoder | None = None
 
@@ -77,6 +79,7 @@ class LoadedModel:
         ignore_eos: bool = False,
         pad_token_id: int | None = None,
         decoder_start_token_id: int = 0,
+        image=None,
     ):
         """Generate after ``prompt``: a text (→ the new text), token ids (→ the new ids; a
         list, an array, a tensor or the tokenizer's output), or a list of either (a batch → a
@@ -84,7 +87,8 @@ class LoadedModel:
         ``seed``). Stops after ``max_new_tokens`` or at ``eos_token_id`` (default: the
         tokenizer's; ``ignore_eos``: never). Padding uses ``pad_token_id`` (default: the
         tokenizer's, else its EOS, else 0); an encoder-decoder's decoder starts from
-        ``decoder_start_token_id``."""
+        ``decoder_start_token_id``. ``image``: a vision-language artifact's image (a PIL image
+        or a file; one per text of a batch), through the model's own processor."""
         texts, prompts, single = self._prompts(prompt)
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
@@ -97,7 +101,9 @@ class LoadedModel:
             pad_token_id=self._special("pad", pad_token_id) or 0,
         )
         decoder, extra = self.decoder, None
-        if decoder.seq2seq:  # the prompts feed the encoder; the decoder starts afresh
+        if vision_language(self.manifest) is not None or image is not None:
+            prompts, extra = self._image_prompts(prompt, prompts, texts, image)
+        elif decoder.seq2seq:  # the prompts feed the encoder; the decoder starts afresh
             prompts, extra = seq2seq_prompts(
                 decoder, prompts, config.pad_token_id, decoder_start_token_id
             )
@@ -107,6 +113,19 @@ class LoadedModel:
         else:
             out = tokens
         return out[0] if single else out
+
+    def _image_prompts(self, prompt, ids: list, texts: bool, image) -> tuple[list, dict]:
+        """A vision-language artifact's prompts: texts through its processor (with ``image``),
+        token ids as they are (without an image); and the decoder's image features."""
+        if self._images is None:
+            self._images = ImagePrompts(self.path, providers=self._providers)
+        if not texts:
+            if image is not None:
+                raise TfgraphError("an image goes with a text prompt (the processor places it)")
+            return ids, self._images.without_image(len(ids))
+        batch = [prompt] if isinstance(prompt, str) else list(prompt)
+        images = None if image is None else image if isinstance(image, (list, tuple)) else [image]
+        return self._images.prepare(batch, images)
 
     def _prompts(self, prompt) -> tuple[bool, list[list[int]], bool]:
         """(whether the prompts are texts, their token ids, whether there was one prompt)."""

@@ -38,6 +38,7 @@ STAGE_OF = {
     "tfgraph.verify": "verify",
     "tfgraph.options": "export",
     "tfgraph.exporting": "export",
+    "tfgraph.vision_export": "export",  # a vision-language model's graphs, each exported
     "tfgraph.tools": "tools",
     "tfgraph.bench": "bench",
     "tfgraph.cli": "cli",

@@ -75,6 +75,9 @@ LOGITS = "logits"
 HIDDEN_STATES = "hidden_states"
 PRESENT_KEY, PRESENT_VALUE = "present_key", "present_value"
 OUTPUT = "output"
+# vision-language artifacts (tfgraph/sources/vision_language.py): the processor's images, and
+# the vision graph's features that the decoder merges at the image-token positions
+PIXEL_VALUES, IMAGE_FEATURES = "pixel_values", "image_features"
 
 # recurrent layers' carried state (passes/insert_recurrent_state.py): numbered apart from the
 # attention layers, in graph order; zeros before the first step, then the presents

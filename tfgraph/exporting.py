@@ -33,8 +33,10 @@ from tfgraph.sources import ModelSource, load_source
 from tfgraph.sources.objects import with_tokenizer
 from tfgraph.sources.trace import TraceCache
 from tfgraph.sources.tracing import trace_source
+from tfgraph.sources.vision_language import is_vision_language
 from tfgraph.verify.artifact import check_artifact, weights_error
 from tfgraph.verify.kv_quantization import check_int8_cache
+from tfgraph.vision_export import export_vision_language
 
 if TYPE_CHECKING:
     from torch.nn import Module
@@ -100,12 +102,12 @@ def export(
 ) -> ExportResult:
     """Export ``model`` (see :func:`_load`) into ``out_dir`` with ``options`` (or its fields as
     keywords), ``tokenizer`` into its ``tokenizer/``; ``trace_cache``: an earlier trace."""
-    out_dir = Path(out_dir)
-    options = ExportOptions.of(options, fields)
+    out_dir, options = Path(out_dir), ExportOptions.of(options, fields)
     target = get_target(options.target)  # an unknown target is refused first
     check_target(out_dir)  # before any slow work
-    options = options.resolved(target)
-    stages = Stages(progress)
+    if is_vision_language(model):  # image in, tokens out: its graphs (tfgraph/vision_export.py)
+        return export_vision_language(export, model, out_dir, options, progress=progress)
+    options, stages = options.resolved(target), Stages(progress)
     with stages.timed("load"):
         source = _load(model, options, tokenizer)
     get_flavour(options.flavour).check_source(source)  # a model it cannot describe: now

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
+from tfgraph import contract
 from tfgraph.cli.run import load_inputs, parse_ids
 from tfgraph.errors import TfgraphError
 
@@ -18,6 +19,12 @@ def add_parser(sub):
         help='prompt token ids, e.g. "1 2 3"; repeat for a batch (left-padded)',
     )
     p.add_argument("--text", action="append", help="prompt text (the artifact's tokenizer)")
+    p.add_argument(
+        "--image",
+        action="append",
+        metavar="FILE",
+        help="vision-language artifacts: an image for each --text (the model's own processor)",
+    )
     p.add_argument(
         "--inputs",
         metavar="FILE.npz",
@@ -45,8 +52,19 @@ def run(args) -> int:
     from tfgraph.runtime import CachedDecoder, GenerationConfig, generate, open_runner
 
     decoder = CachedDecoder(open_runner(args.path, providers=args.provider))
-    tokenizer = None
-    if args.text is not None:
+    tokenizer, extra = None, {}
+    inputs = decoder.session.signature.inputs
+    if any(p.role == contract.IMAGE_FEATURES for p in inputs):  # a VLM: the model's processor
+        from tfgraph.runtime.vision_language import ImagePrompts
+
+        images = ImagePrompts(args.path, providers=args.provider)
+        if args.text is None:
+            raise TfgraphError('give a prompt: --text "…" (with --image FILE)')
+        prompts, extra = images.prepare(args.text, args.image)
+        tokenizer = images.tokenizer
+    elif args.image:
+        raise TfgraphError(f"'{args.path}' is not a vision-language artifact: --image needs one")
+    elif args.text is not None:
         from tfgraph.runtime.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(args.path)
@@ -57,7 +75,7 @@ def run(args) -> int:
         prompts = []
     else:
         raise TfgraphError('give a prompt: --input-ids "1 2 3" (or --text with a tokenizer)')
-    extra = load_inputs(args.inputs, decoder.session.signature, decoder.encoder)
+    extra = {**extra, **load_inputs(args.inputs, decoder.session.signature, decoder.encoder)}
     if decoder.seq2seq and not prompts:
         batch = next(iter(extra.values())).shape[0]
         prompts = [[args.decoder_start_token_id]] * batch
