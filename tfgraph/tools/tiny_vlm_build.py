@@ -43,11 +43,37 @@ def tiny_vlm_config(model_type: str, spec: dict):
 
     config = tiny_config(model_type)
     data = config.to_dict()
-    vision = data.get("vision_config")
+    vision, text = data.get("vision_config"), data.get("text_config")
     if isinstance(vision, dict):
         vision.update({k: v for k, v in VISION_TINY.items() if k in vision})
+        if isinstance(text, dict) and "hidden_size" in text:  # the tower's output feeds text
+            width, names = text["hidden_size"], ("out_hidden_size", "text_hidden_size")
+            vision.update({k: width for k in names if k in vision})
+    text_class = type(getattr(config, "text_config", None))
+    if isinstance(text, dict) and "mrope_section" in _rope_keys(text_class):
+        _fit_mrope(text)
     _merge(data, spec.get("config", {}))
     return type(config).from_dict(data)
+
+
+def _rope_keys(cls) -> set:
+    return set(getattr(cls, "ignore_keys_at_rope_validation", None) or ())
+
+
+def _fit_mrope(text: dict) -> None:
+    """M-RoPE's temporal/height/width split of the rotary half for the tiny head size, where
+    the text config takes one (its class lets ``mrope_section`` through rope validation): the
+    models' defaults (Qwen2-VL's 16, 24, 24; GLM-4V's 8, 12, 12) split a wider head, so the
+    tiny one gets a quarter, three eighths, three eighths (2, 3, 3 of 8)."""
+    rope = text.get("rope_parameters")
+    heads = text.get("num_attention_heads")
+    if not isinstance(rope, dict) or not isinstance(heads, int):
+        return
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    rotary = int(head_dim * (rope.get("partial_rotary_factor") or 1.0)) // 2
+    first = max(1, rotary // 4)
+    second = (rotary - first) // 2
+    rope["mrope_section"] = [first, second, rotary - first - second]
 
 
 def _merge(into: dict, update: dict) -> None:
@@ -117,7 +143,12 @@ def processor_inputs(processor, spec: dict | None = None, image=None) -> dict:
     spec = spec or DEFAULT_SPEC
     image = image if image is not None else random_image()
     images = [[image]] if spec.get("nested_images") else [image]
-    inputs = processor(images=images, text=[prompt_for(processor, spec)], return_tensors="pt")
+    kwargs = {}
+    if "mm_token_type_ids" in getattr(processor, "model_input_names", ()):
+        # M-RoPE's models need it; Cosmos3-Edge's processor lists it but does not return it
+        kwargs["return_mm_token_type_ids"] = True
+    text = [prompt_for(processor, spec)]
+    inputs = processor(images=images, text=text, return_tensors="pt", **kwargs)
     return {k: v for k, v in inputs.items() if k != "labels"}  # PaliGemma's: training only
 
 

@@ -37,19 +37,14 @@ _IDEFICS_TOKENS = {
     "end_of_utterance_token": "<end_of_utterance>",
 }
 
-# M-RoPE's temporal/height/width split of the rotary half (8 of head size 16; default
-# 16, 24, 24 of 64)
-_MROPE = {"rope_parameters": {"mrope_section": [2, 3, 3]}}
-
 SPECS: dict[str, dict] = {
-    "qwen2_vl": {"tokens": _QWEN_TOKENS, "prompt": _QWEN_PROMPT, "config": {"text_config": _MROPE}},
+    "qwen2_vl": {"tokens": _QWEN_TOKENS, "prompt": _QWEN_PROMPT},
     "qwen2_5_vl": {
         "tokens": _QWEN_TOKENS,
         "prompt": _QWEN_PROMPT,
         # full attention in the last of the 2 vision blocks (default: blocks 7, 15, 23, 31);
         # windows of 2 × 2 merged patches; the merger's output is the text width
         "config": {
-            "text_config": _MROPE,
             "vision_config": {
                 "fullatt_block_indexes": [1],
                 "window_size": 32,
