@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tfgraph.cli import main
-from tfgraph.tools import coverage, coverage_report, coverage_vlm
+from tfgraph.tools import coverage, coverage_report, coverage_vlm, tiny_vlm
 from tfgraph.tools.tiny_processors import sync_token_ids, word_tokenizer
 from tfgraph.tools.tiny_vlm_build import NEW_TOKENS, build_family, eager_generate
 from tfgraph.tools.tiny_vlm_families import VERIFIED, spec_for
@@ -102,10 +102,12 @@ def test_unknown_kind_is_refused_in_one_line(capsys):
 
 # slow: every family of the table built and run eagerly (a second or two each)
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", VERIFIED)
+@pytest.mark.parametrize("model_type", sorted(set(VERIFIED) | set(tiny_vlm.BUILDERS)))
 def test_every_family_builds_and_generates(model_type, tmp_path):
     if model_type == "smolvlm":
         pytest.importorskip("num2words", reason="SmolVLM's processor needs num2words")
+    tiny_vlm.build(model_type, tmp_path / "table")  # the table's entry writes a directory
+    assert (tmp_path / "table" / "config.json").is_file()
     model, processor = build_family(model_type, tmp_path / "hf", spec_for(model_type))
     inputs, tokens = eager_generate(model, processor, spec_for(model_type))
     assert len(tokens) == NEW_TOKENS

@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from tfgraph.tools.tiny_vlm_families import generic_builders
+
 WORDS = 252  # w0 … w251: ids 3 … 254 after <unk>, <s>, </s>
 IMAGE_SIZE, PATCH = 16, 4  # 16 patches: 16 image tokens per image (LLaVA drops CLS)
 
@@ -74,8 +76,11 @@ def _llava(directory: Path) -> None:
     processor.save_pretrained(directory)
 
 
-# model_type → writes a tiny random model and its processor into a directory
+# model_type → writes a tiny random model and its processor into a directory; the other
+# families are built generically from their own config and processor classes
+# (tiny_vlm_families: Qwen2-VL, Qwen2.5-VL, Gemma 3, Idefics3, SmolVLM, PaliGemma, Mllama)
 BUILDERS: dict[str, Callable[[Path], None]] = {"llava": _llava}
+BUILDERS.update({k: v for k, v in generic_builders().items() if k not in BUILDERS})
 
 
 def build(model_type: str, directory: str | Path, seed: int = 0) -> Path:
