@@ -77,6 +77,8 @@ def write_artifact(graph, stage: Path, source, options, steps, encoder=None):
     manifest["precision"] = options.precision
     manifest["target"]["runner"] = target.runner_for(options.precision)
     manifest["flavour"] = flavour.name
+    if source.info.get("static_axes"):  # axes fixed by --static-axes: name → the size taken
+        manifest["static_axes"] = source.info["static_axes"]
     manifest["files"] += flavour.write(stage, graph, source, manifest, options)
     write_json(stage / MANIFEST_FILE, manifest)
     return Saved(manifest, files, fusions)

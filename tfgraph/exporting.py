@@ -31,6 +31,7 @@ from tfgraph.precision.stage import convert_precision, quantize_kv_cache, quanti
 from tfgraph.progress import stage
 from tfgraph.sources import ModelSource, load_source
 from tfgraph.sources.objects import with_tokenizer
+from tfgraph.sources.static_axes import parity_shapes
 from tfgraph.sources.trace import TraceCache
 from tfgraph.sources.tracing import trace_source
 from tfgraph.sources.vision_language import is_vision_language
@@ -115,6 +116,7 @@ def export(
     with stages.timed("trace"):
         source, graph = trace_source(model, source, options.view("tracing"), trace_cache)
     shapes = _within(options.parity_shapes, source.info.get("max_positions"))
+    shapes = parity_shapes(source, shapes)  # a static axis (--static-axes) at its size
     with staged_directory(out_dir) as stage, contextlib.ExitStack() as cleanup:
         scratch = _Scratch(cleanup, out_dir.parent)
         steps = Steps(target, **asdict(options.view("checking")), dump_dir=stage)

@@ -61,6 +61,9 @@ class ExportOptions:
     # the runtime the artifact is laid out for: tfgraph, genai (onnxruntime-genai), optimum
     # (Optimum and transformers.js); tfgraph/exporters/flavours/
     flavour: str = "tfgraph"
+    # dynamic axes kept at fixed sizes ("sequence", "batch=1"): a model whose own code fixes a
+    # dimension (tfgraph/sources/static_axes.py); a string "a,b" or a tuple of entries
+    static_axes: tuple[str, ...] | str = ()
 
     @classmethod
     def of(cls, options: ExportOptions | None, fields: dict) -> ExportOptions:
@@ -80,6 +83,7 @@ class ExportOptions:
         from tfgraph.exporters.ort.int8_kv import check_kv_dtype
         from tfgraph.exporters.ort.paging import check_kv_layout
         from tfgraph.precision.islands import check_precision
+        from tfgraph.sources.static_axes import parse_static_axes
 
         target = target or get_target(self.target)
         check_precision(self.precision, self.keep_io_types, target)
@@ -89,7 +93,10 @@ class ExportOptions:
         get_flavour(self.flavour).check(self, target)
         opset = target.opset if self.opset is None else self.opset
         check_opset(opset)
-        return dataclasses.replace(self, target=target, accuracy_level=level, opset=opset)
+        static = parse_static_axes(self.static_axes)  # names checked against the model's later
+        return dataclasses.replace(
+            self, target=target, accuracy_level=level, opset=opset, static_axes=static
+        )
 
     def view(self, stage: str):
         """The fields stage ``stage`` reads (:data:`VIEWS`), as a small frozen object."""
@@ -111,7 +118,7 @@ class ExportOptions:
 # stage → the fields it reads: each stage function is handed ``options.view(stage)``
 VIEWS = {
     "loading": ("trust_remote_code", "attn_implementation"),
-    "tracing": ("trust_remote_code", "attn_implementation", "opset"),
+    "tracing": ("trust_remote_code", "attn_implementation", "opset", "static_axes", "kv_cache"),
     "checking": ("check_each_pass", "dump_after"),
     "quantizing": (
         "target",

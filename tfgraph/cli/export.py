@@ -177,7 +177,7 @@ def _add_weight_quantization(p):
 
 
 def _add_loading(p):
-    """How a Hugging Face model directory is loaded."""
+    """How a model is loaded and traced."""
     p.add_argument(
         "--attn-implementation",
         choices=["eager", "sdpa"],
@@ -188,6 +188,14 @@ def _add_loading(p):
         "--trust-remote-code",
         action="store_true",
         help="allow a model directory's own Python code to run",
+    )
+    p.add_argument(
+        "--static-axes",
+        metavar="AXIS[,AXIS]",
+        default="",
+        help="keep these dynamic axes (sequence, batch; AXIS=SIZE for a size) at the example "
+        "inputs' sizes: for a model whose own code fixes a dimension (the trace error names "
+        "it); the graph then takes those sizes only",
     )
 
 
@@ -274,6 +282,7 @@ def options_from_args(args):
         kv_layout=args.kv_layout,
         kv_block_size=args.kv_block_size,
         flavour=args.flavour,
+        static_axes=args.static_axes,
     )
 
 

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils import _pytree
 
 from tfgraph.errors import TfgraphError, first_line
-from tfgraph.sources.model import InputMaker, ModelSource, max_positions
+from tfgraph.sources.model import InputMaker, ModelSource, bind_inputs, max_positions
 from tfgraph.sources.objects import from_hf_object, is_hf_model
 
 logger = logging.getLogger(__name__)
@@ -135,10 +135,12 @@ def from_module(module: nn.Module, example_inputs=None, *, origin: str = "module
     """Wrap any ``nn.Module``.
 
     1. A module that implements the tfgraph input protocol describes itself.
-    2. With example inputs (a tensor, a tuple, or a dict keyed by forward argument names):
-       every input of rank ≥ 2 gets dynamic axes 0 = ``batch`` and 1 = ``sequence``; random
-       inputs at other shapes keep the example's dtype and value range. A module that does
-       not run with another size of dim 1 (an image's channels) keeps only ``batch`` dynamic.
+    2. With example inputs (a tensor, a tuple, or a dict keyed by forward argument names,
+       each value bound to the parameter it names: by keyword when the keys skip or reorder
+       forward's parameters; the graph's inputs are named by the keys): every input of
+       rank ≥ 2 gets dynamic axes 0 = ``batch`` and 1 = ``sequence``; random inputs at
+       other shapes keep the example's dtype and value range. A module that does not run
+       with another size of dim 1 (an image's channels) keeps only ``batch`` dynamic.
     3. With nothing: a single ``input_ids`` input of (batch, sequence) token ids drawn from
        the vocabulary of the module's first ``nn.Embedding``.
 
@@ -148,6 +150,7 @@ def from_module(module: nn.Module, example_inputs=None, *, origin: str = "module
     if is_hf_model(module):  # its forward returns a DynamicCache: the Hugging Face source
         return from_object(module if example_inputs is None else (module, example_inputs))
     module = module.eval()
+    keyword, example_shape = False, None
     if example_inputs is None and all(
         hasattr(module, a) for a in ("input_names", "example_inputs", "dynamic_axes")
     ):
@@ -155,24 +158,41 @@ def from_module(module: nn.Module, example_inputs=None, *, origin: str = "module
         make = module.example_inputs
         axes = module.dynamic_axes()
     else:
-        names, make, axes = _infer_inputs(module, example_inputs, origin)
+        names, make, axes, keyword = _infer_inputs(module, example_inputs, origin)
+        example_shape = _example_shape(example_inputs)
     outputs = getattr(module, "output_names", None)
     if outputs is None:
         probe = make(2, 5, torch.Generator().manual_seed(0))
+        args, kwargs = bind_inputs(names, probe, keyword)
         with torch.no_grad():
-            flat, _ = _pytree.tree_flatten(module(*(probe[n] for n in names)))
+            flat, _ = _pytree.tree_flatten(module(*args, **kwargs))
         outputs = ("logits",) if len(flat) == 1 else tuple(f"output_{i}" for i in range(len(flat)))
     source = ModelSource(module, tuple(names), tuple(outputs), axes, make, origin)
+    source.keyword_inputs = keyword
+    if example_shape is not None:  # what static axes keep (tfgraph.sources.static_axes)
+        source.info["example_shape"] = example_shape
     limit = max_positions(getattr(module, "config", None))
     if limit is not None:
         source.info["max_positions"] = limit
     return source
 
 
+def _example_shape(example) -> list[int] | None:
+    """(batch, sequence) of the first example input of rank ≥ 2 (the sizes a static axis
+    keeps); ``None`` without one."""
+    if isinstance(example, torch.Tensor):
+        example = (example,)
+    values = example.values() if isinstance(example, dict) else example or ()
+    first = next((t for t in values if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+    return None if first is None else [int(first.shape[0]), int(first.shape[1])]
+
+
 def _infer_inputs(module: nn.Module, example, origin: str):
+    """(names, make, axes, keyword) of a module without the input protocol."""
+    signature = inspect.signature(module.forward)
     params = [
         p.name
-        for p in inspect.signature(module.forward).parameters.values()
+        for p in signature.parameters.values()
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
     if example is None:
@@ -188,7 +208,7 @@ def _infer_inputs(module: nn.Module, example, origin: str):
         def make_ids(batch, seq, generator):
             return {name: torch.randint(0, vocab, (batch, seq), generator=generator)}
 
-        return (name,), make_ids, {name: {0: "batch", 1: "sequence"}}
+        return (name,), make_ids, {name: {0: "batch", 1: "sequence"}}, False
 
     if isinstance(example, torch.Tensor):
         example = (example,)
@@ -201,13 +221,14 @@ def _infer_inputs(module: nn.Module, example, origin: str):
     ):
         raise TfgraphError(f"{origin}: example inputs must be tensors, a tuple or a dict of them")
     names = tuple(example)
+    keyword = _binds_by_keyword(signature, names, origin)
     make, axes = _like(example, sequence=True)
     try:
-        _run(module, names, make)
+        _run(module, names, make, keyword)
     except Exception as exc:  # dim 1 is not a sequence (image channels, a fixed length …)
         make, axes = _like(example, sequence=False)
         try:
-            _run(module, names, make)
+            _run(module, names, make, keyword)
         except Exception as again:
             raise TfgraphError(
                 f"{origin} fails on inputs shaped like its examples "
@@ -219,13 +240,40 @@ def _infer_inputs(module: nn.Module, example, origin: str):
             origin,
             first_line(exc, named=True),
         )
-    return names, make, axes
+    return names, make, axes, keyword
 
 
-def _run(module: nn.Module, names: tuple[str, ...], make: InputMaker) -> None:
-    inputs = make(2, 5, torch.Generator().manual_seed(0))
+def _binds_by_keyword(signature: inspect.Signature, names: tuple[str, ...], origin: str) -> bool:
+    """Whether example inputs named ``names`` (a dict's keys, in order) bind to forward by
+    keyword: not when they are forward's first parameters in order (the same call by
+    position). A key that is no parameter forward takes by name is refused, naming them."""
+    parameters = signature.parameters.values()
+    positional = [
+        p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if list(names) == positional[: len(names)]:
+        return False
+    by_name = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    only_positional = {p.name for p in parameters if p.kind == p.POSITIONAL_ONLY}
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in parameters)
+    for name in names:
+        if name in by_name or (takes_any and name not in only_positional):
+            continue
+        listed = ", ".join(
+            p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        )
+        raise TfgraphError(
+            f"{origin}: example input '{name}' is not a parameter forward takes by name "
+            f"(forward({listed})); key the example inputs by forward's parameter names, or "
+            "give them as a tuple in forward's order"
+        )
+    return True
+
+
+def _run(module: nn.Module, names: tuple[str, ...], make: InputMaker, keyword: bool) -> None:
+    args, kwargs = bind_inputs(names, make(2, 5, torch.Generator().manual_seed(0)), keyword)
     with torch.no_grad():
-        module(*(inputs[n] for n in names))
+        module(*args, **kwargs)
 
 
 def _like(example: dict[str, torch.Tensor], *, sequence: bool):

@@ -37,6 +37,21 @@ class ModelSource:
     # a tokenizer given with the model (``export(obj, out, tokenizer=…)``): saved into the
     # artifact's ``tokenizer/`` (a Hugging Face directory's own files are copied instead)
     tokenizer: object | None = None
+    # the inputs bind to forward's parameters by keyword (example inputs given as a dict whose
+    # keys are not forward's first parameters in order): see :func:`bind_inputs`
+    keyword_inputs: bool = False
+
+    def arguments(self, inputs: dict[str, torch.Tensor], device: str | None = None):
+        """(args, kwargs) that call the module on ``inputs`` (moved to ``device``), each bound
+        to the parameter it is named for (:func:`bind_inputs`)."""
+        return bind_inputs(self.input_names, inputs, self.keyword_inputs, device)
+
+    def call(self, module: nn.Module, inputs: dict[str, torch.Tensor]):
+        """``module`` (this source's module or a copy) run on ``inputs``, on this source's
+        device, without gradients; its output as it comes."""
+        args, kwargs = self.arguments(inputs, self.device)
+        with torch.no_grad():
+            return module(*args, **kwargs)
 
     def save_tokenizer(self, stage: Path) -> list[str]:
         """The tokenizer given with the model, saved with ``save_pretrained`` into
@@ -58,10 +73,7 @@ class ModelSource:
         return dataclasses.replace(self, module=module, device=device)
 
     def _run(self, module: nn.Module, inputs: dict[str, torch.Tensor]) -> dict:
-        placed = [inputs[n].to(self.device) for n in self.input_names]
-        with torch.no_grad():
-            out = module(*placed)
-        flat, _ = _pytree.tree_flatten(out)
+        flat, _ = _pytree.tree_flatten(self.call(module, inputs))
         flat = [t.cpu() if isinstance(t, torch.Tensor) else t for t in flat]
         return dict(zip(self.output_names, flat, strict=True))
 
@@ -102,6 +114,19 @@ class ModelSource:
             return self.eager(inputs)
         cast = {n: v.to(dtype) if v.is_floating_point() else v for n, v in inputs.items()}
         return self._run(self.converted(dtype), cast)
+
+
+def bind_inputs(
+    names: tuple[str, ...], inputs: dict, keyword: bool, device: str | None = None
+) -> tuple[tuple, dict]:
+    """(args, kwargs) for ``module(*args, **kwargs)``: the inputs ``names`` in order, by
+    position, or by keyword when ``keyword`` (a dict of example inputs that skips or reorders
+    forward's parameters: ``{"x": …, "mask": …}`` for ``forward(x, pos=None, mask=None)``
+    must not land the mask in ``pos``)."""
+    values = {n: inputs[n] if device is None else inputs[n].to(device) for n in names}
+    if keyword:
+        return (), values
+    return tuple(values.values()), {}
 
 
 # Hugging Face config attributes that state the most positions a model takes.

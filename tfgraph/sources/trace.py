@@ -8,6 +8,7 @@ node) is kept, so reports can map graph nodes back to modules (:func:`module_nam
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import logging
 import os
@@ -47,15 +48,13 @@ EXAMPLE_SHAPE = (2, 9)  # batch, sequence: ≥ 2 so torch.export does not specia
 
 def trace(source: ModelSource, *, opset: int = DEFAULT_OPSET) -> ir.Model:
     """Export the source's module to an ``onnx_ir.Model`` with named dynamic axes."""
-    inputs = source.inputs(*EXAMPLE_SHAPE)
-    args = tuple(inputs[n] for n in source.input_names)
-    dynamic = tuple(source.dynamic_axes.get(n, {}) for n in source.input_names)
     logger.info("tracing %s (opset %d)", source.origin, opset)
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     module = source.trace_module or source.module
-    model = _shortened_trace(source, module, args, dynamic, opset)
+    example = _example(source, module)
+    model = _shortened_trace(source, module, example, opset)
     if model is None:
-        model = _export(source, module, args, dynamic, opset).model
+        model = _export(source, module, example, opset).model
     if source.binder is not None:  # weights traced on the meta device: bound lazily here
         source.binder.bind(model)  # parameters were uninitialized storage: the checkpoint's
         fold_weight_transposes(model)  # Linear's W.T, folded without reading W
@@ -70,7 +69,45 @@ def trace(source: ModelSource, *, opset: int = DEFAULT_OPSET) -> ir.Model:
     return model
 
 
-def _export(source: ModelSource, module, args, dynamic, opset: int):
+def _example(source: ModelSource, module) -> tuple[tuple, dict, tuple | dict]:
+    """(args, kwargs, dynamic shapes) to trace ``module`` with: the source's inputs at
+    :data:`EXAMPLE_SHAPE`, bound as the source binds them. Inputs by keyword get their dynamic
+    axes keyed as torch.export binds them (forward's parameter names; ``**kwargs`` nested)."""
+    args, kwargs = source.arguments(source.inputs(*EXAMPLE_SHAPE))
+    axes = {n: source.dynamic_axes.get(n, {}) for n in source.input_names}
+    if not kwargs:
+        return args, kwargs, tuple(axes.values())
+    signature = inspect.signature(module.forward)
+    dynamic = {}
+    for name, value in signature.bind(*args, **kwargs).arguments.items():
+        if signature.parameters[name].kind == inspect.Parameter.VAR_KEYWORD:
+            dynamic[name] = {k: axes[k] for k in value}
+        else:
+            dynamic[name] = axes[name]
+    return args, kwargs, dynamic
+
+
+def export_program(source: ModelSource) -> None:
+    """torch.export alone (non-strict, no ONNX translation) on the trace's example and dynamic
+    axes: what :mod:`tfgraph.sources.axis_conflicts` re-runs, a fraction of a full trace, to
+    read torch's guard log when the full trace failed."""
+    module = source.trace_module or source.module
+    args, kwargs, dynamic = _example(source, module)
+
+    def dims(spec):  # {dim: "name"} → {dim: Dim.DYNAMIC}, through tuples and dicts of them
+        if isinstance(spec, dict) and all(isinstance(k, int) for k in spec):
+            return {k: torch.export.Dim.DYNAMIC for k in spec}
+        if isinstance(spec, dict):
+            return {k: dims(v) for k, v in spec.items()}
+        return type(spec)(dims(v) for v in spec)
+
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.export.export(module, args, kwargs, dynamic_shapes=dims(dynamic), strict=False)
+
+
+def _export(source: ModelSource, module, example, opset: int):
+    args, kwargs, dynamic = example
     try:
         with (
             warnings.catch_warnings(),
@@ -100,6 +137,7 @@ def _export(source: ModelSource, module, args, dynamic, opset: int):
             return torch.onnx.export(
                 module,
                 args,
+                kwargs=kwargs or None,
                 dynamo=True,
                 custom_translation_table=recurrent_kernels.translation_table(),
                 dynamic_shapes=dynamic,
@@ -138,7 +176,7 @@ def _without_value_checks():
             os.environ[key] = before
 
 
-def _shortened_trace(source: ModelSource, module, args, dynamic, opset: int) -> ir.Model | None:
+def _shortened_trace(source: ModelSource, module, example, opset: int) -> ir.Model | None:
     """The graph of ``module`` traced with its first layers only and the rest copied
     (:mod:`tfgraph.sources.replicate_layers`); ``None`` when that does not apply or does not
     prove itself (the full trace follows)."""
@@ -147,7 +185,7 @@ def _shortened_trace(source: ModelSource, module, args, dynamic, opset: int) -> 
         return None
     try:
         with replicate_layers.shortened(module, found):
-            model = _export(source, module, args, dynamic, opset).model
+            model = _export(source, module, example, opset).model
         replicate_layers.replicate(model, found)
     except (TfgraphError, replicate_layers.NotReplicable) as exc:
         logger.info("tracing every layer of %s: %s", found.path, first_line(exc))
@@ -241,7 +279,8 @@ class TraceCache:
 
     def get(self, source: ModelSource, opset: int, trace_fn=None) -> ir.Model:
         if self.by_origin:
-            key = (source.origin, source.info.get("attn_implementation"), opset)
+            static = tuple(source.info.get("static_axes", {}).items())  # another graph
+            key = (source.origin, source.info.get("attn_implementation"), static, opset)
         else:
             key = (id(source), opset)
         if key in self._protos:

@@ -1,11 +1,14 @@
 """The trace stage of ``export``: :func:`trace` made quiet (torch.export's partial graphs go to
-the debug log), data-dependent branches named with the line that branches, a Hugging Face
-model retried with eager attention when its attention back-end does not trace, traces reused
-through a :class:`TraceCache`."""
+the debug log), the static axes asked for fixed first (:mod:`tfgraph.sources.static_axes`),
+data-dependent branches named with the line that branches, an axis the model's code fixes
+explained with the flag that exports it static (:mod:`tfgraph.sources.axis_conflicts`), a
+Hugging Face model retried with eager attention when its attention back-end does not trace,
+traces reused through a :class:`TraceCache`."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import os
@@ -17,9 +20,11 @@ import onnx_ir as ir
 import torch
 
 from tfgraph.errors import TfgraphError
+from tfgraph.sources import axis_conflicts
 from tfgraph.sources.loading import load_source
 from tfgraph.sources.model import ModelSource
-from tfgraph.sources.trace import TraceCache, trace
+from tfgraph.sources.static_axes import with_static_axes
+from tfgraph.sources.trace import TraceCache, export_program, trace
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +37,16 @@ def trace_source(
     implementation computes the same function: ``model`` (the MODEL string, or the model
     object) is reloaded with it, unless the user chose the implementation."""
 
+    static = getattr(options, "static_axes", ())
+    kv_cache = getattr(options, "kv_cache", False)
+    trace_fn = functools.partial(_trace, kv_cache=kv_cache)
+
     def traced(source: ModelSource) -> ir.Model:
         if trace_cache is None:
-            return _trace(source, options.opset)
-        return trace_cache.get(source, options.opset, _trace)
+            return trace_fn(source, options.opset)
+        return trace_cache.get(source, options.opset, trace_fn)
 
+    source = with_static_axes(source, static, kv_cache=kv_cache)
     try:
         return source, traced(source)
     except TfgraphError:
@@ -52,18 +62,26 @@ def trace_source(
         reloaded = load_source(
             model, trust_remote_code=options.trust_remote_code, attn_implementation="eager"
         )
+        reloaded = with_static_axes(reloaded, static, kv_cache=kv_cache)
         reloaded.info["attn_fallback"] = "eager"
         reloaded.tokenizer = source.tokenizer  # the one given with the model, if any
         return reloaded, traced(reloaded)
 
 
-def _trace(source: ModelSource, opset: int):
+def _trace(source: ModelSource, opset: int, kv_cache: bool = False):
     """:func:`trace`, quiet on failure (torch.export prints partial graphs on stderr: they go to
-    the debug log); data-dependent control flow is named with the line that branches."""
+    the debug log); data-dependent control flow is named with the line that branches, an axis
+    the model's code fixes with the line that fixes it and the flag to export it static."""
     try:
         with _torch_output_to_log():
             return trace(source, opset=opset)
     except TfgraphError as exc:
+        if axis_conflicts.is_conflict(exc):
+            retrace = functools.partial(export_program, source)  # torch.export alone
+            with _torch_output_to_log():
+                explained = axis_conflicts.explained(source, exc, retrace, kv_cache)
+            if explained is not None:
+                raise explained from exc
         site = _data_dependent_site(exc)
         if site is None:
             raise

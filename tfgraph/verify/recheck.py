@@ -62,6 +62,10 @@ def load_artifact_source(directory: Path, *, trust_remote_code: bool = False):
         trust_remote_code=trust_remote_code,
         attn_implementation=info.get("attn_fallback") or None,
     )
+    if info.get("static_axes_flag"):  # exported with --static-axes: checked at those sizes
+        from tfgraph.sources.static_axes import with_static_axes
+
+        source = with_static_axes(source, info["static_axes_flag"])
     model_file, manifest = checked_model(directory)
     reference = source
     weights = report.get("weights")
@@ -218,8 +222,7 @@ def _eager_outputs(source, inputs: dict, dtype=None) -> list[tuple]:
             n: v.to(dtype) if dtype is not None and v.is_floating_point() else v
             for n, v in inputs.items()
         }
-        with torch.no_grad():
-            module(*(cast[n].to(source.device) for n in source.input_names))
+        source.call(module, cast)  # each input bound as the source binds it
     finally:
         for h in hooks:
             h.remove()
