@@ -301,7 +301,8 @@ def run(
     total = len(todo)
 
     def one(arch):
-        return {**run_one(*arch), "measured_at": meta["commit"]}
+        timeout = coverage_vlm.TIMEOUT_S if arch[1] == coverage_vlm.KIND else TIMEOUT_S
+        return {**run_one(*arch, timeout=timeout), "measured_at": meta["commit"]}
 
     def write() -> None:
         order = sorted(rows.values(), key=lambda r: (KINDS.index(r["kind"]), r["model_type"]))
