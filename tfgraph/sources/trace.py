@@ -30,6 +30,7 @@ from tfgraph.sources import (
     block_indexer,
     complex_rotary,
     host_ranges,
+    inference_trace,
     recurrent_kernels,
     recurrent_layers,
     replicate_layers,
@@ -122,6 +123,7 @@ def _export(source: ModelSource, module, example, opset: int):
             block_indexer.substituted(module),
             sliding_chunks.substituted(module, source.input_names),
             _without_value_checks(),
+            inference_trace.for_inference(),  # the layouts eager inference has
         ):
             warnings.simplefilter("ignore")
             if taken:
