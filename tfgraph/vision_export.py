@@ -74,7 +74,7 @@ def export_vision_language(
         files = [f"{name}/{f}" for name in GRAPHS for f in _files(results[name])]
         files += copy_tokenizer(f"hf:{path}", stage) + _copy_processor(path, stage)
         manifest = _manifest(results, files, vlm, path)
-        report = _report(results, path)
+        report = _report(results)
         write_json(stage / "manifest.json", manifest)
         write_json(stage / "report.json", report)
     decoder = results["decoder"]
@@ -123,12 +123,11 @@ def _manifest(results: dict, files: list[str], vlm, path: Path) -> dict:
     return manifest
 
 
-def _report(results: dict, path: Path) -> dict:
+def _report(results: dict) -> dict:
     """The decoder's report (what the CLI prints), with both graphs' fusions and parity: it
     passes when both do; each graph's whole report is in its own folder."""
     vision, decoder = results["vision"].report, results["decoder"].report
-    report = dict(decoder)
-    report["model"] = f"hf:{path}"
+    report = dict(decoder)  # "model": the decoder's source (python -m tfgraph parity DIR)
     report["fusions"] = _merged(decoder["fusions"], vision["fusions"])
     report["parity"] = {
         **decoder["parity"],

@@ -196,3 +196,15 @@ def test_python_api_with_and_without_image(hf, want, artifact, image):
     with torch.no_grad():
         alone = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
     assert loaded.generate(ids[0].tolist(), max_new_tokens=4) == alone[0, ids.shape[1] :].tolist()
+
+
+@pytest.mark.slow  # the artifact: two Hugging Face traces with parity (~20 s of CPU)
+def test_parity_recheck_of_each_graph(artifact):
+    """``python -m tfgraph parity DIR`` re-checks the decoder (the artifact's step graph),
+    ``DIR/vision`` the vision graph, each against the module its report names."""
+    from tfgraph.verify.recheck import recheck
+
+    vision = artifact.out_dir / "vision"
+    for where, output in ((artifact.out_dir, "logits"), (vision, "image_features")):
+        parity = recheck(where, bisect_failures=False)["parity"]
+        assert parity["passed"] and parity["outputs"][0]["name"] == output

@@ -182,7 +182,7 @@ class VisionLanguage:
 
         module = VisionFeatures(self.model, self.family).eval()
         axes = {"pixel_values": {0: "batch"}}
-        origin = f"vision-language:{self.path}#vision"
+        origin = f"{ORIGIN}:{self.path}#vision"
         source = ModelSource(module, ("pixel_values",), ("image_features",), axes, make, origin)
         source.info.update(self._info("vision"), main_input="pixel_values")
         return source
@@ -213,7 +213,7 @@ class VisionLanguage:
             "attention_mask": {0: "batch", 1: "sequence"},
             "image_features": {0: "batch", 1: "image_tokens"},
         }
-        origin = f"vision-language:{self.path}#decoder"
+        origin = f"{ORIGIN}:{self.path}#decoder"
         source = ModelSource(module, names, ("logits",), axes, make, origin)
         source.info.update(self._info("decoder"), main_input="input_ids", causal_lm=True)
         limit = max_positions(self.model.config)
@@ -270,6 +270,19 @@ def _read_json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise TfgraphError(f"cannot read '{path}': {exc}") from exc
+
+
+ORIGIN = "vision-language"  # a graph's origin: vision-language:PATH#vision, …#decoder
+
+
+def graph_source(spec: str, **loading) -> ModelSource:
+    """The source of one graph of a vision-language artifact, from the ``PATH#graph`` its
+    report names (``python -m tfgraph parity`` re-checks the graph against it)."""
+    path, _, graph = spec.rpartition("#")
+    if graph not in ("vision", "decoder"):
+        raise TfgraphError(f"'{spec}' names no graph of a vision-language model; export it again")
+    vlm = load_vision_language(path, **loading)
+    return vlm.vision if graph == "vision" else vlm.decoder
 
 
 def load_vision_language(

@@ -43,7 +43,7 @@ def load_artifact_source(directory: Path, *, trust_remote_code: bool = False):
     """(source, reference, report, manifest): the source ``report.json`` names and the eager
     reference parity uses (the dequantized weights of a quantized artifact)."""
     from tfgraph.exporters.ort.weights.quantize import reference_from_artifact
-    from tfgraph.sources import load_source
+    from tfgraph.sources import load_source, vision_language
 
     report_file = directory / "report.json"
     if not report_file.is_file():
@@ -57,11 +57,14 @@ def load_artifact_source(directory: Path, *, trust_remote_code: bool = False):
     if not spec:
         raise TfgraphError(f"report.json names no source ('{origin}'); export it again")
     info = report.get("source") or {}
-    source = load_source(
-        spec,
-        trust_remote_code=trust_remote_code,
-        attn_implementation=info.get("attn_fallback") or None,
-    )
+    if origin.startswith(f"{vision_language.ORIGIN}:"):  # a graph of a vision-language model
+        source = vision_language.graph_source(spec, trust_remote_code=trust_remote_code)
+    else:
+        source = load_source(
+            spec,
+            trust_remote_code=trust_remote_code,
+            attn_implementation=info.get("attn_fallback") or None,
+        )
     if info.get("static_axes_flag"):  # exported with --static-axes: checked at those sizes
         from tfgraph.sources.static_axes import with_static_axes
 
