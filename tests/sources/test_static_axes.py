@@ -58,6 +58,9 @@ def test_static_axes_export_after_the_conflict(tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     assert report["parity"]["passed"]
     assert {tuple(s) for s in report["parity"]["shapes"]} == {(1, 12), (2, 12)}  # as run
+    capsys.readouterr()
+    assert main(["parity", str(out)]) == 0  # the re-check fixes the same axis
+    assert "pass" in capsys.readouterr().out
 
 
 def test_unknown_axis_lists_the_model_axes(tmp_path):
