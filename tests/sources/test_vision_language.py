@@ -208,3 +208,17 @@ def test_parity_recheck_of_each_graph(artifact):
     for where, output in ((artifact.out_dir, "logits"), (vision, "image_features")):
         parity = recheck(where, bisect_failures=False)["parity"]
         assert parity["passed"] and parity["outputs"][0]["name"] == output
+
+
+@pytest.mark.slow  # a second export (int4 weights in both graphs, ~25 s of CPU)
+def test_int4_weights_export_and_generate(llava, image, tmp_path):
+    """``--weights int4``: both graphs quantized, parity by the quantized rule, the greedy
+    error measured with the image features, and generation with an image runs."""
+    from tfgraph import export, load
+
+    result = export(llava, tmp_path / "int4", kv_cache=True, weights="int4")
+    assert result.passed and result.report["weights"]["error_vs_fp32"]["greedy_tokens"] > 0
+    vision = json.loads((tmp_path / "int4" / "vision" / "report.json").read_text())
+    assert vision["weights"] is not None and vision["parity"]["passed"]
+    text = load(tmp_path / "int4").generate(TEXT, 4, image=image, ignore_eos=True)
+    assert 1 <= len(text.split()) <= 4  # words w… (a special token among them is skipped)

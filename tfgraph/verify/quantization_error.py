@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tfgraph import contract
+
 GREEDY_TOKENS = 64
 PROMPT_TOKENS = 8
 
@@ -47,8 +49,11 @@ def greedy_error(source, model_file) -> dict:
     from tfgraph.verify.generation_parity import encoder_inputs, forced_logits
 
     decoder = CachedDecoder(open_runner(model_file))
-    prompts = source.inputs(1, PROMPT_TOKENS, seed=11)[decoder.token_input].numpy().tolist()
-    start, extra = prompts, {}
+    inputs = source.inputs(1, PROMPT_TOKENS, seed=11)
+    prompts = inputs[decoder.token_input].numpy().tolist()
+    # a vision-language decoder's image features go with the prompt (merged there only)
+    features = decoder.session.signature.inputs_with(contract.IMAGE_FEATURES)
+    start, extra = prompts, {p.name: inputs[p.name].numpy() for p in features}
     if decoder.seq2seq:  # the prompt feeds the encoder; the decoder starts from token 0
         start, extra = [[0]], encoder_inputs(decoder, prompts)
     steps = GREEDY_TOKENS
