@@ -9,7 +9,7 @@ flag, :mod:`tfgraph.sources.tracing`), it is never done silently.
 An axis is fixed through the argument of the source's input maker that sizes it (``batch``
 or ``seq``: found by making inputs at two sizes of each), so every axis that argument sizes
 is fixed with it. Its size: ``AXIS=SIZE``, else the user's example inputs' (a factory's or
-``export(module, example_inputs=…)``), else the trace's example (:data:`EXAMPLE_SHAPE`).
+``export((module, example_inputs), …)``), else the trace's example (``EXAMPLE_SHAPE``).
 """
 
 from __future__ import annotations
@@ -22,9 +22,16 @@ import torch
 
 from tfgraph.errors import TfgraphError
 from tfgraph.sources.model import ModelSource
-from tfgraph.sources.trace import EXAMPLE_SHAPE
 
 logger = logging.getLogger(__name__)
+
+
+def _trace_example() -> tuple[int, int]:
+    """The trace's (batch, sequence) example (imported late: the trace may import this)."""
+    from tfgraph.sources.trace import EXAMPLE_SHAPE
+
+    return EXAMPLE_SHAPE
+
 
 _ARGUMENTS = ("batch", "seq")  # the input maker's size arguments, in order
 
@@ -128,10 +135,11 @@ def _entry(item: str) -> tuple[str, int | None]:
 def _drivers(source: ModelSource) -> dict[str, str | None]:
     """Axis name → the maker argument (``batch`` / ``seq``) that sizes it, ``"both"``, or
     ``None`` (neither: its size does not follow them)."""
-    base = _shapes(source, *EXAMPLE_SHAPE)
+    batch, seq = _trace_example()
+    base = _shapes(source, batch, seq)
     moved = {
-        "batch": _shapes(source, EXAMPLE_SHAPE[0] + 1, EXAMPLE_SHAPE[1]),
-        "seq": _shapes(source, EXAMPLE_SHAPE[0], EXAMPLE_SHAPE[1] + 1),
+        "batch": _shapes(source, batch + 1, seq),
+        "seq": _shapes(source, batch, seq + 1),
     }
     drivers: dict[str, str] = {}
     for name in dynamic_axis_names(source):
@@ -154,7 +162,7 @@ def _shapes(source: ModelSource, batch: int, seq: int) -> dict[str, tuple[int, .
 def _example_size(source: ModelSource, argument: str) -> int:
     """The size an argument is held at without ``=SIZE``: the user's example inputs' (when the
     source was made from them), else the trace's example."""
-    shape = source.info.get("example_shape") or EXAMPLE_SHAPE
+    shape = source.info.get("example_shape") or _trace_example()
     return int(shape[_ARGUMENTS.index(argument)])
 
 
@@ -182,7 +190,7 @@ def parity_shapes(source: ModelSource, shapes) -> tuple:
 
 def _sizes(source: ModelSource, fixed_source: ModelSource, fixed: set[str]) -> dict[str, int]:
     """Each fixed axis and the size the fixed source makes it at."""
-    shapes = _shapes(fixed_source, *EXAMPLE_SHAPE)
+    shapes = _shapes(fixed_source, *_trace_example())
     sizes: dict[str, int] = {}
     for n, dims in source.dynamic_axes.items():
         for d, a in dims.items():
