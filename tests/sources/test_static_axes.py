@@ -11,7 +11,7 @@ import torch
 import tfgraph
 from tfgraph.cli import main
 from tfgraph.errors import TfgraphError
-from tfgraph.sources import load_source
+from tfgraph.sources import axis_conflicts, load_source
 from tfgraph.sources.static_axes import parse_static_axes, with_static_axes
 
 
@@ -61,6 +61,33 @@ def test_static_axes_export_after_the_conflict(tmp_path, capsys):
     capsys.readouterr()
     assert main(["parity", str(out)]) == 0  # the re-check fixes the same axis
     assert "pass" in capsys.readouterr().out
+
+
+def _conflict(*lines: str) -> TfgraphError:
+    """torch.export's range conflict as the trace wraps it (its first line only)."""
+    header = f"{axis_conflicts.HEADER} and inferred ranges from model tracing:"
+    error = TfgraphError(f"tracing x failed: ValueError: {header}")
+    error.__cause__ = ValueError("\n".join([header, *lines]))
+    return error
+
+
+def test_conflict_lines_read_without_tracing():
+    """torch's lines for a keyword input under ``**kwargs`` and a 0/1 specialization; one it
+    cannot map to an input keeps torch's own line rather than the header alone."""
+    source = load_source("third_party_models:keyword_mask_lm")
+    error = _conflict(
+        "- Received user-specified dim hint Dim.DYNAMIC(min=None, max=None), but tracing "
+        "inferred a static shape of 9 for dimension inputs['kwargs']['mask'].shape[1].",
+        "- Received user-specified dim hint Dim.DYNAMIC(min=None, max=None), but export 0/1 "
+        "specialized due to hint of 1 for dimension inputs['x'].shape[0].",
+    )
+    assert axis_conflicts.is_conflict(error)
+    message = str(axis_conflicts.explained(source, error, lambda: None))
+    assert "input 'mask' dim 1 (axis 'sequence') to 9, input 'x' dim 0 (axis 'batch')" in message
+    assert "--static-axes sequence,batch" in message, message
+    unnamed = _conflict("- Received … a static shape of 3 for dimension inputs['z'].shape[2].")
+    message = str(axis_conflicts.explained(source, unnamed, lambda: None))
+    assert "inputs['z'].shape[2]" in message, message
 
 
 def test_unknown_axis_lists_the_model_axes(tmp_path):

@@ -148,13 +148,20 @@ def explained(
     retrace: Callable[[], object],
     kv_cache: bool = False,
 ) -> TfgraphError | None:
-    """The one-line error for a range conflict (``None`` when it names no input): the fixed
-    dims, the model's line that fixed them (``retrace`` is run once more with torch's guard
-    log recorded), and the ``--static-axes`` flag that exports with them static (with
-    ``kv_cache``, without the cache when the sequence is among them)."""
+    """The one-line error for a range conflict: the fixed dims, the model's line that fixed
+    them (``retrace`` is run once more with torch's guard log recorded), and the
+    ``--static-axes`` flag that exports with them static (with ``kv_cache``, without the
+    cache when the sequence is among them). When it names no input of the source: torch's
+    first conflict line; ``None`` when it has none."""
     fixed = fixed_dims(source, exc)
-    if not fixed:
-        return None
+    if not fixed:  # no input named: torch's first conflict line, not only its header
+        lines = [ln[2:] for ln in _conflict_text(exc).splitlines() if ln.startswith("- ")]
+        if not lines:
+            return None
+        return TfgraphError(
+            f"tracing {source.origin} failed: torch.export found a dimension the model's code "
+            f"fixes ({lines[0]}); compute that size with tensor ops in the model"
+        )
     with guards_recorded() as guards:
         try:
             retrace()
