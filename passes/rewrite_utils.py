@@ -90,7 +90,7 @@ _MATCHER_TEXTS = (
     (r"alue mismatch: expected (.+), got (.+)\.$", "the constant {1} where the rules expect {0}"),
     (r"Value \S+ (?:is not a scalar|has shape)", "a constant of a shape the rules do not take"),
     (r"None of the alternatives matched", "none of the variants the rules know"),
-    (r"Matched nodes have other uses", "an intermediate result used elsewhere as well"),
+    (r"Matched nodes have other uses", "an intermediate result that has other uses"),
     (r"Number of inputs", "an op with more inputs than the rules take"),
     (r"crossing graph boundaries", "a subgraph crossing into a nested graph (If, Loop)"),
     (r"Mismatch: |output index mismatch|Same pattern node|to be None", "another structure"),
