@@ -131,7 +131,7 @@ def _export(module, path):
     return result
 
 
-def test_every_window_layer_fuses_with_parity(tmp_path):
+def test_shifted_window_layer_fuses_with_parity(tmp_path):
     """Exported with tfgraph: the shifted layer fused (an ``ort`` kernel, no softmax left),
     parity with eager within 1e-4 (at batch 1 and 2: the bias takes the rows of each)."""
     result = _export(TinySwin([True]), tmp_path / "out")  # (the mask alone: below)
