@@ -70,4 +70,10 @@ def run(args) -> int:
         f"{s['architectures']} architectures: {s['traced']} traced, {s['complete']} complete; "
         f"wrote {Path(args.out) / 'COVERAGE.md'} and coverage.json"
     )
+    v = data.get("summary_vision_language")
+    if v:
+        print(
+            f"vision-language: {v['architectures']} model types, {v['eager']} ran eagerly with "
+            f"an image, {v['exported']} exported whole, {v['complete']} with tokens equal"
+        )
     return 0
