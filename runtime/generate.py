@@ -210,14 +210,21 @@ class CachedDecoder:
             if extra is None or name not in extra:
                 raise TfgraphError(f"the model also needs input '{name}'")
             value = extra[name]
-            if name in self._prompt_only and cache.length:
-                value = value[:, :0]  # (batch, 0, hidden)
+            if name in self._prompt_only:
+                value = self._image_features(name, value, cache.length)
             feeds[self._keys[name]] = value
         outputs, cache = self.session.step(feeds, cache, new)
         logits = self.session.to_numpy(outputs[self._logits])
         if order is not None:  # each row's positions back where the caller had them
             logits = np.take_along_axis(logits, np.argsort(order, axis=1)[:, :, None], axis=1)
         return logits, cache
+
+    def _image_features(self, name: str, value, past: int) -> np.ndarray:
+        """A vision-language decoder's image features: merged at the prompt only (a later step
+        gets (batch, 0, hidden)), in the graph's dtype (an fp16 artifact's)."""
+        value = np.asarray(value)[:, :0] if past else np.asarray(value)
+        check = getattr(self.session, "check_input", None)  # ONNX Runtime's: casts, checks
+        return check(name, value) if check is not None else value
 
 
 def compacted(tokens: np.ndarray, mask: np.ndarray) -> tuple:

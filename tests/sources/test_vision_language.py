@@ -222,3 +222,15 @@ def test_int4_weights_export_and_generate(llava, image, tmp_path):
     assert vision["weights"] is not None and vision["parity"]["passed"]
     text = load(tmp_path / "int4").generate(TEXT, 4, image=image, ignore_eos=True)
     assert 1 <= len(text.split()) <= 4  # words w… (a special token among them is skipped)
+
+
+@pytest.mark.slow  # a third export (fp16, ~25 s of CPU)
+def test_fp16_export_and_generate(llava, image, tmp_path):
+    """``--precision fp16``: the decoder's zero row is a weight (converted with the others),
+    the fp32 image features are cast to the graph's dtype, the greedy check feeds them."""
+    from tfgraph import export, load
+
+    result = export(llava, tmp_path / "fp16", kv_cache=True, precision="fp16")
+    assert result.passed and result.report["parity"]["greedy"]["tokens"] > 0
+    text = load(tmp_path / "fp16").generate(TEXT, 4, image=image, ignore_eos=True)
+    assert 1 <= len(text.split()) <= 4  # words w… (a special token among them is skipped)

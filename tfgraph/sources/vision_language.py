@@ -105,19 +105,27 @@ class VisionFeatures(nn.Module):
 
 
 def merge_image_features(
-    embeds: torch.Tensor, input_ids: torch.Tensor, features: torch.Tensor, image_token: int
+    embeds: torch.Tensor,
+    input_ids: torch.Tensor,
+    features: torch.Tensor,
+    image_token: int,
+    zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``embeds`` (B, T, H) with the k-th token of each row's image block replaced by
     ``features[b, k]`` (B, N, H); image tokens past the N-th (or all, when N is 0) keep their
     embedding. A row's image tokens are one block, as the processor writes them: its k-th token
     is the one k positions after the first. (Not a CumSum over the tokens: the KV cache pass
-    reads a count of the ids as positions that continue past the cache.)"""
+    reads a count of the ids as positions that continue past the cache.) ``zero``: a (1, 1, H)
+    zero row, a weight of the module (a zero tensor made in the graph is a ConstantOfShape whose
+    fp32 value ``--precision fp16`` does not convert)."""
     is_image = input_ids == image_token  # (B, T)
     first = is_image.float().argmax(-1, keepdim=True)  # (B, 1): the block's first position
     index = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :] - first + 1
     take = is_image & (index >= 1) & (index <= features.shape[1])  # (B, T), index 1 … N
     index = torch.where(take, index, torch.zeros_like(index))  # row 0 of the padded features
-    padded = torch.cat([features.new_zeros(features.shape[0], 1, features.shape[2]), features], 1)
+    if zero is None:
+        zero = features.new_zeros(1, 1, features.shape[2])
+    padded = torch.cat([zero.expand(features.shape[0], -1, -1), features], 1)  # (B, 1 + N, H)
     picked = torch.gather(padded, 1, index[..., None].expand(-1, -1, features.shape[2]))
     return torch.where(take[..., None], picked.to(embeds.dtype), embeds)  # (B, T, H)
 
@@ -132,12 +140,16 @@ class MergedDecoder(nn.Module):
     def __init__(self, model: nn.Module, image_token: int) -> None:
         super().__init__()
         self.model, self.image_token = model, image_token
+        width = model.get_input_embeddings().embedding_dim
+        self.register_buffer("zero_row", torch.zeros(1, 1, width), persistent=False)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, image_features: torch.Tensor
     ) -> torch.Tensor:
         embeds = self.model.get_input_embeddings()(input_ids)
-        embeds = merge_image_features(embeds, input_ids, image_features, self.image_token)
+        embeds = merge_image_features(
+            embeds, input_ids, image_features, self.image_token, self.zero_row
+        )
         positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
         out = self.model(
             inputs_embeds=embeds,

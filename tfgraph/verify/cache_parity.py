@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tfgraph import contract
 from tfgraph.runtime import CachedDecoder, open_runner
 from tfgraph.sources import ModelSource
 from tfgraph.verify.parity import (
@@ -217,9 +218,12 @@ def greedy_against_eager(source: ModelSource, decoder: CachedDecoder, seed=0) ->
     from tfgraph.runtime import GenerationConfig, generate
     from tfgraph.verify.generation_parity import encoder_inputs
 
-    ids = source.inputs(2, 6, seed=seed + 13)[decoder.token_input].numpy()
+    inputs = source.inputs(2, 6, seed=seed + 13)
+    ids = inputs[decoder.token_input].numpy()
     prompts = [ids[0].tolist(), ids[1, :3].tolist()]
-    extra = {}
+    # a vision-language decoder's image features go with the prompt (merged there only)
+    features = decoder.session.signature.inputs_with(contract.IMAGE_FEATURES)
+    extra = {p.name: inputs[p.name].numpy() for p in features}
     if decoder.seq2seq:  # the prompts feed the encoder; the decoder starts from token 0
         extra, prompts = encoder_inputs(decoder, prompts), [[0], [0]]
     steps = GREEDY_STEPS
