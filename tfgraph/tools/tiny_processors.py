@@ -115,7 +115,15 @@ def _tiny_image_kwargs(default, vision_config) -> dict:
         kwargs["size"] = {"height": side, "width": side}
     if getattr(default, "crop_size", None) is not None:
         kwargs["crop_size"] = {"height": side, "width": side}
+    if getattr(default, "image_grid_pinpoints", None):  # LLaVA-NeXT's tilings, in tiles
+        kwargs["image_grid_pinpoints"] = grid_pinpoints(side)
     return kwargs
+
+
+def grid_pinpoints(side: int) -> list[list[int]]:
+    """LLaVA-NeXT's resolutions for a tower of ``side`` pixels: 1 × 2, 2 × 1 and 2 × 2 tiles
+    (the default's are multiples of 336)."""
+    return [[side, 2 * side], [2 * side, side], [2 * side, 2 * side]]
 
 
 def _dictish(value) -> bool:

@@ -40,6 +40,7 @@ def tiny_vlm_config(model_type: str, spec: dict):
     """The family's tiny config, its vision tower shallow too, ``spec["config"]`` merged in
     (a nested dict updates a sub-config)."""
     from tfgraph.tools.tiny_configs import tiny_config
+    from tfgraph.tools.tiny_processors import grid_pinpoints
 
     config = tiny_config(model_type)
     data = config.to_dict()
@@ -49,6 +50,8 @@ def tiny_vlm_config(model_type: str, spec: dict):
         if isinstance(text, dict) and "hidden_size" in text:  # the tower's output feeds text
             width, names = text["hidden_size"], ("out_hidden_size", "text_hidden_size")
             vision.update({k: width for k in names if k in vision})
+    if data.get("image_grid_pinpoints") and isinstance(vision, dict):
+        data["image_grid_pinpoints"] = grid_pinpoints(vision.get("image_size") or 32)
     text_class = type(getattr(config, "text_config", None))
     if isinstance(text, dict) and "mrope_section" in _rope_keys(text_class):
         _fit_mrope(text)
