@@ -52,15 +52,26 @@ def tiny_vlm_config(model_type: str, spec: dict):
             vision.update({k: width for k in names if k in vision})
     if data.get("image_grid_pinpoints") and isinstance(vision, dict):
         data["image_grid_pinpoints"] = grid_pinpoints(vision.get("image_size") or 32)
-    text_class = type(getattr(config, "text_config", None))
-    if isinstance(text, dict) and "mrope_section" in _rope_keys(text_class):
+    if isinstance(text, dict) and _takes_mrope(model_type, config):
         _fit_mrope(text)
     _merge(data, spec.get("config", {}))
     return type(config).from_dict(data)
 
 
-def _rope_keys(cls) -> set:
-    return set(getattr(cls, "ignore_keys_at_rope_validation", None) or ())
+def _takes_mrope(model_type: str, config) -> bool:
+    """Whether the text model splits its rotary half by ``mrope_section``: its config class
+    lets the key through rope validation, or its modeling code reads it (PaddleOCR-VL)."""
+    import inspect
+    import sys
+
+    text_class = type(getattr(config, "text_config", None))
+    if "mrope_section" in set(getattr(text_class, "ignore_keys_at_rope_validation", None) or ()):
+        return True
+    try:
+        module = sys.modules[model_class(model_type).__module__]
+        return '"mrope_section"' in inspect.getsource(module)
+    except (OSError, TypeError, KeyError):
+        return False
 
 
 def _fit_mrope(text: dict) -> None:
