@@ -61,10 +61,7 @@ def export_vision_language(
             path,
         )
     vlm = load_vision_language(path, **dataclasses.asdict(options.view("loading")))
-    per_graph = {
-        "vision": dataclasses.replace(options, kv_cache=False),
-        "decoder": options,
-    }
+    per_graph = {"vision": _vision_options(options), "decoder": options}
     sources = {"vision": vlm.vision, "decoder": vlm.decoder}
     with staged_directory(out_dir) as stage:
         results = {
@@ -79,6 +76,17 @@ def export_vision_language(
         write_json(stage / "report.json", report)
     decoder = results["decoder"]
     return type(decoder)(out_dir, manifest, report)
+
+
+# what concerns a KV cache or a token axis: the vision graph has neither (defaults there)
+_DECODER_ONLY = ("kv_cache", "kv_dtype", "kv_scales", "kv_layout", "kv_block_size", "static_axes")
+
+
+def _vision_options(options: ExportOptions) -> ExportOptions:
+    defaults = ExportOptions()
+    names = {f.name for f in dataclasses.fields(options)}
+    kept = {n: getattr(defaults, n) for n in _DECODER_ONLY if n in names}
+    return dataclasses.replace(options, **kept)
 
 
 def _files(result) -> list[str]:

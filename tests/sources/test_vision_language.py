@@ -147,6 +147,18 @@ def test_merge_reads_one_block_and_no_features():
     assert torch.equal(empty, embeds)
 
 
+def test_vision_graph_takes_the_options_but_the_cache():
+    """``--kv-dtype int8``, ``--kv-layout``, ``--static-axes`` concern the decoder's cache and
+    token axis: the vision graph is exported with their defaults, the rest as asked."""
+    from tfgraph.options import ExportOptions
+    from tfgraph.vision_export import _vision_options
+
+    asked = ExportOptions(kv_cache=True, kv_dtype="int8", weights="int4", precision="fp16")
+    vision = _vision_options(asked)
+    assert (vision.kv_cache, vision.kv_dtype, vision.weights) == (False, "fp32", "int4")
+    assert vision.precision == "fp16" and vision.target == asked.target
+
+
 @pytest.mark.slow  # the artifact: two Hugging Face traces with parity (~20 s of CPU)
 def test_vision_graph_computes_its_module(hf, artifact, llava):
     from tfgraph.runtime import open_runner

@@ -332,7 +332,10 @@ def run(args) -> int:
         + (args.flavour != "tfgraph")
     )
     from tfgraph.progress import listening
+    from tfgraph.sources.vision_language import is_vision_language
 
+    if is_vision_language(args.model):  # its vision and decoder graphs, each through the stages
+        steps *= 2
     lines = progress(steps)
     with listening(lines):
         result = export(args.model, args.output, options_from_args(args))
