@@ -8,6 +8,7 @@ traced with autograd on, where PyTorch's CPU attention takes another back-end wi
 output layout (:mod:`tfgraph.sources.inference_trace`). Traced under ``no_grad``, it exports
 with its batch and sequence dynamic."""
 
+import dataclasses
 import itertools
 import math
 
@@ -176,6 +177,9 @@ def test_the_trace_runs_for_inference(monkeypatch):
         trace(source)
     assert seen == {"grad": False, "folding": True}
     assert torch.is_grad_enabled()
+    hugging_face = dataclasses.replace(source, info={"model_type": "t5"})
+    with for_inference(hugging_face):  # traced as before (the module docstring says why)
+        assert torch.is_grad_enabled()
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,19 @@ the attention's output with ``out.transpose(1, 2).view(B, L, H * D)`` runs under
   whatever the batch (a fixed batch fails the same way). Eager inference, and tfgraph's parity
   reference (:meth:`tfgraph.sources.model.ModelSource.eager`), run under ``no_grad``.
 
-So the trace runs under :func:`torch.no_grad` too: it captures the function parity compares
-against. The exported ops are the same (``aten.scaled_dot_product_attention`` is one op
-either way; only the fake tensors' layouts, which the graph does not carry, differ). The flash
-kernel also takes ``attn_mask`` with ``is_causal=True``, which the ONNX translation does not:
-such calls are traced with one mask (:mod:`tfgraph.sources.causal_mask`).
+So the trace of a module (an ``nn.Module``, a factory's, a zoo preset) runs under
+:func:`torch.no_grad` too: it captures the function parity compares against. The exported ops
+are the same (``aten.scaled_dot_product_attention`` is one op either way; only the fake
+tensors' layouts, which the graph does not carry, differ). The flash kernel also takes
+``attn_mask`` with ``is_causal=True``, which the ONNX translation does not: such calls are
+traced with one mask (:mod:`tfgraph.sources.causal_mask`).
+
+A Hugging Face model (a source with a ``model_type``) is traced as before, with autograd on:
+an attention back-end of its that does not trace is retried with eager attention
+(:mod:`tfgraph.sources.tracing`), and its graphs are pinned by ``tests/test_same_graphs.py``.
+Traced for inference, T5 with ``sdpa`` (the same bias from an embedding) traces without that
+retry, into another graph than its two pinned ones (``tiny:t5|ort``, ``tiny:t5|ort|kv``):
+that change is left to a decision on the pinned graphs.
 """
 
 from __future__ import annotations
@@ -34,14 +42,19 @@ from collections.abc import Iterator
 import torch
 
 from tfgraph.sources.causal_mask import CausalMaskFolded
+from tfgraph.sources.model import ModelSource
 
 logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def for_inference() -> Iterator[None]:
+def for_inference(source: ModelSource | None = None) -> Iterator[None]:
     """Autograd off within the block (see the module docstring): the trace sees the layouts
-    that eager inference produces; SDPA's causal flag folded into its mask when it has both."""
+    that eager inference produces; SDPA's causal flag folded into its mask when it has both.
+    A Hugging Face ``source`` is left as it is."""
+    if source is not None and "model_type" in source.info:
+        yield
+        return
     with torch.no_grad(), CausalMaskFolded() as folding:
         yield
     if folding.count:

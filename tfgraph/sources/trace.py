@@ -123,7 +123,7 @@ def _export(source: ModelSource, module, example, opset: int):
             block_indexer.substituted(module),
             sliding_chunks.substituted(module, source.input_names),
             _without_value_checks(),
-            inference_trace.for_inference(),  # the layouts eager inference has
+            inference_trace.for_inference(source),  # the layouts eager inference has
         ):
             warnings.simplefilter("ignore")
             if taken:
