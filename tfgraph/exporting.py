@@ -111,12 +111,11 @@ def export(
     options, stages = options.resolved(target), Stages(progress)
     with stages.timed("load"):
         source = _load(model, options, tokenizer)
-    get_flavour(options.flavour).check_source(source)  # a model it cannot describe: now
     budget = check_budget(source, options.view("quantizing"), out_dir)  # disk, memory: first
     with stages.timed("trace"):
         source, graph = trace_source(model, source, options.view("tracing"), trace_cache)
-    shapes = _within(options.parity_shapes, source.info.get("max_positions"))
-    shapes = parity_shapes(source, shapes)  # a static axis (--static-axes) at its size
+    # the parity shapes within the model's positions, a static axis (--static-axes) at its size
+    shapes = parity_shapes(source, _within(options.parity_shapes, _positions(source)))
     with staged_directory(out_dir) as stage, contextlib.ExitStack() as cleanup:
         scratch = _Scratch(cleanup, out_dir.parent)
         steps = Steps(target, **asdict(options.view("checking")), dump_dir=stage)
@@ -202,6 +201,7 @@ def _load(model, options: ExportOptions, tokenizer=None) -> ModelSource:
     :class:`ModelSource` as it is; carrying ``tokenizer`` (saved into the artifact)."""
     if not isinstance(model, ModelSource):
         model = load_source(model, **asdict(options.view("loading")))
+    get_flavour(options.flavour).check_source(model)  # a model it cannot describe: refused now
     return with_tokenizer(model, tokenizer)
 
 

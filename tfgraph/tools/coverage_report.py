@@ -167,44 +167,46 @@ def markdown(data: dict) -> str:
         "| KV cache | tokens = HF | notes |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        decoder = r["kind"] in DECODER_KINDS
-        notes = [
-            r.get("reason"),
-            *(r.get("attention_missed") or []),
-            *(r.get("recurrent_missed") or []),
-            r.get("kv_reason"),
-            r.get("tokens_reason"),
-        ]
-        if r.get("attn_fallback"):
-            notes.append(f"attention: {r['attn_fallback']} (sdpa did not trace)")
-        if r.get("parity_without_passes") is False:
-            notes.append(
-                "parity fails with --pipeline none too: torch.onnx's translation (or ONNX "
-                "Runtime) already differs from eager, before any tfgraph pass"
-            )
-        elif r.get("parity_without_passes") is True:
-            notes.append("parity holds with --pipeline none: a tfgraph pass changes the numbers")
-        if str(r.get("tokens_reference", "")).startswith("eager greedy ("):
-            notes.append(f"tokens compared with {r['tokens_reference']}")
-        lines.append(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
-                r["model_type"],
-                r["kind"],
-                r.get("class", ""),
-                r.get("status", "?"),
-                _frac(r.get("attention")),
-                _frac(r.get("recurrent")) if r.get("recurrent", [0, 0])[1] else "",
-                _frac(r.get("norm")),
-                _yes(r.get("parity")) if r.get("status") == "exported" else "",
-                _yes(r.get("kv_parity")) if decoder and "kv_cache" in r else "",
-                _yes(r.get("tokens_equal")) if decoder and "tokens_equal" in r else "",
-                "; ".join(str(n).replace("|", "\\|")[:200] for n in notes if n),
-            )
-        )
+    lines += [_row_line(r) for r in rows]
     if vlm:
         lines += coverage_vlm.markdown(vlm, data.get("meta_kinds") or meta)
     return "\n".join(lines) + "\n"
+
+
+def _row_line(r: dict) -> str:
+    """One table row: the measured columns, then every reason it fell short in its notes."""
+    decoder = r["kind"] in DECODER_KINDS
+    notes = [
+        r.get("reason"),
+        *(r.get("attention_missed") or []),
+        *(r.get("recurrent_missed") or []),
+        r.get("kv_reason"),
+        r.get("tokens_reason"),
+    ]
+    if r.get("attn_fallback"):
+        notes.append(f"attention: {r['attn_fallback']} (sdpa did not trace)")
+    if r.get("parity_without_passes") is False:
+        notes.append(
+            "parity fails with --pipeline none too: torch.onnx's translation (or ONNX "
+            "Runtime) already differs from eager, before any tfgraph pass"
+        )
+    elif r.get("parity_without_passes") is True:
+        notes.append("parity holds with --pipeline none: a tfgraph pass changes the numbers")
+    if str(r.get("tokens_reference", "")).startswith("eager greedy ("):
+        notes.append(f"tokens compared with {r['tokens_reference']}")
+    return "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
+        r["model_type"],
+        r["kind"],
+        r.get("class", ""),
+        r.get("status", "?"),
+        _frac(r.get("attention")),
+        _frac(r.get("recurrent")) if r.get("recurrent", [0, 0])[1] else "",
+        _frac(r.get("norm")),
+        _yes(r.get("parity")) if r.get("status") == "exported" else "",
+        _yes(r.get("kv_parity")) if decoder and "kv_cache" in r else "",
+        _yes(r.get("tokens_equal")) if decoder and "tokens_equal" in r else "",
+        "; ".join(str(n).replace("|", "\\|")[:200] for n in notes if n),
+    )
 
 
 def _frac(pair) -> str:
