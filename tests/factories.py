@@ -37,3 +37,15 @@ def zoo_gpt():
 
 def not_a_module():
     return 42
+
+
+def tiny_hf_llama():
+    """A transformers ``PreTrainedModel`` from a factory (the Hugging Face source takes it)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).eval()

@@ -114,7 +114,6 @@ def export(
     budget = check_budget(source, options.view("quantizing"), out_dir)  # disk, memory: first
     with stages.timed("trace"):
         source, graph = trace_source(model, source, options.view("tracing"), trace_cache)
-    # the parity shapes within the model's positions, a static axis (--static-axes) at its size
     shapes = parity_shapes(source, _within(options.parity_shapes, _positions(source)))
     with staged_directory(out_dir) as stage, contextlib.ExitStack() as cleanup:
         scratch = _Scratch(cleanup, out_dir.parent)

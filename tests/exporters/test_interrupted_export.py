@@ -46,9 +46,9 @@ CONFIGS = {
         "gpt-tiny --kv-cache --target ort-cuda --precision fp16 --kv-layout paged".split(),
         ["precision", "paging"],
     ),
-    # a flavour's step after the last precision step (the optimum flavour refuses a preset
-    # only inside it, so the signal at its start comes first)
-    "gpt-flavour": ("gpt-tiny --kv-cache --flavour optimum".split(), ["flavour"]),
+    # a flavour's step after the last precision step (a transformers model from a factory:
+    # the optimum flavour refuses a model without a Hugging Face config before the trace)
+    "hf-flavour": ("factories:tiny_hf_llama --kv-cache --flavour optimum".split(), ["flavour"]),
 }
 
 
@@ -208,7 +208,7 @@ def _check(results: list[tuple[dict, str]], cases: list[dict]) -> None:
         assert result["restored"], f"signal handlers not restored after {where}"
 
 
-@pytest.mark.parametrize("model", ["tiny", "gpt"])
+@pytest.mark.parametrize("model", ["tiny", "gpt", "hf"])
 def test_an_interrupt_at_each_stage_leaves_nothing(tmp_path, model):
     """SIGINT and SIGTERM at the start of each stage; for the tiny model also SIGTERM, SIGHUP
     and SIGINT sent from outside (as ``kill`` or a closed terminal sends them) while a stage is

@@ -56,7 +56,16 @@ def test_inputs_from_the_model(name, hf_dirs, tmp_path):
     assert report["parity"]["passed"], report["parity"]["outputs"]
     fusions = report["fusions"]
     assert (fusions["attention"]["fused"], fusions["attention"]["total"]) == (attention,) * 2
-    assert (fusions["norm"]["fused"], fusions["norm"]["total"]) == (norms,) * 2
+    # a weight normalization (wav2vec2's positional conv) counts as a norm-like candidate that
+    # no rule folds: it normalizes a weight, not the activations
+    weight_norms = [
+        m for m in fusions["norm"]["missed"] if ".parametrizations.weight" in m["module"]
+    ]
+    assert len(weight_norms) == (name == "wav2vec2")
+    assert (fusions["norm"]["fused"], fusions["norm"]["total"]) == (
+        norms,
+        norms + len(weight_norms),
+    )
 
 
 def test_speech_encoder_decoder_generates_like_eager(hf_dirs, tmp_path):

@@ -130,8 +130,9 @@ def _data_dependent_site(exc: BaseException) -> str | None:
 
 
 def _library_file(filename: str) -> bool:
-    """torch itself, or the standard library (not packages installed beside it)."""
-    if filename.startswith(os.path.dirname(torch.__file__)):
+    """torch itself, the standard library (not packages installed beside it), or tfgraph's own
+    trace-time wrappers here (a torch function mode sits between the model and torch)."""
+    if filename.startswith((os.path.dirname(torch.__file__), os.path.dirname(__file__))):
         return True
     installed = ("site-packages", "dist-packages")
     stdlib = sysconfig.get_paths()["stdlib"]

@@ -289,7 +289,7 @@ def seed_norm(x, w, b):
             "epsilon is not a constant",
         ),
         (WrongAxis(), (torch.randn(2, 5, C),), "not the last axis alone"),
-        (ReusedVariance(), (torch.randn(2, 5, C),), "used elsewhere"),
+        (ReusedVariance(), (torch.randn(2, 5, C),), "other uses"),
     ],
     ids=["non-constant-eps", "wrong-axis", "reused-intermediate"],
 )

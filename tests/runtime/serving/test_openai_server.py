@@ -236,16 +236,17 @@ def test_sixteen_concurrent_streams_all_complete_batched_in_flight(served, monke
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_slot(served, monkeypatch):
-    """The client reads two chunks and closes the connection. The scheduler's second step
-    waits until the client has left and then until the server has cancelled the job (up to
-    30 s each), so however loaded the machine, the request cannot end on its own first: it
-    leaves its slot as cancelled, not finished."""
+    """The client reads two chunks and closes the connection. Once the request has its two
+    tokens, each step waits until the client has left and then until the server has cancelled
+    the job (up to 30 s each), so however loaded the machine, the request cannot end on its own
+    first: it leaves its slot as cancelled, not finished."""
     step, submit = served.engine.batcher.step, served.engine.submit
-    left, jobs, steps = threading.Event(), [], []
+    left, jobs = threading.Event(), []
 
     def held_step():
-        steps.append(None)
-        if len(steps) >= 2:  # the admission gave token 1, the first step token 2
+        time.sleep(0.01)
+        request = jobs[0].request if jobs else None
+        if request is not None and len(request.tokens) >= 2:  # the client can read two
             left.wait(30)
             jobs[0].cancelled.wait(30)
         return step()
