@@ -110,6 +110,8 @@ def test_hf_encoder_with_attention_mask(tmp_path):
     assert result.manifest["outputs"][0]["name"] == "last_hidden_state"
 
 
+# slow: 28 s (a T5 traced twice); the fallback's cases in the same-graph and coverage sweeps
+@pytest.mark.slow
 def test_hf_encoder_decoder_falls_back_to_eager_attention(tmp_path, caplog):
     path = _save(
         tmp_path,

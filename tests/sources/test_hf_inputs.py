@@ -38,10 +38,14 @@ def hf_dirs(tmp_path_factory):
     return root
 
 
-# slow: speech2text (16 s); its encoder-decoder generation below stays in the default tier
+# slow: speech2text (16 s), marian (13 s: bart-base stays), whisper (12 s: its generation
+# below stays in the default tier)
+SLOW_INPUTS = ("speech2text", "marian", "whisper")
+
+
 @pytest.mark.parametrize(
     "name",
-    [n if n != "speech2text" else pytest.param(n, marks=pytest.mark.slow) for n in CASES],
+    [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_INPUTS else n for n in CASES],
 )
 def test_inputs_from_the_model(name, hf_dirs, tmp_path):
     main, shape, output, attention, norms = CASES[name]

@@ -176,6 +176,8 @@ class _TorchEncoderLM(nn.Module):
         return self.head(self.enc(self.emb(tokens), mask=mask, is_causal=True))
 
 
+# slow: 16 s (two traces); the shortcut's export with parity stays in the default tier
+@pytest.mark.slow
 def test_torch_transformer_encoder_graph_equals_the_full_trace(monkeypatch):
     torch.manual_seed(0)
     module = _TorchEncoderLM().eval()

@@ -47,7 +47,7 @@ def exported(tmp_path_factory):
         ("llama-tiny", "ort"),
         pytest.param("t5-tiny", "ort", marks=pytest.mark.slow),  # slow: t5-tiny onnx stays
         ("gpt-tiny", "onnx"),
-        ("t5-tiny", "onnx"),
+        pytest.param("t5-tiny", "onnx", marks=pytest.mark.slow),  # slow: 20 s
         ("llama-tiny", "tensorrt"),
         pytest.param("t5-tiny", "tensorrt", marks=pytest.mark.slow),  # slow: t5-tiny onnx stays
     ],
