@@ -20,6 +20,7 @@ import urllib.request
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import tfgraph
 from tfgraph.runtime import CachedDecoder, GenerationConfig, generate, open_runner
@@ -64,6 +65,7 @@ def _tiny_llama(path):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         bos_token_id=1, eos_token_id=EOS,
     )  # fmt: skip
+    torch.manual_seed(0)  # the same model however many tests ran before in this process
     transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
     fast.save_pretrained(path)
     return path
@@ -255,6 +257,11 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(served, monkeypatch):
         jobs.append(submit(*args, **kwargs))
         return jobs[-1]
 
+    # the request's first tokens are words (a chunk each) and it does not end early: else
+    # the client's two chunks would need more tokens than the hold lets through
+    prompt = served.tok("w1 w2")["input_ids"]
+    want, _ = _reference(served, prompt, 120)
+    assert len(want) == 120 and all(served.tok.decode([t]).strip() for t in want[:2]), want[:8]
     monkeypatch.setattr(served.engine.batcher, "step", held_step)
     monkeypatch.setattr(served.engine, "submit", recording_submit)
     before = dict(served.engine.ended)
