@@ -170,15 +170,9 @@ def test_genai_refuses_options_it_cannot_lay_out(fields, needle):
     assert "\n" not in str(caught.value)
 
 
-def test_a_model_without_an_attention_mask_is_refused_before_tracing(tmp_path, monkeypatch):
+def test_a_model_without_an_attention_mask_is_refused_before_tracing(tmp_path, no_trace):
     """A preset takes no attention_mask, which genai reads each row's length from: one line,
     before the trace (which would take the time of a whole export), nothing written."""
-    import tfgraph.exporting as exporting
-
-    def no_trace(*args, **kwargs):
-        raise AssertionError("traced a model the flavour refuses")
-
-    monkeypatch.setattr(exporting, "trace_source", no_trace)
     with pytest.raises(TfgraphError, match="takes no attention_mask") as caught:
         tfgraph.export("gpt-tiny", tmp_path / "out", kv_cache=True, flavour="genai")
     assert "\n" not in str(caught.value)

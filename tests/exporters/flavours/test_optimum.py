@@ -220,14 +220,8 @@ def test_options_it_cannot_lay_out(fields, message):
         ExportOptions(flavour="optimum", **fields).resolved()
 
 
-def test_a_source_without_a_hf_config_is_refused(tmp_path, monkeypatch):
+def test_a_source_without_a_hf_config_is_refused(tmp_path, no_trace):
     """One line, before the trace (which would take the time of a whole export)."""
-    import tfgraph.exporting as exporting
-
-    def no_trace(*args, **kwargs):
-        raise AssertionError("traced a model the flavour refuses")
-
-    monkeypatch.setattr(exporting, "trace_source", no_trace)
     with pytest.raises(TfgraphError, match="needs a Hugging Face model") as info:
         tfgraph.export("gpt-tiny", tmp_path / "out", kv_cache=True, flavour="optimum")
     assert "\n" not in str(info.value)
