@@ -13,6 +13,7 @@ image-token positions of the prompt and decodes with its KV cache (:mod:`.genera
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,23 +33,94 @@ def vision_language(manifest: Mapping | None) -> dict | None:
     return (manifest or {}).get("vision_language")
 
 
-def load_processor(path: str | Path):
-    """The artifact's processor (``processor/``), loaded offline without running code it
-    names; a one-line error when it cannot be loaded."""
-    directory = Path(path) / "processor"
+def load_processor(path: str | Path, folder: str | None = "processor"):
+    """The processor in ``path/folder`` (an artifact's ``processor/``; ``folder`` None: the
+    model directory itself), loaded offline without running code it names; a one-line error
+    when it cannot be loaded. A processor whose video half needs torchvision (Qwen2-VL's in
+    transformers 5) is made without it: images and text only."""
+    directory = Path(path) / folder if folder else Path(path)
     if not directory.is_dir():
         raise TfgraphError(f"'{path}' carries no processor/: re-export the vision-language model")
     try:
         import transformers
 
-        return transformers.AutoProcessor.from_pretrained(
-            directory, local_files_only=True, trust_remote_code=False
-        )
+        try:
+            return transformers.AutoProcessor.from_pretrained(
+                directory, local_files_only=True, trust_remote_code=False
+            )
+        except ImportError as exc:
+            if "torchvision" not in str(exc).lower():
+                raise
+            return _images_only(directory)
+    except TfgraphError:
+        raise
     except Exception as exc:  # files the installed transformers cannot read
         raise TfgraphError(
             f"cannot load the processor in '{directory}' ({first_line(exc)}); it needs "
             "transformers and Pillow: pip install 'tfgraph[hf]' pillow"
         ) from exc
+
+
+def _images_only(directory: Path):
+    """The processor class ``processor_config.json`` names, made from its image processor and
+    tokenizer with no video processor (whose class transformers exports only with
+    torchvision)."""
+    import inspect
+    import json
+
+    import transformers
+
+    saved = json.loads((directory / "processor_config.json").read_text())
+    cls = getattr(transformers, saved.get("processor_class", ""), None)
+    if cls is None:
+        raise TfgraphError(f"'{directory}' names no processor class transformers has")
+    accepted = inspect.signature(cls.__init__).parameters
+    skip = ("image_processor", "video_processor", "tokenizer", "processor_class")
+    kwargs = {k: v for k, v in saved.items() if k in accepted and k not in skip}
+    image = transformers.AutoImageProcessor.from_pretrained(directory, local_files_only=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    with any_video_processor():
+        return cls(image_processor=image, tokenizer=tokenizer, video_processor=None, **kwargs)
+
+
+@contextlib.contextmanager
+def any_video_processor():
+    """transformers 5.25 checks a processor's ``video_processor`` against a class it exports
+    only with torchvision installed, so a Qwen2-VL processor cannot be made without
+    torchvision even for images; while the processor is made, that one check accepts any
+    video processor (the class's own check is restored at once)."""
+    from transformers.processing_utils import ProcessorMixin
+
+    original = ProcessorMixin.check_argument_for_proper_class
+
+    def check(self, argument_name, argument):
+        if argument_name == "video_processor":
+            return type(argument)
+        return original(self, argument_name, argument)
+
+    ProcessorMixin.check_argument_for_proper_class = check
+    try:
+        yield
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = original
+
+
+def prompt_tensors(processor, images, texts=None, return_tensors: str = "pt") -> dict:
+    """``processor(images=…, text=…)`` for one image per text; a text without the image
+    token gets it in front, as the model's prompts have it (default: the token alone and a
+    word). Returns the processor's tensors, M-RoPE's ``mm_token_type_ids`` included."""
+    images = images if isinstance(images, (list, tuple)) else [images]
+    token = processor.image_token
+    texts = texts if texts is not None else [f"{token} hello"] * len(images)
+    texts = [t if token in t else f"{token}\n{t}" for t in texts]
+    kwargs = {}
+    if "mm_token_type_ids" in getattr(processor, "model_input_names", ()):
+        kwargs["return_mm_token_type_ids"] = True
+    inputs = processor(
+        images=list(images), text=list(texts), padding=True, return_tensors=return_tensors,
+        **kwargs,
+    )  # fmt: skip
+    return {k: v for k, v in inputs.items() if k != "labels"}
 
 
 def open_image(image):
@@ -66,7 +138,8 @@ def open_image(image):
 
 class ImagePrompts:
     """The prompts of a vision-language artifact: the processor's token ids, and the decoder's
-    ``image_features`` from the vision graph (empty, (batch, 0, hidden), without an image)."""
+    per-prompt inputs: ``image_features`` from the vision graph (empty, (batch, 0, hidden),
+    without an image) and, with M-RoPE, ``rope_deltas``."""
 
     def __init__(self, path: str | Path, *, providers: Sequence[str] | None = None) -> None:
         self.path = Path(path)
@@ -81,15 +154,17 @@ class ImagePrompts:
         self.processor = load_processor(self.path)
         output = self.vision.signature.output(contract.IMAGE_FEATURES)
         self._features = (output or self.vision.signature.outputs[0]).name
+        self.names = self.settings.get("vision_inputs") or ["pixel_values"]
 
     @property
     def tokenizer(self):
         return self.processor.tokenizer
 
     def prepare(self, texts: Sequence[str], images: Sequence | None) -> tuple[list, dict]:
-        """(each row's token ids, ``{"image_features": …}``) for ``texts``, each with the image
-        at the same index of ``images`` (or none). A text without the image token gets it in
-        front, as the model's prompts have it."""
+        """(each row's token ids, the decoder's per-prompt inputs) for ``texts``, each with
+        the image at the same index of ``images`` (or none). A text without the image token
+        gets it in front, as the model's prompts have it. Images are resized to the graph's
+        input size first where the processor's shapes follow the image's (Qwen2-VL's grid)."""
         if not images:
             ids = [self.tokenizer(t)["input_ids"] for t in texts]
             return ids, self.without_image(len(texts))
@@ -98,16 +173,59 @@ class ImagePrompts:
             raise TfgraphError(
                 f"{len(texts)} texts but {len(images)} images: one image, or one per text"
             )
-        token = self.processor.image_token
-        texts = [t if token in t else f"{token}\n{t}" for t in texts]
-        pixels = [open_image(i) for i in images]
-        inputs = self.processor(images=pixels, text=list(texts), padding=True, return_tensors="np")
+        pixels = [self._sized(open_image(i)) for i in images]
+        inputs = prompt_tensors(self.processor, pixels, list(texts), return_tensors="np")
         mask = np.asarray(inputs["attention_mask"]) != 0
         ids = [row[keep].tolist() for row, keep in zip(inputs["input_ids"], mask, strict=True)]
-        features = self.vision.run({"pixel_values": np.asarray(inputs["pixel_values"], np.float32)})
-        return ids, {"image_features": features[self._features]}
+        extra = {"image_features": self._run_vision(inputs, len(texts))}
+        return ids, {**extra, **self._deltas(ids)}
+
+    def _sized(self, image):
+        size = self.settings.get("input_size")
+        if not size or tuple(image.size) == (size[1], size[0]):
+            return image
+        from PIL import Image
+
+        return image.resize((size[1], size[0]), Image.Resampling.BICUBIC)
+
+    def _run_vision(self, inputs: Mapping, rows: int) -> np.ndarray:
+        """The features of every row's image: one run, or one per image where the graph takes
+        one image (its inputs split evenly: every image has the graph's shapes)."""
+        values = {}
+        for name in self.names:
+            value = np.asarray(inputs[name])
+            values[name] = value.astype(np.float32) if value.dtype.kind == "f" else value
+        if self.settings.get("batched", True):
+            return self.vision.run(values)[self._features]
+        expected = self.settings.get("pixel_shape")
+        parts = {n: np.split(v, rows) for n, v in values.items()}
+        first = parts[self.names[0]][0]
+        if expected and list(first.shape) != list(expected):
+            raise TfgraphError(
+                f"the processor made {list(first.shape)} {self.names[0]} per image but the "
+                f"vision graph takes {expected}; re-export with --image-size for this size"
+            )
+        runs = [
+            self.vision.run({n: parts[n][r] for n in self.names})[self._features]
+            for r in range(rows)
+        ]
+        return np.concatenate(runs, 0)
+
+    def _deltas(self, ids: list) -> dict[str, np.ndarray]:
+        """M-RoPE's ``rope_deltas``: the manifest's delta for a row holding the image, 0 for
+        one without."""
+        delta = self.settings.get("mrope_delta")
+        if delta is None:
+            return {}
+        token = self.settings["image_token_id"]
+        rows = [[delta if token in row else 0] for row in ids]
+        return {"rope_deltas": np.asarray(rows, np.int64)}
 
     def without_image(self, batch: int) -> dict[str, np.ndarray]:
-        """The decoder's ``image_features`` for prompts without an image: (batch, 0, hidden)."""
+        """The decoder's per-prompt inputs for prompts without an image: (batch, 0, hidden)
+        features, and zero M-RoPE deltas."""
         hidden = self.vision.signature.output(contract.IMAGE_FEATURES).shape[-1]
-        return {"image_features": np.zeros((batch, 0, hidden), np.float32)}
+        feeds = {"image_features": np.zeros((batch, 0, hidden), np.float32)}
+        if self.settings.get("mrope_delta") is not None:
+            feeds["rope_deltas"] = np.zeros((batch, 1), np.int64)
+        return feeds

@@ -78,6 +78,9 @@ OUTPUT = "output"
 # vision-language artifacts (tfgraph/sources/vision_language.py): the processor's images, and
 # the vision graph's features that the decoder merges at the image-token positions
 PIXEL_VALUES, IMAGE_FEATURES = "pixel_values", "image_features"
+# M-RoPE decoders (Qwen2-VL): each row's position offset after its image block, every step
+ROPE_DELTAS = "rope_deltas"
+PROMPT_ROLES = (IMAGE_FEATURES, ROPE_DELTAS)  # per-prompt inputs besides the tokens
 
 # recurrent layers' carried state (passes/insert_recurrent_state.py): numbered apart from the
 # attention layers, in graph order; zeros before the first step, then the presents

@@ -64,6 +64,9 @@ class ExportOptions:
     # dynamic axes kept at fixed sizes ("sequence", "batch=1"): a model whose own code fixes a
     # dimension (tfgraph/sources/static_axes.py); a string "a,b" or a tuple of entries
     static_axes: tuple[str, ...] | str = ()
+    # a vision-language model's input image size (height, width) where its processor's shapes
+    # follow the image's (Qwen2-VL's patch grid): "HxW" or a pair; None: the family's default
+    image_size: tuple[int, int] | str | None = None
 
     @classmethod
     def of(cls, options: ExportOptions | None, fields: dict) -> ExportOptions:

@@ -60,8 +60,13 @@ def export_vision_language(
             "processor.save_pretrained(DIR))",
             path,
         )
-    vlm = load_vision_language(path, **dataclasses.asdict(options.view("loading")))
-    per_graph = {"vision": _vision_options(options), "decoder": options}
+    loading = dataclasses.asdict(options.view("loading"))
+    vlm = load_vision_language(path, **loading, image_size=parse_image_size(options.image_size))
+    # the image size is the probe's (above): neither graph's export reads it
+    per_graph = {
+        "vision": _vision_options(options),
+        "decoder": dataclasses.replace(options, image_size=None),
+    }
     sources = {"vision": vlm.vision, "decoder": vlm.decoder}
     with staged_directory(out_dir) as stage:
         results = {
@@ -79,7 +84,15 @@ def export_vision_language(
 
 
 # what concerns a KV cache or a token axis: the vision graph has neither (defaults there)
-_DECODER_ONLY = ("kv_cache", "kv_dtype", "kv_scales", "kv_layout", "kv_block_size", "static_axes")
+_DECODER_ONLY = (
+    "image_size",
+    "kv_cache",
+    "kv_dtype",
+    "kv_scales",
+    "kv_layout",
+    "kv_block_size",
+    "static_axes",
+)
 
 
 def _vision_options(options: ExportOptions) -> ExportOptions:
@@ -87,6 +100,25 @@ def _vision_options(options: ExportOptions) -> ExportOptions:
     names = {f.name for f in dataclasses.fields(options)}
     kept = {n: getattr(defaults, n) for n in _DECODER_ONLY if n in names}
     return dataclasses.replace(options, **kept)
+
+
+def parse_image_size(value) -> tuple[int, int] | None:
+    """``--image-size``: "HxW" (or "S" for a square), or a pair; None stays None."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        parts = value.lower().split("x")
+        if len(parts) == 1:
+            parts = parts * 2
+    else:
+        parts = list(value)
+    try:
+        size = tuple(int(v) for v in parts)
+    except (TypeError, ValueError):
+        size = ()
+    if len(size) != 2 or min(size) < 1:
+        raise TfgraphError(f"--image-size '{value}' is not HEIGHTxWIDTH (e.g. 448x448)")
+    return size
 
 
 def _files(result) -> list[str]:

@@ -135,7 +135,7 @@ def test_eager_modules_compute_hugging_face_model(llava, hf):
 
 
 def test_merge_reads_one_block_and_no_features():
-    from tfgraph.sources.vision_language import merge_image_features
+    from tfgraph.sources.vlm_graphs import merge_image_features
 
     embeds = torch.zeros(2, 5, 3)
     ids = torch.tensor([[9, 7, 7, 7, 1], [7, 7, 1, 2, 7]])  # 7: the image token

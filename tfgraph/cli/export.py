@@ -190,6 +190,14 @@ def _add_loading(p):
         help="allow a model directory's own Python code to run",
     )
     p.add_argument(
+        "--image-size",
+        metavar="HxW",
+        default=None,
+        help="a vision-language model's image size where its processor's shapes follow the "
+        "image's (Qwen2-VL's patch grid): the vision graph is made for it and images are "
+        "resized to it (default: the vision config's image_size, else 448x448)",
+    )
+    p.add_argument(
         "--static-axes",
         metavar="AXIS[,AXIS]",
         default="",
@@ -283,6 +291,7 @@ def options_from_args(args):
         kv_block_size=args.kv_block_size,
         flavour=args.flavour,
         static_axes=args.static_axes,
+        image_size=args.image_size,
     )
 
 

@@ -1,13 +1,12 @@
 """Vision-language models (image in, tokens out) from a Hugging Face directory, as the two
 sources a runtime needs (docs/vision-language.md):
 
-- **vision**: ``pixel_values`` (batch, channels, height, width) → ``image_features`` (batch,
-  image tokens, text hidden size): the vision tower, the family's feature selection and the
-  projector; one image per row, run once per prompt;
-- **decoder**: ``input_ids``, ``attention_mask``, ``image_features`` → ``logits``, the text
-  model with the merge in front: token ``k`` of a row that is the image token takes that row's
-  feature ``k``, every other token its embedding (Hugging Face's ``masked_scatter`` for one
-  image per row). Exported with ``--kv-cache`` like any decoder: its main input stays token ids.
+- **vision**: the family's vision inputs (``pixel_values``, and what else its processor writes
+  per image) → ``image_features`` (images, image tokens, text hidden size): the vision tower,
+  the family's feature selection and the projector;
+- **decoder**: ``input_ids``, ``attention_mask``, ``image_features`` (and ``rope_deltas`` for
+  M-RoPE) → ``logits``, the text model with the merge in front (:mod:`.vlm_graphs`).
+  Exported with ``--kv-cache`` like any decoder: its main input stays token ids.
 
 Why the merge is folded into the decoder rather than a third ``embed`` graph: the decoder keeps
 token ids as its main input, so the KV cache pass, parity, the cached runtime, int4 embedding
@@ -17,54 +16,31 @@ apart). Features are read at the prompt only: a step after it is fed an empty
 (batch, 0, hidden) ``image_features`` (:class:`tfgraph.runtime.CachedDecoder`), so a generated
 image token is embedded, as Hugging Face's ``generate`` does (pixels at the first step only).
 
-A family is one :class:`Family` entry in :data:`FAMILIES`, keyed by ``model_type``; a VLM of
-another family goes the old way (its text decoder alone, :mod:`.huggingface`).
+A family is one entry of :data:`tfgraph.sources.vlm_families.FAMILIES`, keyed by
+``model_type``; a VLM of another family goes the old way (its text decoder alone,
+:mod:`.huggingface`). Its shapes are read off a *probe*: the directory's own processor on one
+image at the export's input size (:func:`probe`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from tfgraph import contract
 from tfgraph.errors import TfgraphError, first_line
 from tfgraph.sources.model import ModelSource, max_positions
+from tfgraph.sources.vlm_families import FAMILIES
+from tfgraph.sources.vlm_families.family import Probe
+from tfgraph.sources.vlm_graphs import ROPE_DELTAS, MergedDecoder, VisionFeatures
 
 logger = logging.getLogger(__name__)
 
 PROMPT_IMAGE_TOKENS = 2  # image tokens per row of the parity inputs (VisionLanguage._decoder)
-
-
-@dataclass(frozen=True)
-class Family:
-    """What differs between families. ``features(model, pixel_values)``: (batch, image
-    tokens, hidden) for one image per row."""
-
-    features: Callable[[nn.Module, torch.Tensor], torch.Tensor]
-
-
-def _llava_features(model: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
-    """LLaVA: the vision tower's hidden states at ``vision_feature_layer`` (several: joined),
-    CLS dropped by the ``default`` strategy, through the projector: transformers'
-    ``get_image_features`` without its split into a list per image (a loop over the batch,
-    which torch.export would fix to the batch it traced)."""
-    config, inner = model.config, model.model
-    states = inner.vision_tower(pixel_values, output_hidden_states=True).hidden_states
-    layers = config.vision_feature_layer
-    layers = [layers] if isinstance(layers, int) else list(layers)
-    picked = [states[i] for i in layers]
-    if config.vision_feature_select_strategy == "default":
-        picked = [h[:, 1:] for h in picked]
-    return inner.multi_modal_projector(torch.cat(picked, dim=-1))  # (B, N, H)
-
-
-FAMILIES: dict[str, Family] = {"llava": Family(_llava_features)}
+DEFAULT_INPUT_SIZE = (448, 448)  # a sized family's image size when neither user nor config says
 
 
 def is_vision_language(model) -> bool:
@@ -90,94 +66,38 @@ def is_vision_language(model) -> bool:
     return (config.get("architectures") or [None])[0] in set(MAPPING.values())
 
 
-class VisionFeatures(nn.Module):
-    """``pixel_values`` → ``image_features`` (the vision graph)."""
-
-    input_roles = {"pixel_values": contract.PIXEL_VALUES}
-    output_roles = {"image_features": contract.IMAGE_FEATURES}
-
-    def __init__(self, model: nn.Module, family: Family) -> None:
-        super().__init__()
-        self.model, self.family = model, family
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        return self.family.features(self.model, pixel_values)
-
-
-def merge_image_features(
-    embeds: torch.Tensor,
-    input_ids: torch.Tensor,
-    features: torch.Tensor,
-    image_token: int,
-    zero: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``embeds`` (B, T, H) with the k-th token of each row's image block replaced by
-    ``features[b, k]`` (B, N, H); image tokens past the N-th (or all, when N is 0) keep their
-    embedding. A row's image tokens are one block, as the processor writes them: its k-th token
-    is the one k positions after the first. (Not a CumSum over the tokens: the KV cache pass
-    reads a count of the ids as positions that continue past the cache.) ``zero``: a (1, 1, H)
-    zero row, a weight of the module (a zero tensor made in the graph is a ConstantOfShape whose
-    fp32 value ``--precision fp16`` does not convert)."""
-    is_image = input_ids == image_token  # (B, T)
-    first = is_image.float().argmax(-1, keepdim=True)  # (B, 1): the block's first position
-    index = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :] - first + 1
-    take = is_image & (index >= 1) & (index <= features.shape[1])  # (B, T), index 1 … N
-    index = torch.where(take, index, torch.zeros_like(index))  # row 0 of the padded features
-    if zero is None:
-        zero = features.new_zeros(1, 1, features.shape[2])
-    padded = torch.cat([zero.expand(features.shape[0], -1, -1), features], 1)  # (B, 1 + N, H)
-    picked = torch.gather(padded, 1, index[..., None].expand(-1, -1, features.shape[2]))
-    return torch.where(take[..., None], picked.to(embeds.dtype), embeds)  # (B, T, H)
-
-
-class MergedDecoder(nn.Module):
-    """``input_ids``, ``attention_mask``, ``image_features`` → ``logits`` (the decoder graph):
-    the merge, then the text model on the embeddings; positions from the padding mask, as
-    ``generate`` computes them for left padding."""
-
-    input_roles = {"image_features": contract.IMAGE_FEATURES}
-
-    def __init__(self, model: nn.Module, image_token: int) -> None:
-        super().__init__()
-        self.model, self.image_token = model, image_token
-        width = model.get_input_embeddings().embedding_dim
-        self.register_buffer("zero_row", torch.zeros(1, 1, width), persistent=False)
-
-    def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, image_features: torch.Tensor
-    ) -> torch.Tensor:
-        embeds = self.model.get_input_embeddings()(input_ids)
-        embeds = merge_image_features(
-            embeds, input_ids, image_features, self.image_token, self.zero_row
-        )
-        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
-        out = self.model(
-            inputs_embeds=embeds,
-            attention_mask=attention_mask,
-            position_ids=positions,
-            use_cache=False,
-            return_dict=True,
-        )
-        return out.logits
-
-
 class VisionLanguage:
     """A loaded VLM: its :attr:`vision` and :attr:`decoder` sources, the image token, the
-    processor's settings (``preprocessor_config.json``) and files."""
+    probe and the processor's settings."""
 
-    def __init__(self, model: nn.Module, path: Path) -> None:
+    def __init__(self, model: nn.Module, path: Path, image_size=None) -> None:
         config = model.config
         self.model, self.path = model, path
         self.model_type = config.model_type
         self.family = FAMILIES[self.model_type]
         self.image_token_id = _image_token(config)
-        self.channels, self.image_size = _image_shape(config)
-        with torch.no_grad():  # the features' shape: one eager run of the tower on one image
-            probe = torch.zeros(1, self.channels, *self.image_size)
-            shape = self.family.features(model, probe).shape
+        self.probe = probe(path, model, self.family, image_size)
+        self.vision_module = VisionFeatures(model, self.family, self.probe).eval()
+        with torch.no_grad():  # the features' shape: one eager run of the tower on the probe
+            shape = self.vision_module(*self._vision_values()).shape
         self.image_tokens, self.hidden = int(shape[1]), int(shape[2])
+        self.mrope = self.family.mrope(model, self.probe) if self.family.mrope else None
+        if self.mrope is not None and self.mrope.coords.shape[0] != self.image_tokens:
+            raise TfgraphError(
+                f"{self.model_type}: M-RoPE names {self.mrope.coords.shape[0]} image positions "
+                f"but the vision graph gives {self.image_tokens} features"
+            )
         self.vision = self._vision()
         self.decoder = self._decoder()
+
+    def _vision_values(self) -> list[torch.Tensor]:
+        return [self.probe.inputs[n] for n in self.family.vision_inputs]
+
+    def _size_tag(self) -> str:
+        """``@HxW`` in a graph's origin when the export chose the input size (``parity``
+        re-loads the graph at it)."""
+        size = self.probe.input_size
+        return f"@{size[0]}x{size[1]}" if (size and self.family.sized) else ""
 
     def _info(self, graph: str) -> dict:
         return {
@@ -188,14 +108,21 @@ class VisionLanguage:
         }
 
     def _vision(self) -> ModelSource:
-        def make(batch, _seq, generator):
-            shape = (batch, self.channels, *self.image_size)
-            return {"pixel_values": torch.randn(shape, generator=generator)}
+        names, batched = self.family.vision_inputs, self.family.batched
 
-        module = VisionFeatures(self.model, self.family).eval()
-        axes = {"pixel_values": {0: "batch"}}
-        origin = f"{ORIGIN}:{self.path}#vision"
-        source = ModelSource(module, ("pixel_values",), ("image_features",), axes, make, origin)
+        def make(batch, _seq, generator):
+            values = {}
+            for name, value in zip(names, self._vision_values(), strict=True):
+                if batched:  # the probe's one image repeated to the batch
+                    value = value.expand(batch, *value.shape[1:]).clone()
+                if value.is_floating_point():
+                    value = torch.randn(value.shape, generator=generator).to(value.dtype)
+                values[name] = value
+            return values
+
+        axes = {n: {0: "batch"} for n in names} if batched else {n: {} for n in names}
+        origin = f"{ORIGIN}:{self.path}#vision{self._size_tag()}"
+        source = ModelSource(self.vision_module, names, ("image_features",), axes, make, origin)
         source.info.update(self._info("vision"), main_input="pixel_values")
         return source
 
@@ -216,16 +143,23 @@ class VisionLanguage:
                 start = 0 if row == 0 else seq // 3
                 ids[row, start : start + min(PROMPT_IMAGE_TOKENS, n)] = image
             features = torch.randn(batch, n, self.hidden, generator=generator) * scale
-            return {"input_ids": ids, "attention_mask": mask, "image_features": features}
+            feeds = {"input_ids": ids, "attention_mask": mask, "image_features": features}
+            if self.mrope is not None:
+                feeds[ROPE_DELTAS] = torch.randint(-4, 4, (batch, 1), generator=generator)
+            return feeds
 
-        module = MergedDecoder(self.model, image).eval()
+        merge = self.family.merge
+        module = MergedDecoder(self.model, image, merge, self.mrope).eval()
         names = ("input_ids", "attention_mask", "image_features")
         axes = {
             "input_ids": {0: "batch", 1: "sequence"},
             "attention_mask": {0: "batch", 1: "sequence"},
             "image_features": {0: "batch", 1: "image_tokens"},
         }
-        origin = f"{ORIGIN}:{self.path}#decoder"
+        if self.mrope is not None:
+            names += (ROPE_DELTAS,)
+            axes[ROPE_DELTAS] = {0: "batch"}
+        origin = f"{ORIGIN}:{self.path}#decoder{self._size_tag()}"
         source = ModelSource(module, names, ("logits",), axes, make, origin)
         source.info.update(self._info("decoder"), main_input="input_ids", causal_lm=True)
         limit = max_positions(self.model.config)
@@ -234,18 +168,70 @@ class VisionLanguage:
         return source
 
     def settings(self) -> dict:
-        """The manifest's ``vision_language`` entry: the graphs' shapes, the image token, and
-        the image processor's own settings (fixed size, tiling, patch lists: as saved)."""
+        """The manifest's ``vision_language`` entry: the graphs' inputs and shapes, the image
+        token, and the image processor's own settings (fixed size, tiling, patch lists: as
+        saved)."""
         processor = image_processor_settings(self.path)
+        first = self.probe.inputs[self.family.vision_inputs[0]]
+        size = self.probe.input_size
         return {
             "model_type": self.model_type,
             "image_token_id": self.image_token_id,
             "image_tokens": self.image_tokens,
-            "image_size": list(self.image_size),
-            "channels": self.channels,
-            "resolution": "fixed",  # the vision graph takes image_size; the processor resizes
+            "vision_inputs": list(self.family.vision_inputs),
+            "batched": self.family.batched,
+            "pixel_shape": list(first.shape[1:] if self.family.batched else first.shape),
+            # the processor's output shapes follow the image's size: images are resized to
+            # input_size first (null: the processor resizes every image to one size itself)
+            "input_size": list(size) if (size and self.family.sized) else None,
+            "resolution": "fixed",
+            "merge": self.family.merge,
+            "mrope_delta": self.mrope.delta if self.mrope is not None else None,
             "image_processor": processor,
         }
+
+
+def probe(path: Path, model: nn.Module, family, image_size=None) -> Probe:
+    """The directory's processor on one image of the export's input size (``image_size``,
+    else the vision config's, else :data:`DEFAULT_INPUT_SIZE`) and a prompt holding the image
+    token; without a saved processor, ``pixel_values`` zeros at the tower's own size (a
+    family whose graph needs more than the pixels then says so)."""
+    from tfgraph.runtime.vision_language import load_processor, prompt_tensors
+
+    size = _input_size(model.config, image_size)
+    if image_processor_settings(path) is None:
+        if family.vision_inputs != ("pixel_values",) or not family.batched:
+            raise TfgraphError(
+                f"'{path}' has no image processor, and a {model.config.model_type} vision "
+                "graph's inputs are what its processor writes; save the model's processor "
+                "beside it: processor.save_pretrained(DIR)"
+            )
+        channels = getattr(model.config.vision_config, "num_channels", 3) or 3
+        return Probe({"pixel_values": torch.zeros(1, channels, *size)}, None)
+    processor = load_processor(path, folder=None)
+    import numpy as np
+    from PIL import Image
+
+    image = Image.fromarray(np.full((*size, 3), 127, np.uint8))
+    inputs = prompt_tensors(processor, image)
+    missing = [n for n in family.vision_inputs if n not in inputs]
+    if missing:
+        raise TfgraphError(
+            f"{model.config.model_type}: the processor in '{path}' writes no '{missing[0]}'; "
+            "save the family's own processor beside the model"
+        )
+    return Probe(inputs, size)
+
+
+def _input_size(config, image_size) -> tuple[int, int]:
+    if image_size:
+        return tuple(int(v) for v in image_size)
+    size = getattr(getattr(config, "vision_config", None), "image_size", None)
+    if isinstance(size, int):
+        return (size, size)
+    if isinstance(size, (list, tuple)) and len(size) == 2:
+        return tuple(int(v) for v in size)
+    return DEFAULT_INPUT_SIZE
 
 
 def image_processor_settings(path: Path) -> dict | None:
@@ -268,13 +254,6 @@ def _image_token(config) -> int:
     )
 
 
-def _image_shape(config) -> tuple[int, tuple[int, int]]:
-    vision = config.vision_config
-    size = vision.image_size
-    size = (size, size) if isinstance(size, int) else tuple(size)
-    return getattr(vision, "num_channels", 3) or 3, size
-
-
 def _read_json(path: Path) -> dict | None:
     if not path.is_file():
         return None
@@ -291,6 +270,9 @@ def graph_source(spec: str, **loading) -> ModelSource:
     """The source of one graph of a vision-language artifact, from the ``PATH#graph`` its
     report names (``python -m tfgraph parity`` re-checks the graph against it)."""
     path, _, graph = spec.rpartition("#")
+    graph, _, size = graph.partition("@")
+    if size:
+        loading["image_size"] = tuple(int(v) for v in size.split("x"))
     if graph not in ("vision", "decoder"):
         raise TfgraphError(f"'{spec}' names no graph of a vision-language model; export it again")
     vlm = load_vision_language(path, **loading)
@@ -298,7 +280,11 @@ def graph_source(spec: str, **loading) -> ModelSource:
 
 
 def load_vision_language(
-    path: str | Path, *, trust_remote_code: bool = False, attn_implementation: str | None = None
+    path: str | Path,
+    *,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+    image_size=None,
 ) -> VisionLanguage:
     """The VLM in the Hugging Face directory ``path``, loaded whole in fp32."""
     from tfgraph.sources.huggingface import _load_hf_weights, _refuse_remote_code
@@ -315,4 +301,4 @@ def load_vision_language(
     cls = getattr(transformers, config.architectures[0])
     model = _load_hf_weights(cls, path, trust_remote_code, attn_implementation, {})
     logger.info("vision-language %s: vision and decoder graphs", config.model_type)
-    return VisionLanguage(model, path)
+    return VisionLanguage(model, path, image_size)

@@ -97,10 +97,12 @@ def _export(work: Path, model_type: str, spec: dict, want: list[int]) -> dict:
     if missing:
         return {"status": "not exported", "reason": missing}
     import tfgraph
+    from tfgraph.tools.tiny_vlm_build import IMAGE_HW
 
     start = time.perf_counter()
     try:
-        tfgraph.export(str(work / "hf"), work / "out", kv_cache=True)
+        # the random image's size: a family whose processor's shapes follow it gets that grid
+        tfgraph.export(str(work / "hf"), work / "out", kv_cache=True, image_size=IMAGE_HW)
     except Exception as exc:
         text = str(exc).lower()
         status = "trace failed" if "trac" in text else "export failed"

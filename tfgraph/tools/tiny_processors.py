@@ -195,7 +195,9 @@ def _make_processor(model_type: str, config, spec: dict):
     accepted = inspect.signature(cls.__init__).parameters
     extra = {**_derived_processor_kwargs(config, vision), **spec.get("processor", {})}
     extra = {k: v for k, v in extra.items() if k in accepted}
-    with _any_video_processor():
+    from tfgraph.runtime.vision_language import any_video_processor
+
+    with any_video_processor():
         return cls(**parts, **extra)
 
 
@@ -239,28 +241,6 @@ def _derived_processor_kwargs(config, vision) -> dict:
     # CLIP's tower prepends a CLS token, SigLIP's does not
     kwargs["num_additional_image_tokens"] = int("clip" in getattr(vision, "model_type", ""))
     return kwargs
-
-
-@contextlib.contextmanager
-def _any_video_processor():
-    """transformers 5.25 checks a processor's ``video_processor`` against a class it exports
-    only with torchvision installed, so a Qwen2-VL processor cannot be made without
-    torchvision even for images; while the processor is made, that one check accepts any
-    video processor (the class's own check is restored at once)."""
-    from transformers.processing_utils import ProcessorMixin
-
-    original = ProcessorMixin.check_argument_for_proper_class
-
-    def check(self, argument_name, argument):
-        if argument_name == "video_processor":
-            return type(argument)
-        return original(self, argument_name, argument)
-
-    ProcessorMixin.check_argument_for_proper_class = check
-    try:
-        yield
-    finally:
-        ProcessorMixin.check_argument_for_proper_class = original
 
 
 _ID_FIELD = re.compile(r"^(?P<name>\w+?)(_id|_index)$")

@@ -1,0 +1,9 @@
+"""The vision-language families tfgraph exports whole, by ``model_type``: one module per
+family group, each with its ``FAMILIES`` (:class:`.family.Family` entries)."""
+
+from __future__ import annotations
+
+from tfgraph.sources.vlm_families import llava, qwen
+from tfgraph.sources.vlm_families.family import Family
+
+FAMILIES: dict[str, Family] = {**llava.FAMILIES, **qwen.FAMILIES}

@@ -1,0 +1,142 @@
+"""The two modules a vision-language model's graphs are traced from
+(:mod:`tfgraph.sources.vision_language`): the vision graph's :class:`VisionFeatures` and the
+decoder's :class:`MergedDecoder` (the merge of the image features at the image tokens, the
+positions, the text model)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tfgraph import contract
+from tfgraph.sources.vlm_families.family import Family, MRope, Probe
+
+ROPE_DELTAS = "rope_deltas"  # the M-RoPE decoder's input: each row's offset after its image
+
+
+class VisionFeatures(nn.Module):
+    """The vision graph: the family's vision inputs (``pixel_values``, and what else its
+    processor writes per image) → ``image_features`` (images, image tokens, hidden)."""
+
+    output_roles = {"image_features": contract.IMAGE_FEATURES}
+
+    def __init__(self, model: nn.Module, family: Family, probe: Probe) -> None:
+        super().__init__()
+        self.model, self.names = model, family.vision_inputs
+        if len(self.names) > 4:
+            raise ValueError(f"a vision graph takes at most 4 inputs, not {self.names}")
+        self.compute = family.features(model, probe)
+        self.input_roles = {"pixel_values": contract.PIXEL_VALUES}
+
+    def forward(
+        self,
+        pixel_values: torch.Tensor,
+        second: torch.Tensor | None = None,
+        third: torch.Tensor | None = None,
+        fourth: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The inputs in ``vision_inputs`` order, by position (named parameters, not
+        ``*inputs``: torch.export takes a star argument as one tuple)."""
+        inputs = (pixel_values, second, third, fourth)[: len(self.names)]
+        return self.compute(**dict(zip(self.names, inputs, strict=True)))
+
+
+def merge_image_features(
+    embeds: torch.Tensor,
+    input_ids: torch.Tensor,
+    features: torch.Tensor,
+    image_token: int,
+    zero: torch.Tensor | None = None,
+    merge: str = "block",
+) -> torch.Tensor:
+    """``embeds`` (B, T, H) with the k-th image token of each row replaced by
+    ``features[b, k]`` (B, N, H); image tokens past the N-th (or all, when N is 0) keep their
+    embedding. ``merge``: ``block``, a row's image tokens are one run as the processor writes
+    them, its k-th token the one k positions after the first (an ArgMax, no CumSum, so a
+    step after the prompt reads no count of the past); ``rank``: the k-th image token wherever
+    it is (tiles between row markers), a CumSum of the image tokens, which the KV cache pass
+    continues past the cache, so a later step's count exceeds its (empty) features. ``zero``:
+    a (1, 1, H) zero row, a weight of the module (a zero tensor made in the graph is a
+    ConstantOfShape whose fp32 value ``--precision fp16`` does not convert)."""
+    is_image = input_ids == image_token  # (B, T)
+    if merge == "rank":
+        index = torch.cumsum(is_image.long(), -1)  # 1 … N at the image tokens
+    else:
+        first = is_image.float().argmax(-1, keepdim=True)  # (B, 1): the block's first position
+        index = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :] - first + 1
+    take = is_image & (index >= 1) & (index <= features.shape[1])  # (B, T), index 1 … N
+    index = torch.where(take, index, torch.zeros_like(index))  # row 0 of the padded features
+    if zero is None:
+        zero = features.new_zeros(1, 1, features.shape[2])
+    padded = torch.cat([zero.expand(features.shape[0], -1, -1), features], 1)  # (B, 1 + N, H)
+    picked = torch.gather(padded, 1, index[..., None].expand(-1, -1, features.shape[2]))
+    return torch.where(take[..., None], picked.to(embeds.dtype), embeds)  # (B, T, H)
+
+
+def mrope_positions(
+    positions: torch.Tensor,
+    input_ids: torch.Tensor,
+    image_token: int,
+    coords: torch.Tensor,
+    deltas: torch.Tensor,
+) -> torch.Tensor:
+    """Qwen2-VL's (3, B, T) position ids from the 1-D ``positions`` (B, T): a token before a
+    row's image block keeps its position on all three axes, the block's k-th token gets the
+    block's start plus ``coords[k]`` (N, 3), every later token its position plus the row's
+    ``deltas`` (B, 1): what Hugging Face's ``get_rope_index`` computes for one image per row,
+    and, fed the same deltas, what its cached steps compute (``rope_deltas``)."""
+    is_image = input_ids == image_token
+    first = is_image.float().argmax(-1, keepdim=True)  # (B, 1); 0 in a row without an image
+    index = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :] - first
+    count = coords.shape[0]
+    inside = is_image & (index >= 0) & (index < count)
+    k = torch.where(inside, index, torch.zeros_like(index))  # (B, T)
+    block = coords[k] - k[..., None]  # (B, T, 3): the k-th token's offsets from start + k
+    after = torch.where(index < 0, torch.zeros_like(deltas), deltas)  # (B, T)
+    extra = torch.where(inside[..., None], block, after[..., None])  # (B, T, 3)
+    # added batch-first: the KV cache pass slices the (batch, sequence) positions per row
+    return (positions[..., None] + extra).permute(2, 0, 1)
+
+
+class MergedDecoder(nn.Module):
+    """The decoder graph: ``input_ids``, ``attention_mask``, ``image_features`` (and, with
+    M-RoPE, ``rope_deltas``) → ``logits``: the merge, then the text model on the embeddings;
+    positions from the padding mask, as ``generate`` computes them for left padding."""
+
+    def __init__(
+        self, model: nn.Module, image_token: int, merge: str = "block", mrope: MRope | None = None
+    ) -> None:
+        super().__init__()
+        self.model, self.image_token, self.merge = model, image_token, merge
+        width = model.get_input_embeddings().embedding_dim
+        self.register_buffer("zero_row", torch.zeros(1, 1, width), persistent=False)
+        self.input_roles = {"image_features": contract.IMAGE_FEATURES}
+        self.mrope = mrope is not None
+        if mrope is not None:
+            self.register_buffer("coords", mrope.coords.long(), persistent=False)
+            self.input_roles[ROPE_DELTAS] = contract.ROPE_DELTAS
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        image_features: torch.Tensor,
+        rope_deltas: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        embeds = self.model.get_input_embeddings()(input_ids)
+        embeds = merge_image_features(
+            embeds, input_ids, image_features, self.image_token, self.zero_row, self.merge
+        )
+        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+        if self.mrope:
+            positions = mrope_positions(
+                positions, input_ids, self.image_token, self.coords, rope_deltas
+            )
+        out = self.model(
+            inputs_embeds=embeds,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            use_cache=False,
+            return_dict=True,
+        )
+        return out.logits
