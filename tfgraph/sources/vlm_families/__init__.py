@@ -3,7 +3,14 @@ family group, each with its ``FAMILIES`` (:class:`.family.Family` entries)."""
 
 from __future__ import annotations
 
-from tfgraph.sources.vlm_families import llava, qwen
+from tfgraph.sources.vlm_families import gemma, idefics, llava, llava_like, others, qwen
 from tfgraph.sources.vlm_families.family import Family
 
-FAMILIES: dict[str, Family] = {**llava.FAMILIES, **qwen.FAMILIES}
+FAMILIES: dict[str, Family] = {
+    **llava.FAMILIES,
+    **llava_like.FAMILIES,
+    **qwen.FAMILIES,
+    **idefics.FAMILIES,
+    **gemma.FAMILIES,
+    **others.FAMILIES,
+}

@@ -1,0 +1,7 @@
+"""Vision-language families: gemma (filled in by family)."""
+
+from __future__ import annotations
+
+from tfgraph.sources.vlm_families.family import Family
+
+FAMILIES: dict[str, Family] = {}
