@@ -97,6 +97,19 @@ SPECS: dict[str, dict] = {
         "tokens": {"image_token": "|SPEAKER|", "image_newline_token": "|NEWLINE|"},
         "prompt": "w1 w2 w3",
     },
+    # Qwen2-VL-like processors of video families: their video token in the tokenizer (a word
+    # unknown to it is <unk>, which the processor would count as a video token)
+    **dict.fromkeys(
+        (
+            "exaone4_5",
+            "hyperclovax_vision_v2",
+            "lfm3_vl",
+            "video_llama_3",
+            "cosmos3_edge",
+            "hy_v4_vl",
+        ),
+        {"tokens": {"image_token": "<image>", "video_token": "<|video_pad|>"}},
+    ),
 }
 
 # the acceptance list of issue 47, in its order
