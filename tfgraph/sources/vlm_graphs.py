@@ -26,7 +26,7 @@ class VisionFeatures(nn.Module):
         if len(self.names) > 4:
             raise ValueError(f"a vision graph takes at most 4 inputs, not {self.names}")
         self.compute = family.features(model, probe)
-        self.input_roles = {"pixel_values": contract.PIXEL_VALUES}
+        self.input_roles = {self.names[0]: contract.PIXEL_VALUES}  # the pixels, as named
 
     def forward(
         self,

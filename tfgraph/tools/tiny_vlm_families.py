@@ -37,7 +37,13 @@ _IDEFICS_TOKENS = {
     "end_of_utterance_token": "<end_of_utterance>",
 }
 
+# a video family's tokenizer holds its video token too: without it the token's id is <unk>'s,
+# which an unknown word of the prompt matches, and the processor counts it as a video token
+_VIDEO_TOKENS = {"image_token": "<image>", "video_token": "<video>"}
+
 SPECS: dict[str, dict] = {
+    "video_llava": {"tokens": _VIDEO_TOKENS},
+    "llava_next_video": {"tokens": _VIDEO_TOKENS},
     "qwen2_vl": {"tokens": _QWEN_TOKENS, "prompt": _QWEN_PROMPT},
     "qwen2_5_vl": {
         "tokens": _QWEN_TOKENS,

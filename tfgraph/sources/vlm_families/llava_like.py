@@ -3,6 +3,59 @@ one block): filled in by family."""
 
 from __future__ import annotations
 
-from tfgraph.sources.vlm_families.family import Family
+import torch
+from torch import nn
 
-FAMILIES: dict[str, Family] = {}
+from tfgraph.errors import TfgraphError
+from tfgraph.sources.vlm_families.family import Family, Probe
+
+
+def _selected(config, states) -> torch.Tensor:
+    """The hidden states at ``vision_feature_layer`` (several: joined), CLS dropped by the
+    ``default`` strategy: LLaVA's feature selection."""
+    layers = config.vision_feature_layer
+    layers = [layers] if isinstance(layers, int) else list(layers)
+    picked = [states[i] for i in layers]
+    if config.vision_feature_select_strategy == "default":
+        picked = [h[:, 1:] for h in picked]
+    return torch.cat(picked, dim=-1)
+
+
+def _video_llava(model: nn.Module, _probe: Probe):
+    """Video-LLaVA's image half: its ``image_tower`` (the ``video_tower`` is not traced: video
+    inputs are out of scope), LLaVA's selection, the shared projector."""
+    inner = model.model
+
+    def features(pixel_values_images: torch.Tensor) -> torch.Tensor:
+        out = inner.image_tower(pixel_values_images, output_hidden_states=True)
+        return inner.multi_modal_projector(_selected(model.config, out.hidden_states))
+
+    return features
+
+
+def _anyres(model: nn.Module, probe: Probe):
+    """LLaVA-NeXT's tiles: the processor cuts the image into the base tile and the tiles of
+    the grid ``image_grid_pinpoints`` picks for its size, the model unpads and packs their
+    features (a newline feature after each row) by ``image_sizes``. Both follow the image's
+    size, so the graph is made for the probe's size (one image per run) and the model's own
+    ``get_image_features`` is handed the probe's ``image_sizes`` as a NumPy array: its Python
+    loops over the tiles then see numbers, not traced tensors."""
+    sizes = probe.inputs["image_sizes"]
+    if sizes.shape[0] != 1:
+        raise TfgraphError(f"the probe holds {sizes.shape[0]} images; the vision graph takes one")
+    sizes = sizes.numpy()
+
+    def features(pixel_values: torch.Tensor) -> torch.Tensor:
+        out = model.model.get_image_features(pixel_values, image_sizes=sizes)
+        return out.pooler_output[0][None]  # (1, image tokens, hidden)
+
+    return features
+
+
+_ANYRES = {"vision_inputs": ("pixel_values",), "batched": False, "sized": True}
+
+FAMILIES: dict[str, Family] = {
+    "llava_next": Family(_anyres, **_ANYRES),
+    "llava_next_video": Family(_anyres, **_ANYRES),  # images only: video inputs out of scope
+    "video_llava": Family(_video_llava, vision_inputs=("pixel_values_images",)),
+}
