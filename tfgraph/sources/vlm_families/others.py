@@ -100,10 +100,36 @@ def _lfm3(model: nn.Module, probe: Probe):
     return _image_features(model, probe, pre)
 
 
+def _ovis(model: nn.Module, probe: Probe):
+    """Ovis 2.5: a windowed tower whose position table is interpolated to the grid."""
+    from transformers.vision_utils import get_vision_interpolation_indices_and_weights
+
+    tower, grid = model.model.vision_tower, _grid(probe)
+    pre = _precomputed(tower, grid, tower.spatial_merge_size, window=True)
+    embed = tower.embeddings
+    pre["interp_indices"], pre["interp_weights"] = get_vision_interpolation_indices_and_weights(
+        grid,
+        embed.num_grid_per_side,
+        mode=embed.interpolation_mode,
+        align_corners=embed.interpolation_align_corners,
+        spatial_merge_size=embed.spatial_merge_size,
+    )
+    return _image_features(model, probe, pre)
+
+
+def _video_llama(model: nn.Module, probe: Probe):
+    """VideoLLaMA 3: the tower's output pooled per image by the processor's merge size."""
+    sizes = probe.inputs["image_merge_sizes"]
+    pre = _precomputed(model.model.vision_model, _grid(probe), sizes)
+    return _image_features(model, probe, pre, extra=("image_merge_sizes",))
+
+
 _ONE_IMAGE = {"vision_inputs": ("pixel_values",), "batched": False, "sized": True}
 
 FAMILIES: dict[str, Family] = {
     "exaone4_5": Family(_exaone, **_ONE_IMAGE),
     "hyperclovax_vision_v2": Family(_hyperclovax, **_ONE_IMAGE),
     "lfm3_vl": Family(_lfm3, **_ONE_IMAGE),
+    # "ovis2_5": Family(_ovis, **_ONE_IMAGE),
+    "video_llama_3": Family(_video_llama, **_ONE_IMAGE),
 }
