@@ -65,7 +65,9 @@ def merge_image_features(
         first = is_image.float().argmax(-1, keepdim=True)  # (B, 1): the block's first position
         index = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :] - first + 1
     take = is_image & (index >= 1) & (index <= features.shape[1])  # (B, T), index 1 … N
-    index = torch.where(take, index, torch.zeros_like(index))  # row 0 of the padded features
+    # row 0 of the padded features elsewhere (a scalar 0: a zeros_like of the CumSum is an
+    # Expand of its shape, which the KV cache pass cuts to a negative length)
+    index = torch.where(take, index, 0)
     if zero is None:
         zero = features.new_zeros(1, 1, features.shape[2])
     padded = torch.cat([zero.expand(features.shape[0], -1, -1), features], 1)  # (B, 1 + N, H)
