@@ -20,6 +20,7 @@ from torch import nn
 
 from tfgraph.errors import TfgraphError
 from tfgraph.sources.vlm_families.family import Family, Probe
+from tfgraph.sources.vlm_families.qwen import _mrope
 
 
 class HostGrid(np.ndarray):
@@ -51,11 +52,11 @@ def _precomputed(tower: nn.Module, grid: torch.Tensor, merge=None, window=False)
     and, with ``window``, Qwen2.5-VL's window order and chunks."""
     from transformers import vision_utils as vu
 
-    config = tower.config
     kwargs = {"cu_seqlens": vu.get_vision_cu_seqlens(grid).numpy()}
     if merge is not None:
         kwargs["position_ids"] = vu.get_vision_position_ids(grid, merge)
     if window:
+        config = tower.config
         index, chunks = vu.get_vision_window_index(
             grid, config.spatial_merge_size, config.window_size, config.patch_size
         )
@@ -124,6 +125,13 @@ def _video_llama(model: nn.Module, probe: Probe):
     return _image_features(model, probe, pre, extra=("image_merge_sizes",))
 
 
+def _split_only(model: nn.Module, probe: Probe):
+    """Towers whose positions are a learned table resized on the host (Cosmos 3 Edge,
+    HunYuan-VL, HY-V4-VL: the latter two add a newline feature after each merged row and,
+    HunYuan-VL, the image's start and end features): only the attention split precomputed."""
+    return _image_features(model, probe, _precomputed(None, _grid(probe)))
+
+
 _ONE_IMAGE = {"vision_inputs": ("pixel_values",), "batched": False, "sized": True}
 
 FAMILIES: dict[str, Family] = {
@@ -132,4 +140,7 @@ FAMILIES: dict[str, Family] = {
     "lfm3_vl": Family(_lfm3, **_ONE_IMAGE),
     # "ovis2_5": Family(_ovis, **_ONE_IMAGE),
     "video_llama_3": Family(_video_llama, **_ONE_IMAGE),
+    "cosmos3_edge": Family(_split_only, mrope=_mrope, **_ONE_IMAGE),
+    # "hunyuan_vl": Family(_split_only, mrope=_mrope, **_ONE_IMAGE),
+    # "hy_v4_vl": Family(_split_only, mrope=_mrope, **_ONE_IMAGE),
 }
