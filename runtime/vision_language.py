@@ -110,7 +110,7 @@ def prompt_tensors(processor, images, texts=None, return_tensors: str = "pt") ->
     token gets it in front, as the model's prompts have it (default: the token alone and a
     word). Returns the processor's tensors, M-RoPE's ``mm_token_type_ids`` included."""
     images = images if isinstance(images, (list, tuple)) else [images]
-    token = processor.image_token
+    token = image_token_text(processor)
     texts = texts if texts is not None else [f"{token} hello"] * len(images)
     texts = [t if token in t else f"{token}\n{t}" for t in texts]
     kwargs = {}
@@ -121,6 +121,19 @@ def prompt_tensors(processor, images, texts=None, return_tensors: str = "pt") ->
         **kwargs,
     )  # fmt: skip
     return {k: v for k, v in inputs.items() if k != "labels"}
+
+
+def image_token_text(processor) -> str:
+    """The image placeholder's text: the processor's ``image_token``, else its tokenizer's
+    (PP-Chart2Table's processor is the generic one and names none)."""
+    token = getattr(processor, "image_token", None)
+    token = token or getattr(getattr(processor, "tokenizer", None), "image_token", None)
+    if not isinstance(token, str) or not token:
+        raise TfgraphError(
+            f"{type(processor).__name__} names no image token (image_token); save a processor "
+            "or tokenizer that states it"
+        )
+    return token
 
 
 def open_image(image):

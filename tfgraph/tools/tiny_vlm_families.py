@@ -43,6 +43,16 @@ _VIDEO_TOKENS = {"image_token": "<image>", "video_token": "<video>"}
 
 SPECS: dict[str, dict] = {
     "video_llava": {"tokens": _VIDEO_TOKENS},
+    # the processor writes 256 <imgpad> per image (a class default, no processor argument):
+    # 64 × 64 patches, which the projector's two stride-2 convolutions pool to 16 × 16
+    "got_ocr2": {
+        "tokens": {"image_token": "<imgpad>"},
+        # (and positions past the 259-token prompt: the tiny text config's are 256)
+        "config": {
+            "vision_config": {"image_size": 128, "patch_size": 2},
+            "text_config": {"max_position_embeddings": 512},
+        },
+    },
     "llava_next_video": {"tokens": _VIDEO_TOKENS},
     "qwen2_vl": {"tokens": _QWEN_TOKENS, "prompt": _QWEN_PROMPT},
     "qwen2_5_vl": {

@@ -21,6 +21,17 @@ def _selected(config, states) -> torch.Tensor:
     return torch.cat(picked, dim=-1)
 
 
+def _own(model: nn.Module, _probe: Probe):
+    """The model's own ``get_image_features`` on the pixels, where it is a tower and a
+    projector with no loop over the images (GOT-OCR 2, PP-Chart2Table): (images, tokens,
+    hidden) as it comes."""
+
+    def features(pixel_values: torch.Tensor) -> torch.Tensor:
+        return model.model.get_image_features(pixel_values).pooler_output
+
+    return features
+
+
 def _video_llava(model: nn.Module, _probe: Probe):
     """Video-LLaVA's image half: its ``image_tower`` (the ``video_tower`` is not traced: video
     inputs are out of scope), LLaVA's selection, the shared projector."""
@@ -52,10 +63,29 @@ def _anyres(model: nn.Module, probe: Probe):
     return features
 
 
+def _pixtral(model: nn.Module, probe: Probe):
+    """A Pixtral vision encoder (LightOnOCR): the image at its own size, its patches cut and
+    merged by ``image_sizes`` in Python loops; the model's own ``get_image_features`` is
+    handed the probe's sizes as Python numbers (one image per run at the probe's size)."""
+    sizes = probe.inputs["image_sizes"]
+    if sizes.shape[0] != 1:
+        raise TfgraphError(f"the probe holds {sizes.shape[0]} images; the vision graph takes one")
+    sizes = [tuple(int(v) for v in row) for row in sizes]
+
+    def features(pixel_values: torch.Tensor) -> torch.Tensor:
+        out = model.model.get_image_features(pixel_values, image_sizes=sizes)
+        return out.pooler_output[0][None]  # (1, image tokens, hidden)
+
+    return features
+
+
 _ANYRES = {"vision_inputs": ("pixel_values",), "batched": False, "sized": True}
 
 FAMILIES: dict[str, Family] = {
     "llava_next": Family(_anyres, **_ANYRES),
     "llava_next_video": Family(_anyres, **_ANYRES),  # images only: video inputs out of scope
+    "got_ocr2": Family(_own),
+    "pp_chart2table": Family(_own),
+    "lighton_ocr": Family(_pixtral, **_ANYRES),
     "video_llava": Family(_video_llava, vision_inputs=("pixel_values_images",)),
 }
