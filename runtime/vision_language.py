@@ -105,14 +105,30 @@ def any_video_processor():
         ProcessorMixin.check_argument_for_proper_class = original
 
 
+def _placeholder(processor, token: str, image) -> str:
+    """The image placeholder put in front of a text that has none: the image token, wrapped
+    in the processor's image start and end tokens where its input check asks for them
+    (HunYuan-VL's processor refuses a bare one)."""
+    start, end = (getattr(processor, f"image_{n}_token", None) for n in ("start", "end"))
+    check = getattr(processor, "validate_inputs", None)
+    if not (isinstance(start, str) and isinstance(end, str) and callable(check)):
+        return token
+    try:
+        check(images=[image], text=[token])
+    except ValueError:
+        return f"{start}{token}{end}"
+    return token
+
+
 def prompt_tensors(processor, images, texts=None, return_tensors: str = "pt") -> dict:
     """``processor(images=…, text=…)`` for one image per text; a text without the image
     token gets it in front, as the model's prompts have it (default: the token alone and a
     word). Returns the processor's tensors, M-RoPE's ``mm_token_type_ids`` included."""
     images = images if isinstance(images, (list, tuple)) else [images]
     token = image_token_text(processor)
-    texts = texts if texts is not None else [f"{token} hello"] * len(images)
-    texts = [t if token in t else f"{token}\n{t}" for t in texts]
+    lead = _placeholder(processor, token, images[0])
+    texts = texts if texts is not None else [f"{lead} hello"] * len(images)
+    texts = [t if token in t else f"{lead}\n{t}" for t in texts]
     kwargs = {}
     if "mm_token_type_ids" in getattr(processor, "model_input_names", ()):
         kwargs["return_mm_token_type_ids"] = True
