@@ -100,6 +100,21 @@ def mrope_positions(
     return (positions[..., None] + extra).permute(2, 0, 1)
 
 
+def _text_attr(model: nn.Module) -> str | None:
+    """None where the VLM's own forward takes the merged embeddings without pixels; else the
+    attribute of the language model they go through (BLIP-2's forward requires
+    ``pixel_values``: its ``language_model``, a causal LM). An attribute name, not the module:
+    the decoder's weights keep the VLM's names."""
+    import inspect
+
+    pixels = inspect.signature(model.forward).parameters.get("pixel_values")
+    if pixels is None or pixels.default is not inspect.Parameter.empty:
+        return None
+    if isinstance(getattr(model, "language_model", None), nn.Module):
+        return "language_model"
+    return None
+
+
 class MergedDecoder(nn.Module):
     """The decoder graph: ``input_ids``, ``attention_mask``, ``image_features`` (and, with
     M-RoPE, ``rope_deltas``) → ``logits``: the merge, then the text model on the embeddings;
@@ -110,6 +125,7 @@ class MergedDecoder(nn.Module):
     ) -> None:
         super().__init__()
         self.model, self.image_token, self.merge = model, image_token, merge
+        self.text_attr = _text_attr(model)
         width = model.get_input_embeddings().embedding_dim
         self.register_buffer("zero_row", torch.zeros(1, 1, width), persistent=False)
         self.input_roles = {"image_features": contract.IMAGE_FEATURES}
@@ -134,7 +150,8 @@ class MergedDecoder(nn.Module):
             positions = mrope_positions(
                 positions, input_ids, self.image_token, self.coords, rope_deltas
             )
-        out = self.model(
+        text = getattr(self.model, self.text_attr) if self.text_attr else self.model
+        out = text(
             inputs_embeds=embeds,
             attention_mask=attention_mask,
             position_ids=positions,

@@ -32,6 +32,22 @@ def _own(model: nn.Module, _probe: Probe):
     return features
 
 
+def _blip2(model: nn.Module, _probe: Probe):
+    """BLIP-2: the vision model, the Q-Former's query outputs, the language projection (the
+    model's own ``get_image_features``, batched). Only a decoder-only text model (OPT) takes
+    the merged embeddings in one decoder graph; a Flan-T5 one is an encoder-decoder."""
+    if not getattr(model.config, "use_decoder_only_language_model", True):
+        raise TfgraphError(
+            "BLIP-2 with an encoder-decoder text model (Flan-T5) is not exported whole; only "
+            "its decoder-only (OPT) checkpoints are"
+        )
+
+    def features(pixel_values: torch.Tensor) -> torch.Tensor:
+        return model.get_image_features(pixel_values).pooler_output  # (B, queries, hidden)
+
+    return features
+
+
 def _video_llava(model: nn.Module, _probe: Probe):
     """Video-LLaVA's image half: its ``image_tower`` (the ``video_tower`` is not traced: video
     inputs are out of scope), LLaVA's selection, the shared projector."""
@@ -84,6 +100,7 @@ _ANYRES = {"vision_inputs": ("pixel_values",), "batched": False, "sized": True}
 FAMILIES: dict[str, Family] = {
     "llava_next": Family(_anyres, **_ANYRES),
     "llava_next_video": Family(_anyres, **_ANYRES),  # images only: video inputs out of scope
+    "blip-2": Family(_blip2),
     "got_ocr2": Family(_own),
     "pp_chart2table": Family(_own),
     "lighton_ocr": Family(_pixtral, **_ANYRES),
