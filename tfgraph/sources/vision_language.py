@@ -287,7 +287,7 @@ def load_vision_language(
     image_size=None,
 ) -> VisionLanguage:
     """The VLM in the Hugging Face directory ``path``, loaded whole in fp32."""
-    from tfgraph.sources.huggingface import _load_hf_weights, _refuse_remote_code
+    from tfgraph.sources.huggingface import _has_experts, _load_hf_weights, _refuse_remote_code
 
     path = Path(path)
     _refuse_remote_code(path, trust_remote_code)
@@ -299,6 +299,8 @@ def load_vision_language(
     except Exception as exc:  # a config transformers cannot read is the user's input
         raise TfgraphError(f"cannot read '{path / 'config.json'}': {first_line(exc)}") from exc
     cls = getattr(transformers, config.architectures[0])
-    model = _load_hf_weights(cls, path, trust_remote_code, attn_implementation, {})
+    # a mixture-of-experts text model (HY-V4-VL): the experts that trace, as for a decoder
+    experts = {"experts_implementation": "batched_mm"} if _has_experts(config) else {}
+    model = _load_hf_weights(cls, path, trust_remote_code, attn_implementation, experts)
     logger.info("vision-language %s: vision and decoder graphs", config.model_type)
     return VisionLanguage(model, path, image_size)

@@ -142,5 +142,5 @@ FAMILIES: dict[str, Family] = {
     "video_llama_3": Family(_video_llama, **_ONE_IMAGE),
     "cosmos3_edge": Family(_split_only, mrope=_mrope, **_ONE_IMAGE),
     "hunyuan_vl": Family(_split_only, mrope=_mrope, **_ONE_IMAGE),
-    # "hy_v4_vl": Family(_split_only, mrope=_mrope, **_ONE_IMAGE),
+    "hy_v4_vl": Family(_split_only, mrope=_mrope, **_ONE_IMAGE),
 }
