@@ -26,7 +26,7 @@ from tfgraph.tools.tiny_vlm_build import (  # noqa: E402
 from tfgraph.tools.tiny_vlm_families import spec_for  # noqa: E402
 
 NEW = 12
-FAMILIES = ["idefics3"]
+FAMILIES = ["idefics3", "smolvlm", "idefics2"]
 
 
 def _needs(model_type: str) -> None:
@@ -52,7 +52,8 @@ def vlm(tiny):
 
 def test_tiles_are_fixed_by_the_probe(tiny, vlm):
     pixels = vlm.probe.inputs["pixel_values"]
-    assert pixels.dim() == 5 and pixels.shape[1] > 1  # (1, tiles, C, H, W): split and global
+    assert pixels.dim() == 5  # (1, tiles, C, H, W): Idefics3's split and global tiles
+    assert pixels.shape[1] == (1 if tiny[1].config.model_type == "idefics2" else 5)
     ids = vlm.probe.inputs["input_ids"][0]
     assert int((ids == vlm.image_token_id).sum()) == vlm.image_tokens
     assert vlm.family.merge == "rank" and vlm.family.sized and vlm.family.batched
@@ -99,7 +100,8 @@ def test_export_passes_parity_and_generates_hugging_faces_tokens(tiny, artifact)
     assert settings["input_size"] == list(IMAGE_HW) and settings["batched"] is True
     for graph in ("vision", "decoder"):
         fusions = settings["fusions"][graph]["attention"]
-        assert fusions["fused"] == fusions["total"] == 2, (graph, fusions)
+        # 2 layers each, and Idefics2's perceiver resampler (3 attentions) in the vision graph
+        assert fusions["fused"] == fusions["total"] >= 2, (graph, fusions)
     inputs = processor(images=[[random_image()]], text=[prompt], return_tensors="pt")
     model.generation_config.pad_token_id = 0
     with torch.no_grad():
