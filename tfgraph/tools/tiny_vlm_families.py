@@ -54,6 +54,26 @@ SPECS: dict[str, dict] = {
         },
     },
     "llava_next_video": {"tokens": _VIDEO_TOKENS},
+    # the processor expands <image> to tiles of <|IMG_PATCH|> between its markers (the model's
+    # image token: the patch token); a tile of the tiny tower's size, 4 × 4 patches shuffled
+    # to 2 × 2 tokens (its defaults: 364-pixel tiles of 28-pixel patches)
+    "aya_vision": {
+        "tokens": {
+            "image_token": "<|IMG_PATCH|>",
+            "start_of_img_token": "<|START_OF_IMG|>",
+            "end_of_img_token": "<|END_OF_IMG|>",
+            "img_line_break_token": "<|IMG_LINE_BREAK|>",
+            "tile_token": "TILE",
+            "tile_global_token": "TILE_GLOBAL",
+        },
+        "processor": {"img_size": 32, "downsample_factor": 2},
+    },
+    # features of 5 tower layers by default (-2, -5, -8, -11, 6 of 24): 2 of the tiny 2-layer
+    # tower's 3 hidden states; CLS always dropped (the config states no strategy to derive)
+    "vipllava": {
+        "config": {"vision_feature_layer": [-2, 0]},
+        "processor": {"vision_feature_select_strategy": "default"},
+    },
     "qwen2_vl": {"tokens": _QWEN_TOKENS, "prompt": _QWEN_PROMPT},
     "qwen2_5_vl": {
         "tokens": _QWEN_TOKENS,

@@ -23,7 +23,7 @@ def _selected(config, states) -> torch.Tensor:
 
 def _own(model: nn.Module, _probe: Probe):
     """The model's own ``get_image_features`` on the pixels, where it is a tower and a
-    projector with no loop over the images (GOT-OCR 2, PP-Chart2Table): (images, tokens,
+    projector with no loop over the images (GOT-OCR 2, PP-Chart2Table, ViP-LLaVA): (images, tokens,
     hidden) as it comes."""
 
     def features(pixel_values: torch.Tensor) -> torch.Tensor:
@@ -44,6 +44,19 @@ def _blip2(model: nn.Module, _probe: Probe):
 
     def features(pixel_values: torch.Tensor) -> torch.Tensor:
         return model.get_image_features(pixel_values).pooler_output  # (B, queries, hidden)
+
+    return features
+
+
+def _tiles(model: nn.Module, _probe: Probe):
+    """Aya Vision's tiles: the processor cuts one image into tiles (their count follows the
+    image's size) that share the first axis of ``pixel_values``; each tile's features, in
+    order, are the image's, joined into one row (its image tokens sit between tile markers:
+    merged by rank)."""
+
+    def features(pixel_values: torch.Tensor) -> torch.Tensor:
+        out = model.model.get_image_features(pixel_values).pooler_output  # (tiles, N, H)
+        return out.reshape(1, -1, out.shape[-1])
 
     return features
 
@@ -102,7 +115,9 @@ FAMILIES: dict[str, Family] = {
     "llava_next_video": Family(_anyres, **_ANYRES),  # images only: video inputs out of scope
     "blip-2": Family(_blip2),
     "got_ocr2": Family(_own),
+    "vipllava": Family(_own),
     "pp_chart2table": Family(_own),
     "lighton_ocr": Family(_pixtral, **_ANYRES),
+    "aya_vision": Family(_tiles, **_ANYRES, merge="rank"),
     "video_llava": Family(_video_llava, vision_inputs=("pixel_values_images",)),
 }
