@@ -54,6 +54,9 @@ SPECS: dict[str, dict] = {
         },
     },
     "llava_next_video": {"tokens": _VIDEO_TOKENS},
+    # the processor counts an image's features from the base tile's (no default): the tiny
+    # SigLIP tower's 4 × 4 patches
+    "llava_onevision": {"tokens": _VIDEO_TOKENS, "processor": {"num_image_tokens": 16}},
     # the processor expands <image> to tiles of <|IMG_PATCH|> between its markers (the model's
     # image token: the patch token); a tile of the tiny tower's size, 4 × 4 patches shuffled
     # to 2 × 2 tokens (its defaults: 364-pixel tiles of 28-pixel patches)

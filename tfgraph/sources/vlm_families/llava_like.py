@@ -113,6 +113,7 @@ _ANYRES = {"vision_inputs": ("pixel_values",), "batched": False, "sized": True}
 FAMILIES: dict[str, Family] = {
     "llava_next": Family(_anyres, **_ANYRES),
     "llava_next_video": Family(_anyres, **_ANYRES),  # images only: video inputs out of scope
+    "llava_onevision": Family(_anyres, **_ANYRES),  # images only: video inputs out of scope
     "blip-2": Family(_blip2),
     "got_ocr2": Family(_own),
     "vipllava": Family(_own),
