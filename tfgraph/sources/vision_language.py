@@ -149,7 +149,8 @@ class VisionLanguage:
             return feeds
 
         merge = self.family.merge
-        module = MergedDecoder(self.model, image, merge, self.mrope).eval()
+        attention = self.family.attention
+        module = MergedDecoder(self.model, image, merge, self.mrope, attention).eval()
         names = ("input_ids", "attention_mask", "image_features")
         axes = {
             "input_ids": {0: "batch", 1: "sequence"},

@@ -121,10 +121,17 @@ class MergedDecoder(nn.Module):
     positions from the padding mask, as ``generate`` computes them for left padding."""
 
     def __init__(
-        self, model: nn.Module, image_token: int, merge: str = "block", mrope: MRope | None = None
+        self,
+        model: nn.Module,
+        image_token: int,
+        merge: str = "block",
+        mrope: MRope | None = None,
+        attention=None,
     ) -> None:
         super().__init__()
         self.model, self.image_token, self.merge = model, image_token, merge
+        # the family's own attention masks (Family.attention), else the padding mask
+        self.masks = attention(model, image_token) if attention is not None else None
         self.text_attr = _text_attr(model)
         width = model.get_input_embeddings().embedding_dim
         self.register_buffer("zero_row", torch.zeros(1, 1, width), persistent=False)
@@ -153,7 +160,7 @@ class MergedDecoder(nn.Module):
         text = getattr(self.model, self.text_attr) if self.text_attr else self.model
         out = text(
             inputs_embeds=embeds,
-            attention_mask=attention_mask,
+            attention_mask=self.masks(input_ids, attention_mask) if self.masks else attention_mask,
             position_ids=positions,
             use_cache=False,
             return_dict=True,

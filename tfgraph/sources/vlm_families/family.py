@@ -53,7 +53,11 @@ class Family:
       resizes each image to the probe's ``input_size`` first;
     - ``merge``: ``block`` (a row's image tokens are one run) or ``rank`` (the k-th image
       token of the row, wherever it is, takes feature k: tiles between row markers);
-    - ``mrope(model, probe)``: :class:`MRope` for families with 3-D position ids.
+    - ``mrope(model, probe)``: :class:`MRope` for families with 3-D position ids;
+    - ``attention(model, image_token)``: a function of (``input_ids``, ``attention_mask``)
+      returning the text model's ``attention_mask`` argument, for families whose prompt
+      attends other than causally (Gemma 3's image blocks: :mod:`.gemma`); None: the padding
+      mask, the model's own causal mask.
     """
 
     features: Callable[[nn.Module, Probe], Callable[..., torch.Tensor]]
@@ -62,4 +66,5 @@ class Family:
     sized: bool = False
     merge: str = "block"
     mrope: Callable[[nn.Module, Probe], MRope] | None = None
+    attention: Callable[[nn.Module, int], Callable[..., object]] | None = None
     notes: tuple[str, ...] = field(default=())

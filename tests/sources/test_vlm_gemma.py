@@ -1,0 +1,127 @@
+"""Gemma 3's graphs (tfgraph/sources/vlm_families/gemma.py, not registered yet): the vision
+tower and its pooled projector batched over images, and a decoder whose image tokens attend
+bidirectionally within their block at the prompt (Hugging Face's mask with
+``token_type_ids``), against Hugging Face's own model and processor on a tiny random model.
+
+Default tier (eager, seconds): the reach of each token; the vision module gives
+``get_image_features``' features and the decoder module the model's logits with
+``token_type_ids`` on a left-padded batch (and not the causal-only logits: the mask matters).
+Slow tier, expected to fail until the export keeps the mask (gemma.PENDING): the artifact
+(two traces with parity), its greedy tokens against ``generate`` through its own processor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("PIL", reason="processors read images with Pillow")
+
+from tfgraph.tools.tiny_vlm_build import (  # noqa: E402
+    IMAGE_HW,
+    build_family,
+    prompt_for,
+    random_image,
+)
+from tfgraph.tools.tiny_vlm_families import spec_for  # noqa: E402
+
+NEW = 12
+FAMILIES = ["gemma3"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def tiny(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param) / "hf"
+    model, processor = build_family(request.param, directory, spec_for(request.param))
+    processor.tokenizer.padding_side = "left"
+    return directory, model, processor, prompt_for(processor, spec_for(request.param))
+
+
+@pytest.fixture(scope="module")
+def registered():
+    """Gemma 3 registered for this module only (gemma.PENDING: the export does not keep its
+    mask yet)."""
+    from tfgraph.sources.vlm_families import FAMILIES, gemma
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name, family in gemma.PENDING.items():
+            patch.setitem(FAMILIES, name, family)
+        yield
+
+
+@pytest.fixture(scope="module")
+def vlm(tiny, registered):
+    from tfgraph.sources.vision_language import load_vision_language
+
+    return load_vision_language(tiny[0], image_size=IMAGE_HW)
+
+
+def test_image_tokens_reach_the_end_of_their_block():
+    from tfgraph.sources.vlm_families.gemma import image_reach
+
+    ids = torch.tensor([[5, 9, 9, 9, 6, 7], [0, 0, 5, 9, 9, 6]])
+    assert image_reach(ids, 9, torch.arange(6)).tolist() == [
+        [0, 2, 1, 0, 0, 0],
+        [0] * 3 + [1, 0, 0],
+    ]
+    # a cached step: its indices continue past the cache; a generated image token is causal
+    assert image_reach(torch.tensor([[9]]), 9, torch.tensor([6])).tolist() == [[0]]
+
+
+def test_eager_modules_compute_hugging_face_model(tiny, vlm):
+    _, model, processor, prompt = tiny
+    image = random_image()
+    both = processor(images=[[image], [image]], text=[prompt, prompt + " w4 w5"],
+                     padding=True, return_tensors="pt")  # fmt: skip
+    assert both["token_type_ids"].any()  # the processor marks the image tokens
+    with torch.no_grad():
+        features = vlm.vision.module(both["pixel_values"])
+        want = model.model.get_image_features(both["pixel_values"]).pooler_output
+    torch.testing.assert_close(features, want)
+    ids, mask = both["input_ids"], both["attention_mask"]
+    assert mask[0, 0] == 0  # the shorter prompt is padded on the left
+    keep = mask.bool()
+    with torch.no_grad():
+        ours = vlm.decoder.module(ids, mask, features)[keep]
+        want = model(**both).logits[keep]
+        causal = model(**{k: v for k, v in both.items() if k != "token_type_ids"}).logits[keep]
+    torch.testing.assert_close(ours, want, atol=1e-5, rtol=1e-4)
+    assert (ours - causal).abs().max() > 1e-3  # the bidirectional image block changes them
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny, registered, tmp_path_factory):
+    from tfgraph import export
+
+    out = tmp_path_factory.mktemp("gemma_out") / "out"
+    return export(str(tiny[0]), out, kv_cache=True, image_size=IMAGE_HW)
+
+
+@pytest.mark.slow  # the artifact: two Hugging Face traces with parity (~35 s of CPU)
+@pytest.mark.xfail(
+    strict=True,
+    reason="the attention classifier probes the mask with token ids 0 and 1, never the image "
+    "token: the op is made causal and the image block's bidirectional part is lost (gemma.py)",
+)
+def test_export_passes_parity_and_generates_hugging_faces_tokens(tiny, artifact):
+    from tfgraph.runtime import CachedDecoder, GenerationConfig, generate, open_runner
+    from tfgraph.runtime.vision_language import ImagePrompts
+
+    _, model, processor, prompt = tiny
+    assert artifact.passed  # the cached decoder's prefill and decode steps against eager
+    settings = artifact.manifest["vision_language"]
+    assert settings["vision_inputs"] == ["pixel_values"] and settings["batched"] is True
+    for graph in ("vision", "decoder"):
+        fusions = settings["fusions"][graph]["attention"]
+        assert fusions["fused"] == fusions["total"] == 2, (graph, fusions)
+    inputs = processor(images=[[random_image()]], text=[prompt], return_tensors="pt")
+    model.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    want = out[0, inputs["input_ids"].shape[1] :].tolist()
+    images = ImagePrompts(artifact.out_dir)
+    prompts, extra = images.prepare([prompt], [random_image()])
+    assert prompts[0] == inputs["input_ids"][0].tolist()
+    decoder = CachedDecoder(open_runner(artifact.out_dir))
+    config = GenerationConfig(max_new_tokens=NEW, pad_token_id=0)
+    assert list(generate(decoder, prompts, config, extra=extra).tokens[0]) == want
