@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -122,13 +123,16 @@ def _placeholder(processor, token: str, image) -> str:
 
 def prompt_tensors(processor, images, texts=None, return_tensors: str = "pt") -> dict:
     """``processor(images=…, text=…)`` for one image per text; a text without the image
-    token gets it in front, as the model's prompts have it (default: the token alone and a
-    word). Returns the processor's tensors, M-RoPE's ``mm_token_type_ids`` included."""
+    token gets it in front, as the model's prompts have it, unless the processor writes the
+    image tokens itself (default: the token alone and a word). Returns the processor's
+    tensors, M-RoPE's ``mm_token_type_ids`` included."""
     images = images if isinstance(images, (list, tuple)) else [images]
     token = image_token_text(processor)
     lead = _placeholder(processor, token, images[0])
-    texts = texts if texts is not None else [f"{lead} hello"] * len(images)
-    texts = [t if token in t else f"{lead}\n{t}" for t in texts]
+    writes = _writes_image_tokens(processor, images[0], token)
+    texts = texts if texts is not None else ["hello" if writes else f"{lead} hello"] * len(images)
+    if not writes:
+        texts = [t if token in t else f"{lead}\n{t}" for t in texts]
     kwargs = {}
     if "mm_token_type_ids" in getattr(processor, "model_input_names", ()):
         kwargs["return_mm_token_type_ids"] = True
@@ -139,11 +143,29 @@ def prompt_tensors(processor, images, texts=None, return_tensors: str = "pt") ->
     return {k: v for k, v in inputs.items() if k != "labels"}
 
 
+_WRITES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _writes_image_tokens(processor, image, token: str) -> bool:
+    """Whether the processor writes the image tokens itself for a text without the image
+    token (BLIP-2's puts one per Q-Former query in front of the text, so the placeholder is
+    not added); a processor that refuses such a text does not. Asked once per processor."""
+    if processor not in _WRITES:
+        try:
+            ids = processor(images=[image], text=["hello"], return_tensors="np")["input_ids"]
+            token_id = processor.tokenizer.convert_tokens_to_ids(token)
+            _WRITES[processor] = bool((np.asarray(ids) == token_id).any())
+        except Exception:  # the processor wants the placeholder in the text
+            _WRITES[processor] = False
+    return _WRITES[processor]
+
+
 def image_token_text(processor) -> str:
     """The image placeholder's text: the processor's ``image_token``, else its tokenizer's
     (PP-Chart2Table's processor is the generic one and names none)."""
     token = getattr(processor, "image_token", None)
     token = token or getattr(getattr(processor, "tokenizer", None), "image_token", None)
+    token = getattr(token, "content", token)  # BLIP-2's is an AddedToken
     if not isinstance(token, str) or not token:
         raise TfgraphError(
             f"{type(processor).__name__} names no image token (image_token); save a processor "

@@ -54,6 +54,17 @@ SPECS: dict[str, dict] = {
         },
     },
     "llava_next_video": {"tokens": _VIDEO_TOKENS},
+    # as a saved BLIP-2 processor: one image token per Q-Former query (the config's 32; without
+    # it the processor writes one, and the model merges the first query only), put in front of
+    # the text by the processor itself (the text has none), an <image> it adds to the
+    # tokenizer as an AddedToken (a tokenizer's own image_token, a string, it cannot use)
+    # after the tokenizer's 203 words: the config's image token id
+    "blip-2": {
+        "tokens": {},
+        "processor": {"num_query_tokens": 32},
+        "prompt": "w1 w2 w3",
+        "config": {"image_token_id": 203},
+    },
     # the processor counts an image's features from the base tile's (no default): the tiny
     # SigLIP tower's 4 × 4 patches
     "llava_onevision": {"tokens": _VIDEO_TOKENS, "processor": {"num_image_tokens": 16}},
