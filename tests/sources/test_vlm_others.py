@@ -1,7 +1,7 @@
 """The Qwen2-VL-like families of tfgraph/sources/vlm_families/others.py exported whole, each
 against Hugging Face's own model and processor on a tiny random model: EXAONE 4.5,
-HyperCLOVA X Vision v2, LFM3-VL, VideoLLaMA 3 (1-D positions), Cosmos 3 Edge, HunYuan-VL,
-HY-V4-VL (M-RoPE).
+HyperCLOVA X Vision v2, LFM3-VL, Ovis 2.5, VideoLLaMA 3 (1-D positions), Cosmos 3 Edge,
+HunYuan-VL, HY-V4-VL (M-RoPE).
 
 Default tier (eager, seconds per family): the traced modules give the model's own
 ``get_image_features`` and its forward's logits on the processor's inputs. Slow tier: each
@@ -29,7 +29,7 @@ from tfgraph.tools.tiny_vlm_build import (  # noqa: E402
 from tfgraph.tools.tiny_vlm_families import spec_for  # noqa: E402
 
 NEW = 8
-ONE_D = ("exaone4_5", "hyperclovax_vision_v2", "lfm3_vl", "video_llama_3")
+ONE_D = ("exaone4_5", "hyperclovax_vision_v2", "lfm3_vl", "ovis2_5", "video_llama_3")
 MROPE = ("cosmos3_edge", "hunyuan_vl", "hy_v4_vl")
 FAMILIES = ONE_D + MROPE
 
@@ -65,7 +65,8 @@ def _hf_features(model, inputs) -> torch.Tensor:
 def test_eager_modules_compute_hugging_face_model(built, model_type):
     """The vision module's features and the decoder module's logits (its own merge and
     positions, the features handed in) equal the model's ``get_image_features`` and its
-    forward on the processor's inputs."""
+    forward on the processor's inputs. Ovis 2.5's features are framed by the indicator
+    embeddings its model puts at the image's start and end tokens (``Family.around``)."""
     _, model, processor, vlm = built(model_type)
     assert vlm.family.batched is False and vlm.family.sized is True
     assert (vlm.mrope is not None) == (model_type in MROPE)
@@ -74,8 +75,10 @@ def test_eager_modules_compute_hugging_face_model(built, model_type):
     with torch.no_grad():
         features = vlm.vision.module(*[inputs[n] for n in vlm.family.vision_inputs])
         want = _hf_features(model, inputs)
-        assert features.shape == (1, int((ids == vlm.image_token_id).sum()), want.shape[-1])
-        torch.testing.assert_close(features, want)
+        around = vlm.family.around(model) if vlm.family.around else ()
+        count = int((ids == vlm.image_token_id).sum())
+        assert features.shape == (1, count + len(around), want.shape[-1])
+        torch.testing.assert_close(features[:, 1:-1] if around else features, want)
         extra = [torch.tensor([[vlm.mrope.delta]])] if vlm.mrope is not None else []
         ours = vlm.decoder.module(ids, mask, features, *extra)
         logits = model(**inputs).logits

@@ -148,9 +148,12 @@ class VisionLanguage:
                 feeds[ROPE_DELTAS] = torch.randint(-4, 4, (batch, 1), generator=generator)
             return feeds
 
+        # the tokens the features replace: the image token, and the family's around it
+        around = self.family.around(self.model) if self.family.around else ()
+        merged = (image, *around) if around else image
         merge = self.family.merge
         attention = self.family.attention
-        module = MergedDecoder(self.model, image, merge, self.mrope, attention).eval()
+        module = MergedDecoder(self.model, merged, merge, self.mrope, attention).eval()
         names = ("input_ids", "attention_mask", "image_features")
         axes = {
             "input_ids": {0: "batch", 1: "sequence"},

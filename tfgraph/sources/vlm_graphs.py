@@ -45,7 +45,7 @@ def merge_image_features(
     embeds: torch.Tensor,
     input_ids: torch.Tensor,
     features: torch.Tensor,
-    image_token: int,
+    image_token: int | tuple[int, ...],
     zero: torch.Tensor | None = None,
     merge: str = "block",
 ) -> torch.Tensor:
@@ -57,8 +57,12 @@ def merge_image_features(
     it is (tiles between row markers), a CumSum of the image tokens, which the KV cache pass
     continues past the cache, so a later step's count exceeds its (empty) features. ``zero``:
     a (1, 1, H) zero row, a weight of the module (a zero tensor made in the graph is a
-    ConstantOfShape whose fp32 value ``--precision fp16`` does not convert)."""
-    is_image = input_ids == image_token  # (B, T)
+    ConstantOfShape whose fp32 value ``--precision fp16`` does not convert). ``image_token``:
+    several ids where tokens around the image take features too (:attr:`Family.around`)."""
+    tokens = (image_token,) if isinstance(image_token, int) else tuple(image_token)
+    is_image = input_ids == tokens[0]  # (B, T)
+    for token in tokens[1:]:
+        is_image = is_image | (input_ids == token)
     if merge == "rank":
         index = torch.cumsum(is_image.long(), -1)  # 1 … N at the image tokens
     else:

@@ -68,3 +68,6 @@ class Family:
     mrope: Callable[[nn.Module, Probe], MRope] | None = None
     attention: Callable[[nn.Module, int], Callable[..., object]] | None = None
     notes: tuple[str, ...] = field(default=())
+    # ``around(model)``: token ids beside the image token that the features also replace, a
+    # block with it (Ovis 2.5's image start and end take the block's first and last features)
+    around: Callable[[nn.Module], tuple[int, ...]] | None = None

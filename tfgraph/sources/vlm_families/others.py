@@ -102,7 +102,9 @@ def _lfm3(model: nn.Module, probe: Probe):
 
 
 def _ovis(model: nn.Module, probe: Probe):
-    """Ovis 2.5: a windowed tower whose position table is interpolated to the grid."""
+    """Ovis 2.5: a windowed tower whose position table is interpolated to the grid; its
+    image start and end tokens take fixed indicator embeddings, the block's first and last
+    features here."""
     from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
     tower, grid = model.model.vision_tower, _grid(probe)
@@ -115,7 +117,22 @@ def _ovis(model: nn.Module, probe: Probe):
         align_corners=embed.interpolation_align_corners,
         spatial_merge_size=embed.spatial_merge_size,
     )
-    return _image_features(model, probe, pre)
+    inner = _image_features(model, probe, pre)
+    projector = model.model.multi_modal_projector
+
+    def features(pixel_values: torch.Tensor) -> torch.Tensor:
+        """The image's features between its start and end indicators (the embeddings the
+        model puts at the image start and end tokens: :func:`_ovis_around`)."""
+        image = inner(pixel_values)
+        marks = projector.get_visual_indicator_features(image.device).to(image.dtype)
+        return torch.cat([marks[None, 0:1], image, marks[None, 1:2]], 1)
+
+    return features
+
+
+def _ovis_around(model: nn.Module) -> tuple[int, int]:
+    config = model.config
+    return config.image_start_token_id, config.image_end_token_id
 
 
 def _video_llama(model: nn.Module, probe: Probe):
@@ -138,7 +155,7 @@ FAMILIES: dict[str, Family] = {
     "exaone4_5": Family(_exaone, **_ONE_IMAGE),
     "hyperclovax_vision_v2": Family(_hyperclovax, **_ONE_IMAGE),
     "lfm3_vl": Family(_lfm3, **_ONE_IMAGE),
-    # "ovis2_5": Family(_ovis, **_ONE_IMAGE),
+    "ovis2_5": Family(_ovis, around=_ovis_around, **_ONE_IMAGE),
     "video_llama_3": Family(_video_llama, **_ONE_IMAGE),
     "cosmos3_edge": Family(_split_only, mrope=_mrope, **_ONE_IMAGE),
     "hunyuan_vl": Family(_split_only, mrope=_mrope, **_ONE_IMAGE),
