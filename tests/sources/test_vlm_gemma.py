@@ -101,7 +101,8 @@ def artifact(tiny, registered, tmp_path_factory):
 @pytest.mark.xfail(
     strict=True,
     reason="the attention classifier probes the mask with token ids 0 and 1, never the image "
-    "token: the op is made causal and the image block's bidirectional part is lost (gemma.py)",
+    "token: it rebuilds it from attention_mask alone, causal, and the image block's "
+    "bidirectional part is lost (gemma.py)",
 )
 def test_export_passes_parity_and_generates_hugging_faces_tokens(tiny, artifact):
     from tfgraph.runtime import CachedDecoder, GenerationConfig, generate, open_runner

@@ -77,11 +77,12 @@ GEMMA3 = Family(_features, attention=bidirectional_masks)
 
 # Not registered yet: the export does not keep this mask. The attention classifier
 # (passes/recognize/attention/classify_bias.py) evaluates a mask with token ids all 0 and all
-# 1, never the image token, so it measures the mask as causal with key padding and the op is
-# made causal (ONNX Runtime's GroupQueryAttention causal=1 ANDs the kept mask: the image
-# block's later keys are masked again; decoder parity fails, uncached too); and a mask that is
-# bidirectional within the prompt is not causal, which the KV cache pass would refuse
-# (kv_analysis: a self-attention that is not causal). Registered,
-# a Gemma 3 directory would export an artifact that fails parity instead of its text decoder.
+# 1, never the image token, so it measures causal with key padding ("padding"), rebuilds the
+# mask from attention_mask alone (key_padding_bias) and makes the op causal: the image block's
+# later keys are masked again and decoder parity fails (max |err| 0.56 on the tiny model,
+# uncached too). Stated as it is, the mask is not causal within the prompt, which the KV cache
+# pass would refuse (kv_analysis: not causal); it needs a layer kind "causal but for the
+# prompt chunk", cached and lowered with its mask kept. Registered, a Gemma 3 directory would
+# export an artifact failing parity instead of its text decoder.
 PENDING: dict[str, Family] = {"gemma3": GEMMA3}
 FAMILIES: dict[str, Family] = {}
