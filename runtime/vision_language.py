@@ -124,13 +124,15 @@ def _placeholder(processor, token: str, image) -> str:
 def prompt_tensors(processor, images, texts=None, return_tensors: str = "pt") -> dict:
     """``processor(images=…, text=…)`` for one image per text; a text without the image
     token gets it in front, as the model's prompts have it, unless the processor writes the
-    image tokens itself (default: the token alone and a word). Returns the processor's
+    image tokens itself (default: the image placeholder alone, a word where the processor
+    writes the tokens; not a word beside the placeholder: a tiny word-level tokenizer reads an
+    unknown word as an id that may be another special token's). Returns the processor's
     tensors, M-RoPE's ``mm_token_type_ids`` included."""
     images = images if isinstance(images, (list, tuple)) else [images]
     token = image_token_text(processor)
     lead = _placeholder(processor, token, images[0])
     writes = _writes_image_tokens(processor, images[0], token)
-    texts = texts if texts is not None else ["hello" if writes else f"{lead} hello"] * len(images)
+    texts = texts if texts is not None else ["hello" if writes else lead] * len(images)
     if not writes:
         texts = [t if token in t else f"{lead}\n{t}" for t in texts]
     kwargs = {}

@@ -41,41 +41,49 @@ class VisionFeatures(nn.Module):
         return self.compute(**dict(zip(self.names, inputs, strict=True)))
 
 
-def merge_image_features(
-    embeds: torch.Tensor,
-    input_ids: torch.Tensor,
-    features: torch.Tensor,
-    image_token: int | tuple[int, ...],
-    zero: torch.Tensor | None = None,
-    merge: str = "block",
-) -> torch.Tensor:
-    """``embeds`` (B, T, H) with the k-th image token of each row replaced by
-    ``features[b, k]`` (B, N, H); image tokens past the N-th (or all, when N is 0) keep their
-    embedding. ``merge``: ``block``, a row's image tokens are one run as the processor writes
-    them, its k-th token the one k positions after the first (an ArgMax, no CumSum, so a
-    step after the prompt reads no count of the past); ``rank``: the k-th image token wherever
-    it is (tiles between row markers), a CumSum of the image tokens, which the KV cache pass
-    continues past the cache, so a later step's count exceeds its (empty) features. ``zero``:
-    a (1, 1, H) zero row, a weight of the module (a zero tensor made in the graph is a
-    ConstantOfShape whose fp32 value ``--precision fp16`` does not convert). ``image_token``:
-    several ids where tokens around the image take features too (:attr:`Family.around`)."""
-    tokens = (image_token,) if isinstance(image_token, int) else tuple(image_token)
-    is_image = input_ids == tokens[0]  # (B, T)
-    for token in tokens[1:]:
-        is_image = is_image | (input_ids == token)
+def image_slots(
+    input_ids: torch.Tensor, count, image_token: int, merge: str = "block"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index, take), both (B, T): token t of a row takes feature ``index - 1`` where ``take``
+    (the k-th image token of the row, k < ``count``). ``merge``: ``block``, a row's image
+    tokens are one run as the processor writes them, its k-th token the one k positions after
+    the first (an ArgMax, no CumSum, so a step after the prompt reads no count of the past);
+    ``rank``: the k-th image token wherever it is (tiles between row markers), a CumSum of the
+    image tokens, which the KV cache pass continues past the cache, so a later step's count
+    exceeds its (empty) features."""
+    is_image = input_ids == image_token  # (B, T)
     if merge == "rank":
         index = torch.cumsum(is_image.long(), -1)  # 1 … N at the image tokens
     else:
         first = is_image.float().argmax(-1, keepdim=True)  # (B, 1): the block's first position
         index = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :] - first + 1
-    take = is_image & (index >= 1) & (index <= features.shape[1])  # (B, T), index 1 … N
-    # row 0 of the padded features elsewhere (a scalar 0: a zeros_like of the CumSum is an
-    # Expand of its shape, which the KV cache pass cuts to a negative length)
-    index = torch.where(take, index, 0)
+    take = is_image & (index >= 1) & (index <= count)  # (B, T), index 1 … N
+    return torch.where(take, index, torch.zeros_like(index)), take
+
+
+def gather_features(features: torch.Tensor, index: torch.Tensor, zero: torch.Tensor | None):
+    """(B, T, H): ``features`` (B, N, H) at ``index`` (B, T; 0 a zero row, k feature k - 1).
+    ``zero``: a (1, 1, H) zero row, a weight of the module (a zero tensor made in the graph is
+    a ConstantOfShape whose fp32 value ``--precision fp16`` does not convert)."""
     if zero is None:
         zero = features.new_zeros(1, 1, features.shape[2])
     padded = torch.cat([zero.expand(features.shape[0], -1, -1), features], 1)  # (B, 1 + N, H)
-    picked = torch.gather(padded, 1, index[..., None].expand(-1, -1, features.shape[2]))
+    return torch.gather(padded, 1, index[..., None].expand(-1, -1, features.shape[2]))
+
+
+def merge_image_features(
+    embeds: torch.Tensor,
+    input_ids: torch.Tensor,
+    features: torch.Tensor,
+    image_token: int,
+    zero: torch.Tensor | None = None,
+    merge: str = "block",
+) -> torch.Tensor:
+    """``embeds`` (B, T, H) with the k-th image token of each row replaced by
+    ``features[b, k]`` (B, N, H); image tokens past the N-th (or all, when N is 0) keep their
+    embedding (:func:`image_slots`)."""
+    index, take = image_slots(input_ids, features.shape[1], image_token, merge)
+    picked = gather_features(features, index, zero)
     return torch.where(take[..., None], picked.to(embeds.dtype), embeds)  # (B, T, H)
 
 
@@ -122,7 +130,9 @@ def _text_attr(model: nn.Module) -> str | None:
 class MergedDecoder(nn.Module):
     """The decoder graph: ``input_ids``, ``attention_mask``, ``image_features`` (and, with
     M-RoPE, ``rope_deltas``) → ``logits``: the merge, then the text model on the embeddings;
-    positions from the padding mask, as ``generate`` computes them for left padding."""
+    positions from the padding mask, as ``generate`` computes them for left padding. With
+    ``deepstack`` layers, ``image_features`` holds each such layer's features after the merged
+    ones (hidden × (1 + deepstack)), added at the image tokens after that layer."""
 
     def __init__(
         self,
@@ -130,17 +140,14 @@ class MergedDecoder(nn.Module):
         image_token: int,
         merge: str = "block",
         mrope: MRope | None = None,
-        attention=None,
+        deepstack: int = 0,
     ) -> None:
         super().__init__()
         self.model, self.image_token, self.merge = model, image_token, merge
-        # the family's own attention masks (Family.attention), else the padding mask
-        self.masks = attention(model, image_token) if attention is not None else None
-        self.text_attr = _text_attr(model)
-        width = model.get_input_embeddings().embedding_dim
-        self.register_buffer("zero_row", torch.zeros(1, 1, width), persistent=False)
+        self.width = model.get_input_embeddings().embedding_dim
+        self.register_buffer("zero_row", torch.zeros(1, 1, self.width), persistent=False)
         self.input_roles = {"image_features": contract.IMAGE_FEATURES}
-        self.mrope = mrope is not None
+        self.mrope, self.deepstack = mrope is not None, deepstack
         if mrope is not None:
             self.register_buffer("coords", mrope.coords.long(), persistent=False)
             self.input_roles[ROPE_DELTAS] = contract.ROPE_DELTAS
@@ -153,20 +160,49 @@ class MergedDecoder(nn.Module):
         rope_deltas: torch.Tensor | None = None,
     ) -> torch.Tensor:
         embeds = self.model.get_input_embeddings()(input_ids)
-        embeds = merge_image_features(
-            embeds, input_ids, image_features, self.image_token, self.zero_row, self.merge
-        )
+        width, count = self.width, image_features.shape[1]
+        index, take = image_slots(input_ids, count, self.image_token, self.merge)
+        picked = gather_features(image_features[..., :width], index, self.zero_row)
+        embeds = torch.where(take[..., None], picked.to(embeds.dtype), embeds)
         positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
         if self.mrope:
             positions = mrope_positions(
                 positions, input_ids, self.image_token, self.coords, rope_deltas
             )
-        text = getattr(self.model, self.text_attr) if self.text_attr else self.model
-        out = text(
+        if self.deepstack:
+            layers = [
+                gather_features(image_features[..., width * i : width * (i + 1)], index, None)
+                for i in range(1, 1 + self.deepstack)
+            ]  # each (B, T, hidden), zero away from the image tokens
+            return self._deepstack(embeds, attention_mask, positions, take, layers)
+        out = self.model(
             inputs_embeds=embeds,
-            attention_mask=self.masks(input_ids, attention_mask) if self.masks else attention_mask,
+            attention_mask=attention_mask,
             position_ids=positions,
             use_cache=False,
             return_dict=True,
         )
         return out.logits
+
+    def _deepstack(self, embeds, attention_mask, positions, take, layers) -> torch.Tensor:
+        """The text model with its DeepStack layers adding ``layers`` (dense: zero away from
+        the image tokens), in place of Hugging Face's boolean-mask update (a data-dependent
+        shape torch.export cannot keep)."""
+        text = self.model.model.language_model
+
+        def add(hidden, _mask, visual):
+            return hidden + visual.to(hidden.dtype)
+
+        text._deepstack_process = add  # this forward only: removed below
+        try:
+            out = text(
+                inputs_embeds=embeds,
+                attention_mask=attention_mask,
+                position_ids=positions,
+                visual_pos_masks=take,
+                deepstack_visual_embeds=layers,
+                use_cache=False,
+            )
+        finally:
+            del text._deepstack_process
+        return self.model.lm_head(out.last_hidden_state)

@@ -66,6 +66,7 @@ class Family:
     sized: bool = False
     merge: str = "block"
     mrope: Callable[[nn.Module, Probe], MRope] | None = None
+    deepstack: Callable[[nn.Module], int] | None = None
     attention: Callable[[nn.Module, int], Callable[..., object]] | None = None
     notes: tuple[str, ...] = field(default=())
     # ``around(model)``: token ids beside the image token that the features also replace, a

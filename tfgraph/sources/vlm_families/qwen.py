@@ -11,7 +11,9 @@ from the probe, and handed to the tower as transformers' own precomputed keyword
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import sys
 
 import torch
 from torch import nn
@@ -19,24 +21,70 @@ from torch import nn
 from tfgraph.errors import TfgraphError
 from tfgraph.sources.vlm_families.family import Family, MRope, Probe
 
+# transformers' vision helpers that take their result precomputed from the tower's keywords
+# (vision_utils.py), and the keywords each result goes by
+_HELPERS = {
+    "get_vision_attention_seqlens": ("cu_seqlens", "max_seqlen"),
+    "get_vision_cu_seqlens": ("cu_seqlens",),
+    "get_vision_position_ids": ("position_ids",),
+    "get_vision_window_index": ("window_index", "cu_window_seqlens"),
+    "get_vision_interpolation_indices_and_weights": ("interp_indices", "interp_weights"),
+    "get_vision_bilinear_indices_and_weights": ("bilinear_indices", "bilinear_weights"),
+    "get_vision_nearest_position_ids": ("position_ids",),
+    "get_vision_merged_shape": ("merged_shape",),
+}
+_SPLITS = ("cu_seqlens", "cu_window_seqlens")  # split by .tolist(): handed in as NumPy arrays
+
+
+@contextlib.contextmanager
+def _recording(tower: nn.Module, recorded: dict):
+    """While active, the vision helpers the tower's module calls record their results in
+    ``recorded`` (the first result of each keyword)."""
+    module = sys.modules[type(tower).__module__]
+    originals = {n: getattr(module, n) for n in _HELPERS if hasattr(module, n)}
+
+    def wrap(name, original):
+        def helper(*args, **kwargs):
+            result = original(*args, **kwargs)
+            keys = _HELPERS[name]
+            values = result if len(keys) > 1 else (result,)
+            for key, value in zip(keys, values, strict=True):
+                recorded.setdefault(key, value)
+            return result
+
+        return helper
+
+    for name, original in originals.items():
+        setattr(module, name, wrap(name, original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(module, name, original)
+
+
+def precomputed(tower: nn.Module, pixel_values: torch.Tensor, grid: torch.Tensor) -> dict:
+    """What the tower derives from the patch grid alone (rotary positions, the per-image and
+    per-window splits, window order, position-table interpolation), recorded from one eager
+    run on the probe: handed back as keywords, the traced tower computes none of it."""
+    recorded: dict = {}
+    with torch.no_grad(), _recording(tower, recorded):
+        tower(pixel_values.to(tower.dtype), grid_thw=grid)
+    for key in _SPLITS:
+        if isinstance(recorded.get(key), torch.Tensor):
+            recorded[key] = recorded[key].numpy()
+    return recorded
+
 
 def _qwen_features(model: nn.Module, probe: Probe):
-    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
-
     grid = probe.inputs["image_grid_thw"]
     if grid.shape[0] != 1:
         raise TfgraphError(f"the probe holds {grid.shape[0]} images; the vision graph takes one")
-    visual = model.model.visual
-    cu_seqlens = get_vision_cu_seqlens(grid).numpy()  # one chunk: the whole image
-    positions = get_vision_position_ids(grid, visual.spatial_merge_size)
+    tower = model.model.visual
+    fixed = precomputed(tower, probe.inputs["pixel_values"], grid)
 
     def features(pixel_values: torch.Tensor) -> torch.Tensor:
-        out = visual(
-            pixel_values.to(visual.dtype),
-            grid_thw=grid,
-            cu_seqlens=cu_seqlens,
-            position_ids=positions,
-        )
+        out = tower(pixel_values.to(tower.dtype), grid_thw=grid, **fixed)
         return out.pooler_output[None]  # (1, image tokens, hidden)
 
     return features
@@ -61,6 +109,32 @@ def _mrope(model: nn.Module, probe: Probe) -> MRope:
     return MRope(coords.long(), int(deltas.flatten()[0]))
 
 
+def _qwen3_features(model: nn.Module, probe: Probe):
+    """Qwen3-VL: the merger's output, then each DeepStack merger's (joined on the last axis)."""
+    grid = probe.inputs["image_grid_thw"]
+    tower = model.model.visual
+    fixed = precomputed(tower, probe.inputs["pixel_values"], grid)
+
+    def features(pixel_values: torch.Tensor) -> torch.Tensor:
+        out = tower(pixel_values.to(tower.dtype), grid_thw=grid, **fixed)
+        return torch.cat([out.pooler_output, *out.deepstack_features], -1)[None]
+
+    return features
+
+
+def _deepstack_layers(model: nn.Module) -> int:
+    return len(model.config.vision_config.deepstack_visual_indexes)
+
+
+QWEN3_VL = Family(
+    _qwen3_features,
+    vision_inputs=("pixel_values",),
+    batched=False,
+    sized=True,
+    mrope=_mrope,
+    deepstack=_deepstack_layers,
+)
+
 QWEN2_VL = Family(
     _qwen_features,
     vision_inputs=("pixel_values",),
@@ -69,4 +143,22 @@ QWEN2_VL = Family(
     mrope=_mrope,
 )
 
-FAMILIES = {"qwen2_vl": QWEN2_VL}
+# built like Qwen2-VL: the tower at model.model.visual, its merger's output as the features,
+# get_rope_index for M-RoPE (windowed towers and interpolated position tables recorded too)
+FAMILIES = {
+    "qwen3_vl": QWEN3_VL,
+    "qwen3_vl_moe": QWEN3_VL,
+} | {
+    name: QWEN2_VL
+    for name in (
+        "qwen2_vl",
+        "qwen2_5_vl",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen4_exp",
+        "glm4v",
+        "glm46v",
+        "glm4v_moe",
+        "paddleocr_vl",
+    )
+}
