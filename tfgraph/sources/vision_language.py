@@ -153,7 +153,7 @@ class VisionLanguage:
         merged = (image, *around) if around else image
         merge = self.family.merge
         attention = self.family.attention
-        module = MergedDecoder(self.model, merged, merge, self.mrope, attention).eval()
+        module = MergedDecoder(self.model, merged, merge, self.mrope, attention=attention).eval()
         names = ("input_ids", "attention_mask", "image_features")
         axes = {
             "input_ids": {0: "batch", 1: "sequence"},

@@ -58,7 +58,9 @@ def image_slots(
         first = is_image.float().argmax(-1, keepdim=True)  # (B, 1): the block's first position
         index = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :] - first + 1
     take = is_image & (index >= 1) & (index <= count)  # (B, T), index 1 … N
-    return torch.where(take, index, torch.zeros_like(index)), take
+    # a scalar 0 elsewhere: a zeros_like of the rank merge's CumSum is an Expand of its shape,
+    # which the KV cache pass cuts to a negative length (Idefics3's decoder failed in ORT)
+    return torch.where(take, index, 0), take
 
 
 def gather_features(features: torch.Tensor, index: torch.Tensor, zero: torch.Tensor | None):
@@ -141,9 +143,12 @@ class MergedDecoder(nn.Module):
         merge: str = "block",
         mrope: MRope | None = None,
         deepstack: int = 0,
+        attention=None,
     ) -> None:
         super().__init__()
         self.model, self.image_token, self.merge = model, image_token, merge
+        # the family's own attention masks (Family.attention), else the padding mask
+        self.masks = attention(model, image_token) if attention is not None else None
         self.width = model.get_input_embeddings().embedding_dim
         self.register_buffer("zero_row", torch.zeros(1, 1, self.width), persistent=False)
         self.input_roles = {"image_features": contract.IMAGE_FEATURES}
@@ -177,7 +182,7 @@ class MergedDecoder(nn.Module):
             return self._deepstack(embeds, attention_mask, positions, take, layers)
         out = self.model(
             inputs_embeds=embeds,
-            attention_mask=attention_mask,
+            attention_mask=self.masks(input_ids, attention_mask) if self.masks else attention_mask,
             position_ids=positions,
             use_cache=False,
             return_dict=True,
