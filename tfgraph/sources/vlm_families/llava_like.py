@@ -1,5 +1,16 @@
-"""LLaVA-like families beyond LLaVA 1.5 (a vision tower, a projector, image tokens merged in
-one block): filled in by family."""
+"""LLaVA-like families beyond LLaVA 1.5: a vision tower and a projector, their features
+merged at the image tokens of the text decoder's input.
+
+- batched (any number of images per run): Video-LLaVA's image tower, GOT-OCR 2 and
+  PP-Chart2Table, ViP-LLaVA, BLIP-2's Q-Former (its decoder-only OPT text model);
+- one image per run at the probe's size, where the processor's shapes follow the image's:
+  LLaVA-NeXT, LLaVA-NeXT-Video and LLaVA-OneVision (tiles by ``image_grid_pinpoints``),
+  LightOnOCR (Pixtral's encoder at the image's size), Aya Vision (tiles between markers:
+  merged by rank). The model's own ``get_image_features`` is handed the probe's
+  ``image_sizes`` as host numbers, so its Python loops over tiles see numbers, not traced
+  tensors.
+
+Videos are out of scope: the video families export their image path."""
 
 from __future__ import annotations
 
