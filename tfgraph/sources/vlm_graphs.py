@@ -147,6 +147,7 @@ class MergedDecoder(nn.Module):
     ) -> None:
         super().__init__()
         self.model, self.image_token, self.merge = model, image_token, merge
+        self.text_attr = _text_attr(model)
         # the family's own attention masks (Family.attention), else the padding mask
         self.masks = attention(model, image_token) if attention is not None else None
         self.width = model.get_input_embeddings().embedding_dim
@@ -180,7 +181,8 @@ class MergedDecoder(nn.Module):
                 for i in range(1, 1 + self.deepstack)
             ]  # each (B, T, hidden), zero away from the image tokens
             return self._deepstack(embeds, attention_mask, positions, take, layers)
-        out = self.model(
+        text = getattr(self.model, self.text_attr) if self.text_attr else self.model
+        out = text(
             inputs_embeds=embeds,
             attention_mask=self.masks(input_ids, attention_mask) if self.masks else attention_mask,
             position_ids=positions,
