@@ -156,7 +156,7 @@ def _manifest(results: dict, files: list[str], vlm, path: Path) -> dict:
             **vlm.settings(),
             "graphs": {name: f"{name}/{results[name].manifest['files'][0]}" for name in GRAPHS},
             "fusions": fusions,
-            "merge": "in the decoder: the k-th image token of a row takes its feature k",
+            "merged_in": "the decoder: the k-th image token of a row takes its feature k",
             "processor": "processor/" if any(f.startswith("processor/") for f in files) else None,
         },
     )

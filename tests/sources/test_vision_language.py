@@ -81,7 +81,9 @@ def test_manifest_names_graphs_roles_and_processor(artifact):
     section = manifest["vision_language"]
     assert section["graphs"] == {"vision": "vision/model.onnx", "decoder": "decoder/model.onnx"}
     assert manifest["files"][0] == "decoder/model.onnx"  # the step graph the runners open
-    assert section["image_tokens"] == 16 and section["image_size"] == [16, 16]
+    assert section["image_tokens"] == 16 and section["pixel_shape"] == [3, 16, 16]
+    # the CLIP processor resizes every image to one size: none is resized before it
+    assert section["input_size"] is None and section["batched"] and section["merge"] == "block"
     assert section["image_processor"]["crop_size"] == {"height": 16, "width": 16}
     vision = manifest["graphs"]["vision/model.onnx"]
     assert [(p["name"], p["role"]) for p in vision["inputs"]] == [

@@ -41,8 +41,18 @@ class VisionFeatures(nn.Module):
         return self.compute(**dict(zip(self.names, inputs, strict=True)))
 
 
+def is_image_token(input_ids: torch.Tensor, image_token: int | tuple[int, ...]) -> torch.Tensor:
+    """(B, T) bool: the image token, or any of several ids where tokens around the image
+    take features too (:attr:`Family.around`)."""
+    tokens = (image_token,) if isinstance(image_token, int) else tuple(image_token)
+    found = input_ids == tokens[0]
+    for token in tokens[1:]:
+        found = found | (input_ids == token)
+    return found
+
+
 def image_slots(
-    input_ids: torch.Tensor, count, image_token: int, merge: str = "block"
+    input_ids: torch.Tensor, count, image_token: int | tuple[int, ...], merge: str = "block"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(index, take), both (B, T): token t of a row takes feature ``index - 1`` where ``take``
     (the k-th image token of the row, k < ``count``). ``merge``: ``block``, a row's image
@@ -51,7 +61,7 @@ def image_slots(
     ``rank``: the k-th image token wherever it is (tiles between row markers), a CumSum of the
     image tokens, which the KV cache pass continues past the cache, so a later step's count
     exceeds its (empty) features."""
-    is_image = input_ids == image_token  # (B, T)
+    is_image = is_image_token(input_ids, image_token)  # (B, T)
     if merge == "rank":
         index = torch.cumsum(is_image.long(), -1)  # 1 … N at the image tokens
     else:
@@ -77,7 +87,7 @@ def merge_image_features(
     embeds: torch.Tensor,
     input_ids: torch.Tensor,
     features: torch.Tensor,
-    image_token: int,
+    image_token: int | tuple[int, ...],
     zero: torch.Tensor | None = None,
     merge: str = "block",
 ) -> torch.Tensor:
@@ -92,7 +102,7 @@ def merge_image_features(
 def mrope_positions(
     positions: torch.Tensor,
     input_ids: torch.Tensor,
-    image_token: int,
+    image_token: int | tuple[int, ...],
     coords: torch.Tensor,
     deltas: torch.Tensor,
 ) -> torch.Tensor:
@@ -101,7 +111,7 @@ def mrope_positions(
     block's start plus ``coords[k]`` (N, 3), every later token its position plus the row's
     ``deltas`` (B, 1): what Hugging Face's ``get_rope_index`` computes for one image per row,
     and, fed the same deltas, what its cached steps compute (``rope_deltas``)."""
-    is_image = input_ids == image_token
+    is_image = is_image_token(input_ids, image_token)
     first = is_image.float().argmax(-1, keepdim=True)  # (B, 1); 0 in a row without an image
     index = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :] - first
     count = coords.shape[0]

@@ -12,9 +12,11 @@ from the probe, and handed to the tower as transformers' own precomputed keyword
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import sys
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -33,7 +35,17 @@ _HELPERS = {
     "get_vision_nearest_position_ids": ("position_ids",),
     "get_vision_merged_shape": ("merged_shape",),
 }
-_SPLITS = ("cu_seqlens", "cu_window_seqlens")  # split by .tolist(): handed in as NumPy arrays
+_SPLITS = ("cu_seqlens", "cu_window_seqlens")  # split by .tolist(): handed in as _Static
+
+
+class _Static(np.ndarray):
+    """Integer boundaries known when the graph is made: a NumPy array, so the ``.tolist()``
+    a tower splits its attention by is a constant under torch.export, where the same values
+    in a tensor would be data-dependent; any other tensor method (GLM-4V's ``.unsqueeze`` of
+    their cumulative sum) answers as the constant tensor of the same values."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch.from_numpy(np.ascontiguousarray(self)), name)
 
 
 @contextlib.contextmanager
@@ -63,16 +75,20 @@ def _recording(tower: nn.Module, recorded: dict):
             setattr(module, name, original)
 
 
-def precomputed(tower: nn.Module, pixel_values: torch.Tensor, grid: torch.Tensor) -> dict:
+def precomputed(tower: nn.Module, pixel_values: torch.Tensor, grid: torch.Tensor, run=None):
     """What the tower derives from the patch grid alone (rotary positions, the per-image and
     per-window splits, window order, position-table interpolation), recorded from one eager
-    run on the probe: handed back as keywords, the traced tower computes none of it."""
+    run on the probe (``run()``; default: the tower on the pixels and grid): handed back as
+    keywords, the traced tower computes none of it."""
     recorded: dict = {}
     with torch.no_grad(), _recording(tower, recorded):
-        tower(pixel_values.to(tower.dtype), grid_thw=grid)
+        if run is not None:
+            run()
+        else:
+            tower(pixel_values.to(tower.dtype), grid_thw=grid)
     for key in _SPLITS:
         if isinstance(recorded.get(key), torch.Tensor):
-            recorded[key] = recorded[key].numpy()
+            recorded[key] = recorded[key].numpy().view(_Static)
     return recorded
 
 
@@ -122,6 +138,32 @@ def _qwen3_features(model: nn.Module, probe: Probe):
     return features
 
 
+def _paddle_features(model: nn.Module, probe: Probe):
+    """PaddleOCR-VL: a SigLIP-like tower over the patches (one image: (1, patches, C, P, P)),
+    then its projector's 2 × 2 merge for the probe's grid. The projector's own code splits and
+    loops over images by the grid's values; for one image of a known grid its steps are done
+    here with its own layers (norm, the merge's reshape, the two linears)."""
+    grid = probe.inputs["image_grid_thw"]
+    tower, projector = model.model.visual, model.model.projector
+    t, h, w = (int(v) for v in grid[0])
+    m1, m2 = projector.merge_kernel_size
+
+    def tower_states(pixel_values, **fixed):
+        pixels = pixel_values.to(tower.dtype).unsqueeze(0)
+        return tower(pixel_values=pixels, grid_thw=grid, **fixed).last_hidden_state
+
+    fixed = precomputed(tower, None, grid, run=lambda: tower_states(probe.inputs["pixel_values"]))
+
+    def features(pixel_values: torch.Tensor) -> torch.Tensor:
+        states = projector.pre_norm(tower_states(pixel_values, **fixed)[0])
+        d = states.shape[-1]
+        states = states.reshape(t, h // m1, m1, w // m2, m2, d).transpose(2, 3)
+        states = states.reshape(t * (h // m1) * (w // m2), m1 * m2 * d)
+        return projector.linear_2(projector.act(projector.linear_1(states)))[None]
+
+    return features
+
+
 def _deepstack_layers(model: nn.Module) -> int:
     return len(model.config.vision_config.deepstack_visual_indexes)
 
@@ -145,20 +187,23 @@ QWEN2_VL = Family(
 
 # built like Qwen2-VL: the tower at model.model.visual, its merger's output as the features,
 # get_rope_index for M-RoPE (windowed towers and interpolated position tables recorded too)
-FAMILIES = {
-    "qwen3_vl": QWEN3_VL,
-    "qwen3_vl_moe": QWEN3_VL,
-} | {
-    name: QWEN2_VL
-    for name in (
-        "qwen2_vl",
-        "qwen2_5_vl",
-        "qwen3_5",
-        "qwen3_5_moe",
-        "qwen4_exp",
-        "glm4v",
-        "glm46v",
-        "glm4v_moe",
-        "paddleocr_vl",
-    )
-}
+FAMILIES = (
+    {
+        "qwen3_vl": QWEN3_VL,
+        "qwen3_vl_moe": QWEN3_VL,
+    }
+    | {
+        name: QWEN2_VL
+        for name in (
+            "qwen2_vl",
+            "qwen2_5_vl",
+            "qwen3_5",
+            "qwen3_5_moe",
+            "qwen4_exp",
+            "glm4v",
+            "glm46v",
+            "glm4v_moe",
+        )
+    }
+    | {"paddleocr_vl": dataclasses.replace(QWEN2_VL, features=_paddle_features)}
+)
