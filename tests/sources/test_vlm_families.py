@@ -32,7 +32,7 @@ EXPORTED = {
     # built like Qwen2-VL (tfgraph/sources/vlm_families/qwen.py): swept here
     "test_vlm_families.py": (
         "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm46v",
-        "glm4v_moe",
+        "glm4v_moe", "glm4v", "paddleocr_vl",
     ),
 }  # fmt: skip
 SWEPT_HERE = EXPORTED["test_vlm_families.py"]

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from child_signals import terminal_signals
 
 import tfgraph
 from tfgraph.runtime import CachedDecoder, GenerationConfig, generate, open_runner
@@ -347,7 +348,7 @@ def test_the_cli_serves_and_stops_on_ctrl_c(artifact, tmp_path):
     cmd = [sys.executable, "-m", "tfgraph", "serve", str(artifact), "--port", str(number)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=env)  # fmt: skip
+                               env=env, preexec_fn=terminal_signals)  # fmt: skip
     try:
         line = process.stdout.readline()
         assert line.startswith(f"serving '{artifact.name}' on http://127.0.0.1:{number}/v1"), line

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from child_signals import terminal_signals
 
 import tfgraph
 import tfgraph.runtime.serving.install as server_install
@@ -123,7 +124,7 @@ def test_the_printed_command_starts_the_server(llama, tmp_path, capsys):
                                                    os.environ.get("PATH", "")])}  # fmt: skip
     process = subprocess.Popen([*command, *ports], env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True,
-                               preexec_fn=_terminal_signals)  # fmt: skip
+                               preexec_fn=terminal_signals)  # fmt: skip
     try:
         deadline = time.monotonic() + 120
         while _get(f"http://127.0.0.1:{http}/v2/models/llama_generate/ready") != 200:
@@ -148,9 +149,3 @@ def test_the_printed_command_starts_the_server(llama, tmp_path, capsys):
     assert "loading llama_generate" in output and "not loading llama:" in output
     assert "Traceback" not in output, output
     assert _get(f"http://127.0.0.1:{http}/v2/health/live") == 0  # the server is gone
-
-
-def _terminal_signals() -> None:
-    """In the child before it runs: SIGINT as a terminal leaves it (a test runner's worker may
-    have it ignored, and an ignored SIGINT stays ignored across exec)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -155,8 +155,9 @@ def _paddle_features(model: nn.Module, probe: Probe):
     fixed = precomputed(tower, None, grid, run=lambda: tower_states(probe.inputs["pixel_values"]))
 
     def features(pixel_values: torch.Tensor) -> torch.Tensor:
-        states = projector.pre_norm(tower_states(pixel_values, **fixed)[0])
+        states = tower_states(pixel_values, **fixed)
         d = states.shape[-1]
+        states = projector.pre_norm(states.reshape(-1, d))  # (patches, d): one image
         states = states.reshape(t, h // m1, m1, w // m2, m2, d).transpose(2, 3)
         states = states.reshape(t * (h // m1) * (w // m2), m1 * m2 * d)
         return projector.linear_2(projector.act(projector.linear_1(states)))[None]
