@@ -26,6 +26,9 @@ STAGE_OF = {
     "tfgraph": "core",  # the package itself: version, lazy names, errors, progress, interrupts
     "tfgraph.errors": "core",
     "tfgraph.contract": "core",
+    # a model's own Hugging Face processor, loaded offline: the vision-language probe (sources)
+    # and the runtime run the same one
+    "tfgraph.processors": "core",
     "tfgraph.onnxscript_private": "core",
     "tfgraph.models": "models",
     "tfgraph.sources": "sources",

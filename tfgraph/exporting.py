@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tfgraph.errors import TfgraphError
 from tfgraph.exporters import check_target, staged_directory, write_json
 from tfgraph.exporters.artifact import scratch_directory
 from tfgraph.exporters.budget import check_budget
@@ -109,11 +108,6 @@ def export(
     check_target(out_dir)  # before any slow work
     if is_vision_language(model):  # image in, tokens out: its graphs (tfgraph/vision_export.py)
         return export_vision_language(export, model, out_dir, options, progress=progress)
-    if options.image_size not in (None, ""):
-        raise TfgraphError(
-            "--image-size sizes a vision-language model's images; this model takes none "
-            "(drop the option)"
-        )
     options, stages = options.resolved(target), Stages(progress)
     with stages.timed("load"):
         source = _load(model, options, tokenizer)

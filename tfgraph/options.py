@@ -96,6 +96,11 @@ class ExportOptions:
         get_flavour(self.flavour).check(self, target)
         opset = target.opset if self.opset is None else self.opset
         check_opset(opset)
+        if self.image_size not in (None, ""):  # a VLM's export sets it aside before its graphs
+            raise TfgraphError(
+                "--image-size sizes a vision-language model's images; this model takes none "
+                "(drop the option)"
+            )
         static = parse_static_axes(self.static_axes)  # names checked against the model's later
         return dataclasses.replace(
             self, target=target, accuracy_level=level, opset=opset, static_axes=static

@@ -95,7 +95,7 @@ CONFIGS = {
 }
 # Norms each model has: per layer, plus embedding/final norms.
 NORMS = {"gpt2": 5, "bert": 5, "llama": 5, "t5": 12, "bart": 12, "bloom": 6, "mistral": 5}
-# Qwen3-Next: 8 RMSNorms, and its gated delta net's two L2-normalized q/k (issue 47: F.normalize forms)
+# Qwen3-Next: 8 RMSNorms, and its gated delta net's L2-normalized q/k (issue 47)
 NORMS.update(qwen3_next=10, mamba=3)
 ATTENTION = {"gpt2": 2, "bert": 2, "llama": 2, "t5": 6, "bart": 6, "bloom": 2, "mistral": 2}
 ATTENTION.update(qwen3_next=1, mamba=0)

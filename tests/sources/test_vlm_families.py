@@ -56,3 +56,17 @@ def test_family_exports_whole_with_hugging_faces_tokens(model_type, tmp_path):
     assert row["status"] == "exported", row.get("reason")
     assert row["tokens_equal"], row.get("tokens_reason")
     assert row["image_tokens"] > 1
+
+
+def test_image_size_is_refused_for_a_model_without_images(tmp_path):
+    import tfgraph
+    from tfgraph.errors import TfgraphError
+    from tfgraph.vision_export import parse_image_size
+
+    with pytest.raises(TfgraphError, match="--image-size sizes a vision-language model"):
+        tfgraph.export("gpt-tiny", tmp_path / "out", image_size="32x32")
+    assert not (tmp_path / "out").exists()
+    assert parse_image_size("40x48") == (40, 48) and parse_image_size("32") == (32, 32)
+    assert parse_image_size(None) is None
+    with pytest.raises(TfgraphError, match="HEIGHTxWIDTH"):
+        parse_image_size("big")

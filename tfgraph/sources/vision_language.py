@@ -200,7 +200,7 @@ def probe(path: Path, model: nn.Module, family, image_size=None) -> Probe:
     else the vision config's, else :data:`DEFAULT_INPUT_SIZE`) and a prompt holding the image
     token; without a saved processor, ``pixel_values`` zeros at the tower's own size (a
     family whose graph needs more than the pixels then says so)."""
-    from tfgraph.runtime.vision_language import load_processor, prompt_tensors
+    from tfgraph.processors import load_processor, prompt_tensors
 
     size = _input_size(model.config, image_size)
     if image_processor_settings(path) is None:

@@ -195,7 +195,7 @@ def _make_processor(model_type: str, config, spec: dict):
     accepted = inspect.signature(cls.__init__).parameters
     extra = {**_derived_processor_kwargs(config, vision), **spec.get("processor", {})}
     extra = {k: v for k, v in extra.items() if k in accepted}
-    from tfgraph.runtime.vision_language import any_video_processor
+    from tfgraph.processors import any_video_processor
 
     with any_video_processor():
         return cls(**parts, **extra)
