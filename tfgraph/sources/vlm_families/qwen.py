@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import sys
 
@@ -92,7 +93,9 @@ def precomputed(tower: nn.Module, pixel_values: torch.Tensor, grid: torch.Tensor
     return recorded
 
 
-def _qwen_features(model: nn.Module, probe: Probe):
+def _qwen_features(model: nn.Module, probe: Probe, deepstack: bool = False):
+    """The merger's output; with DeepStack (Qwen3-VL), each DeepStack merger's after it,
+    joined on the last axis."""
     grid = probe.inputs["image_grid_thw"]
     if grid.shape[0] != 1:
         raise TfgraphError(f"the probe holds {grid.shape[0]} images; the vision graph takes one")
@@ -101,7 +104,8 @@ def _qwen_features(model: nn.Module, probe: Probe):
 
     def features(pixel_values: torch.Tensor) -> torch.Tensor:
         out = tower(pixel_values.to(tower.dtype), grid_thw=grid, **fixed)
-        return out.pooler_output[None]  # (1, image tokens, hidden)
+        layers = out.deepstack_features if deepstack else []
+        return torch.cat([out.pooler_output, *layers], -1)[None]  # (1, tokens, hidden…)
 
     return features
 
@@ -123,19 +127,6 @@ def _mrope(model: nn.Module, probe: Probe) -> MRope:
         raise TfgraphError("the probe's image tokens are not one block")
     coords = positions[:, 0, start : start + count].T - start  # (N, 3)
     return MRope(coords.long(), int(deltas.flatten()[0]))
-
-
-def _qwen3_features(model: nn.Module, probe: Probe):
-    """Qwen3-VL: the merger's output, then each DeepStack merger's (joined on the last axis)."""
-    grid = probe.inputs["image_grid_thw"]
-    tower = model.model.visual
-    fixed = precomputed(tower, probe.inputs["pixel_values"], grid)
-
-    def features(pixel_values: torch.Tensor) -> torch.Tensor:
-        out = tower(pixel_values.to(tower.dtype), grid_thw=grid, **fixed)
-        return torch.cat([out.pooler_output, *out.deepstack_features], -1)[None]
-
-    return features
 
 
 def _paddle_features(model: nn.Module, probe: Probe):
@@ -169,21 +160,17 @@ def _deepstack_layers(model: nn.Module) -> int:
     return len(model.config.vision_config.deepstack_visual_indexes)
 
 
-QWEN3_VL = Family(
-    _qwen3_features,
-    vision_inputs=("pixel_values",),
-    batched=False,
-    sized=True,
-    mrope=_mrope,
-    deepstack=_deepstack_layers,
-)
-
 QWEN2_VL = Family(
     _qwen_features,
     vision_inputs=("pixel_values",),
     batched=False,
     sized=True,
     mrope=_mrope,
+)
+QWEN3_VL = dataclasses.replace(
+    QWEN2_VL,
+    features=functools.partial(_qwen_features, deepstack=True),
+    deepstack=_deepstack_layers,
 )
 
 # built like Qwen2-VL: the tower at model.model.visual, its merger's output as the features,
