@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_vlms import tiny_vlm_getter
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL", reason="processors read images with Pillow")
 
 from tfgraph.tools.tiny_vlm_build import (  # noqa: E402
     IMAGE_HW,
-    build_family,
     eager_generate,
     processor_inputs,
 )
@@ -43,19 +43,7 @@ NEW = 8
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """``tiny(model_type)``: (directory, model, processor, loaded VLM), built once each."""
-    from tfgraph.sources.vision_language import load_vision_language
-
-    built: dict = {}
-
-    def get(model_type: str):
-        if model_type not in built:
-            directory = tmp_path_factory.mktemp(model_type) / "hf"
-            model, processor = build_family(model_type, directory, spec_for(model_type))
-            vlm = load_vision_language(directory, image_size=IMAGE_HW)
-            built[model_type] = directory, model, processor, vlm
-        return built[model_type]
-
-    return get
+    return tiny_vlm_getter(tmp_path_factory)
 
 
 def _hf_features(model, inputs) -> torch.Tensor:

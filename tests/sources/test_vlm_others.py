@@ -14,13 +14,13 @@ import inspect
 
 import pytest
 import torch
+from tiny_vlms import tiny_vlm_getter
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL", reason="processors read images with Pillow")
 
 from tfgraph.tools.tiny_vlm_build import (  # noqa: E402
     IMAGE_HW,
-    build_family,
     eager_generate,
     processor_inputs,
     prompt_for,
@@ -37,19 +37,7 @@ FAMILIES = ONE_D + MROPE
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """Each family's tiny directory, model, processor and loaded VLM, built once per module."""
-    cache: dict = {}
-
-    def get(model_type: str):
-        if model_type not in cache:
-            from tfgraph.sources.vision_language import load_vision_language
-
-            directory = tmp_path_factory.mktemp(model_type) / "hf"
-            model, processor = build_family(model_type, directory, spec_for(model_type))
-            vlm = load_vision_language(directory, image_size=IMAGE_HW)
-            cache[model_type] = (directory, model, processor, vlm)
-        return cache[model_type]
-
-    return get
+    return tiny_vlm_getter(tmp_path_factory)
 
 
 def _hf_features(model, inputs) -> torch.Tensor:
