@@ -92,6 +92,8 @@ def test_vision_language_rows_have_their_own_section_and_summary():
     summary = coverage_vlm.summarize(rows[1:])
     assert (summary["eager"], summary["complete"]) == (1, 1)
     assert summary["by_status"] == {"exported": 1, "not built": 1}
+    failing = {**rows[1], "parity": False}  # tokens equal, but the artifact fails its parity
+    assert not coverage_vlm.complete(failing) and coverage_vlm.complete(rows[1])
 
 
 def test_unknown_kind_is_refused_in_one_line(capsys):

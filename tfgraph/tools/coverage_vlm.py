@@ -102,7 +102,7 @@ def _export(work: Path, model_type: str, spec: dict, want: list[int]) -> dict:
     start = time.perf_counter()
     try:
         # the random image's size: a family whose processor's shapes follow it gets that grid
-        tfgraph.export(str(work / "hf"), work / "out", kv_cache=True, image_size=IMAGE_HW)
+        result = tfgraph.export(str(work / "hf"), work / "out", kv_cache=True, image_size=IMAGE_HW)
     except Exception as exc:
         text = str(exc).lower()
         status = "trace failed" if "trac" in text else "export failed"
@@ -110,6 +110,7 @@ def _export(work: Path, model_type: str, spec: dict, want: list[int]) -> dict:
     finally:
         export_s = round(time.perf_counter() - start, 1)
     row: dict = {"status": "exported", "export_s": export_s}
+    row["parity"] = bool(result.report["parity"]["passed"])
     try:
         got = _generate_tokens(work / "out", spec, len(want))
     except Exception as exc:
@@ -152,8 +153,12 @@ def _generate_tokens(artifact: Path, spec: dict, new_tokens: int) -> list[int]:
 
 
 def complete(row: dict) -> bool:
-    """Exported whole and its greedy tokens equal Hugging Face's."""
-    return row.get("status") == "exported" and bool(row.get("tokens_equal"))
+    """Exported whole, its parity passed and its greedy tokens equal Hugging Face's."""
+    return (
+        row.get("status") == "exported"
+        and bool(row.get("tokens_equal"))
+        and row.get("parity", True) is not False
+    )
 
 
 def eligible(row: dict) -> bool:
