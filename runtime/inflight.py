@@ -30,6 +30,14 @@ positions of them, and its row of the encoder mask. :meth:`~SlotBatcher.admit` r
 encoder on the prompt alone and copies its cross K/V into the slot (zeros and mask 0 after
 the prompt); every step binds the slots' cross K/V rows as they lie, so a step's cross
 attention reads ``encoder_capacity`` keys per row, the padding masked.
+
+**Vision-language decoders** (a step graph taking the per-prompt inputs of
+:data:`tfgraph.contract.PROMPT_ROLES`): :meth:`~SlotBatcher.admit` takes the request's own
+(:class:`tfgraph.runtime.vision_language.ImagePrompts`' ``prepare`` of its prompt, one row):
+its ``image_features`` are merged at its prefill, alone; every step after gets none,
+(batch, 0, hidden), as :func:`tfgraph.runtime.generate` gives them; M-RoPE's
+``rope_deltas`` stay with the slot and are fed, one row per slot, at every step. A request
+without them (a text prompt) gets no features and a delta of 0.
 """
 
 from __future__ import annotations
@@ -68,6 +76,7 @@ def signature_support(signature: contract.Signature, encoder_file: bool) -> str 
         if not roles & set(_ENCODER_MASKS):
             return "the step graph takes no encoder mask, so slots cannot pad their cross K/V"
         roles -= {*_CROSS, *_ENCODER_MASKS}
+    roles -= set(contract.PROMPT_ROLES)  # a request's own, at its prefill (module doc)
     if roles:
         return f"the step graph also takes {', '.join(sorted(roles))} per request"
     if not signature.row_lengths:
@@ -84,6 +93,24 @@ def signature_support(signature: contract.Signature, encoder_file: bool) -> str 
             "for the ort or onnx target)"
         )
     return None
+
+
+def empty_prompt_input(port: contract.Port, rows: int) -> np.ndarray:
+    """``rows`` rows of a per-prompt input (:data:`contract.PROMPT_ROLES`) for prompts without
+    an image: (rows, 0, hidden) image features, M-RoPE deltas of 0."""
+    if port.role == contract.ROPE_DELTAS:
+        return np.zeros((rows, 1), np.int64)
+    hidden = (port.shape or [None])[-1]
+    if not isinstance(hidden, int):
+        raise TfgraphError(f"'{port.name}' states no hidden size; export the model again")
+    return np.zeros((rows, 0, hidden), np.float32)
+
+
+def without_prompt_inputs(decoder: CachedDecoder, rows: int) -> dict[str, np.ndarray]:
+    """The step graph's per-prompt inputs for ``rows`` prompts without an image (none for a
+    text decoder): what a request without them gets."""
+    ports = decoder.session.signature.inputs
+    return {p.name: empty_prompt_input(p, rows) for p in ports if p.role in contract.PROMPT_ROLES}
 
 
 def inflight_support(decoder: CachedDecoder) -> str | None:
@@ -109,6 +136,7 @@ class Request:
     finished: bool = False
     rng: np.random.Generator | None = None
     logits: list[np.ndarray] | None = None  # each chosen token's logits, when kept
+    deltas: np.ndarray | None = None  # M-RoPE's rope_deltas row, fed at every step
 
     @property
     def last(self) -> int:
@@ -145,6 +173,10 @@ class SlotBatcher:
         self.cross: dict[str, np.ndarray] = {}  # encoder-decoders: per-slot cross K/V, mask
         if decoder.seq2seq:
             self._allocate_cross(encoder_capacity or capacity)
+        signature = decoder.session.signature
+        self.prompt_inputs = {
+            p.name: p for p in signature.inputs if p.role in contract.PROMPT_ROLES
+        }
 
     def _allocate_cross(self, positions: int) -> None:
         signature = self.decoder.session.signature
@@ -189,20 +221,28 @@ class SlotBatcher:
             )
 
     def admit(
-        self, prompt: Sequence[int], config: GenerationConfig, seed=None, start_token: int = 0
+        self,
+        prompt: Sequence[int],
+        config: GenerationConfig,
+        seed=None,
+        start_token: int = 0,
+        extra: dict[str, np.ndarray] | None = None,
     ) -> Request:
         """Prefill ``prompt`` into a free slot; the request with its first token chosen (it
         may be finished already: one token asked for, or EOS). An encoder-decoder's prompt
-        feeds its encoder; its decoder starts from ``start_token``."""
+        feeds its encoder; its decoder starts from ``start_token``. ``extra``: a
+        vision-language prompt's own inputs, one row (module doc)."""
         self.check(prompt, config)
+        prompt_extra = self._prompt_extra(extra)
         if not self.free:
             raise TfgraphError(f"all {self.slots} slots are busy; wait for one to free")
         slot = min(set(range(self.slots)) - set(self.active))
         request = Request(list(prompt), config, seed, slot)
         request.rng = np.random.default_rng(seed if seed is not None else config.seed)
         request.logits = [] if self.keep_logits else None
+        request.deltas = prompt_extra.get(self._deltas_input)
         tokens = np.asarray([request.prompt], np.int64)
-        extra = None
+        extra = prompt_extra or None
         if self.cross:
             self._encode(slot, tokens)
             extra = self._cross_rows(slot, slot + 1)
@@ -230,11 +270,51 @@ class SlotBatcher:
         if self.decoder.mask_input is not None:  # right-padded: a row's own positions
             mask = (np.arange(cache.length + 1)[None, :] <= lengths[:, None]).astype(np.int64)
         extra = self._cross_rows(0, width) if self.cross else None
+        if self.prompt_inputs:
+            extra = {**(extra or {}), **self._step_extra(width)}
         logits, _ = self.decoder.step(tokens, cache, mask, extra)
         out = {}
         for slot, request in list(self.active.items()):
             request.length += 1
             out[slot] = self._choose(request, logits[slot, -1])
+        return out
+
+    @property
+    def _deltas_input(self) -> str | None:
+        names = [n for n, p in self.prompt_inputs.items() if p.role == contract.ROPE_DELTAS]
+        return names[0] if names else None
+
+    def _prompt_extra(self, extra: dict | None) -> dict[str, np.ndarray]:
+        """A request's per-prompt inputs, one row: its own, else none (no image features, a
+        delta of 0). Checked before its slot is taken."""
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(self.prompt_inputs))
+        if unknown:
+            takes = ", ".join(self.prompt_inputs) or "none"
+            raise TfgraphError(
+                f"the step graph takes no per-request input {unknown[0]!r} (it takes: {takes})"
+            )
+        out = {}
+        for name, port in self.prompt_inputs.items():
+            value = extra.get(name)
+            if value is None:
+                value = empty_prompt_input(port, 1)
+            value = np.asarray(value)
+            if value.ndim == 0 or value.shape[0] != 1:
+                raise TfgraphError(f"'{name}' of one request is one row, got {value.shape}")
+            out[name] = value
+        return out
+
+    def _step_extra(self, width: int) -> dict[str, np.ndarray]:
+        """A step's per-prompt inputs: no image features; each slot's M-RoPE delta (0 for a
+        free slot)."""
+        out = {}
+        for name, port in self.prompt_inputs.items():
+            out[name] = empty_prompt_input(port, width)
+            if port.role == contract.ROPE_DELTAS:
+                for slot, request in self.active.items():
+                    if slot < width and request.deltas is not None:
+                        out[name][slot] = request.deltas[0]
         return out
 
     def _encode(self, slot: int, ids: np.ndarray) -> None:
@@ -288,16 +368,19 @@ def generate_inflight(
     encoder_capacity: int | None = None,
     start_token: int = 0,
     keep_logits: bool = False,
+    extras: Sequence[dict | None] | None = None,
 ) -> list[Request]:
     """Every prompt decoded through a :class:`SlotBatcher`: request i arrives before step
     ``arrivals[i]`` (default: all at once) and waits for a free slot in arrival order. The
     finished requests, in prompt order: ``tokens`` are what :func:`tfgraph.runtime.generate`
-    gives each prompt alone."""
+    gives each prompt alone. ``extras[i]``: prompt i's own inputs (a vision-language
+    prompt's, one row)."""
     n = len(prompts)
     if not isinstance(configs, Sequence):
         configs = [configs or GenerationConfig()] * n
     arrivals = list(arrivals) if arrivals is not None else [0] * n
     seeds = list(seeds) if seeds is not None else [None] * n
+    extras = list(extras) if extras is not None else [None] * n
     if capacity is None:
         capacity = max(len(p) + c.max_new_tokens for p, c in zip(prompts, configs, strict=True))
     batcher = SlotBatcher(
@@ -311,7 +394,7 @@ def generate_inflight(
     while order or batcher.active:
         while order and arrivals[order[0]] <= step and batcher.free:
             i = order.pop(0)
-            results[i] = batcher.admit(prompts[i], configs[i], seeds[i], start_token)
+            results[i] = batcher.admit(prompts[i], configs[i], seeds[i], start_token, extras[i])
         batcher.step()
         step += 1
     return results

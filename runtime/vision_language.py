@@ -34,16 +34,20 @@ def vision_language(manifest: Mapping | None) -> dict | None:
 
 
 def open_image(image):
-    """A PIL image: ``image`` itself, or the file it names (RGB)."""
+    """A PIL image: ``image`` itself, the file it names, or an image file's bytes (a server's
+    request), as RGB."""
+    import io
+
     from PIL import Image
 
     if isinstance(image, Image.Image):
         return image.convert("RGB")
+    name = "of the request" if isinstance(image, bytes) else f"'{image}'"
     try:
-        with Image.open(image) as opened:
+        with Image.open(io.BytesIO(image) if isinstance(image, bytes) else image) as opened:
             return opened.convert("RGB")
     except (OSError, ValueError) as exc:
-        raise TfgraphError(f"cannot read the image '{image}' ({first_line(exc)})") from exc
+        raise TfgraphError(f"cannot read the image {name} ({first_line(exc)})") from exc
 
 
 class ImagePrompts:

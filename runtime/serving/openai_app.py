@@ -3,13 +3,16 @@ FastAPI and uvicorn, its requests batched in flight (:mod:`.openai_engine`).
 
 Endpoints: ``GET /v1/models`` (the one model, its slot capacity as ``max_model_len``),
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (the messages through the tokenizer's
-chat template), ``GET /health``. ``"stream": true`` answers with server-sent events ending
+chat template; for a vision-language artifact, a message may hold one image as a ``data:`` URL:
+the processor's chat template and the model's own processor place it, the vision graph runs
+off the event loop), ``GET /health``. ``"stream": true`` answers with server-sent events ending
 with ``data: [DONE]``. Errors are JSON in the OpenAI API's shape,
 ``{"error": {"message", "type", "param", "code"}}``: a malformed body, a field the server does
 not take, a prompt too long for a slot → 400; another model's name, an unknown path → 404; a
 failed generation → 500.
 """
 
+import asyncio
 import logging
 import socket
 import time
@@ -27,7 +30,9 @@ from tfgraph.runtime.serving.openai_text import (
     Detokenizer,
     RequestError,
     chat_prompt,
+    decode_image,
     encode_prompt,
+    image_chat_text,
 )
 
 logger = logging.getLogger(__name__)
@@ -103,12 +108,12 @@ def create_app(engine: Engine, tokenizer, name: str):
         _check_model(model, name)
         return card()
 
-    def start(request, prompt: list[int], limit: int | None, chat: bool):
+    def start(request, prompt: list[int], limit: int | None, chat: bool, extra=None):
         """Check and queue a request; its answer (streamed or whole) as a response."""
         _check_model(request.model, name)
         limit = limit or max(1, engine.capacity - len(prompt) + 1)
         try:
-            job = engine.submit(prompt, request.generation(limit, eos), request.seed)
+            job = engine.submit(prompt, request.generation(limit, eos), request.seed, extra)
         except TfgraphError as exc:
             raise RequestError(str(exc)) from None
         detokenizer = Detokenizer(tokenizer, request.stops)
@@ -128,12 +133,40 @@ def create_app(engine: Engine, tokenizer, name: str):
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatRequest):
-        messages = [m.as_template_input() for m in request.messages]
-        prompt = chat_prompt(tokenizer, messages)
-        answer = start(request, prompt, request.limit, chat=True)
+        extra = None
+        if any(m.images for m in request.messages):
+            _check_model(request.model, name)
+            prompt, extra = await asyncio.to_thread(image_prompt, engine, request.messages)
+        else:
+            messages = [m.as_template_input() for m in request.messages]
+            prompt = chat_prompt(tokenizer, messages)
+        answer = start(request, prompt, request.limit, chat=True, extra=extra)
         return answer if isinstance(answer, StreamingResponse) else await answer
 
     return app
+
+
+def image_prompt(engine: Engine, messages) -> tuple[list[int], dict]:
+    """(token ids, the decoder's per-prompt inputs) of chat ``messages`` holding one image:
+    the processor's chat template, then the model's processor and the vision graph."""
+    urls = [url for m in messages for url in m.images]
+    if engine.images is None:
+        raise RequestError(
+            "this model takes no images (the artifact has no vision graph): send text only",
+            param="messages",
+        )
+    if len(urls) > 1:
+        raise RequestError(
+            f"{len(urls)} images in one request: this server takes one image per request",
+            param="messages",
+        )
+    image = decode_image(urls[0])
+    text = image_chat_text(engine.images.processor, [m.as_processor_input() for m in messages])
+    try:
+        ids, extra = engine.images.prepare([text], [image])
+    except (TfgraphError, ValueError) as exc:  # the processor refused text and image
+        raise RequestError(f"the processor refused the prompt: {exc}", param="messages") from exc
+    return ids[0], extra
 
 
 def _check_model(asked: str | None, name: str) -> None:

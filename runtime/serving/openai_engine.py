@@ -11,6 +11,11 @@ went away): checked after every step. The loop is the one the Triton generation 
 (:mod:`.triton_generate`), without Triton: each request's tokens are those of
 :func:`tfgraph.runtime.generate` on its prompt alone (greedy and seeded sampling), up to the
 fp32 noise of a batched step.
+
+A vision-language artifact (``export`` of a VLM directory) is served the same way: its
+:attr:`Engine.images` (:class:`tfgraph.runtime.vision_language.ImagePrompts`: the model's own
+processor and the vision graph) turn a prompt and its image into token ids and the decoder's
+per-prompt inputs, which a job carries into its slot (:meth:`SlotBatcher.admit`'s ``extra``).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class Job:
     config: GenerationConfig
     seed: int | None
     loop: asyncio.AbstractEventLoop
+    extra: dict | None = None  # a vision-language prompt's own inputs (image features)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     request: Request | None = None  # its slot's request, once admitted
@@ -76,7 +82,9 @@ class Engine:
         threads: int | None = None,
         providers: Sequence[str] | None = None,
     ) -> None:
+        from tfgraph.exporters.manifest import read_manifest
         from tfgraph.runtime import open_runner
+        from tfgraph.runtime.vision_language import ImagePrompts, vision_language
 
         options = {"threads": threads} if threads else {}
         if providers:
@@ -93,6 +101,9 @@ class Engine:
         limit = self.decoder.max_positions
         capacity = capacity or min(limit or DEFAULT_CAPACITY, DEFAULT_CAPACITY)
         self.batcher = SlotBatcher(self.decoder, slots, capacity)
+        self.images = None  # a vision-language artifact's prompts (processor, vision graph)
+        if vision_language(read_manifest(Path(path))) is not None:
+            self.images = ImagePrompts(path, providers=providers)
         self.vocab = self._vocabulary()
         self.pending: list[Job] = []
         self.ready = threading.Condition()
@@ -124,12 +135,14 @@ class Engine:
             raise TfgraphError(f"prompt token ids must lie in [0, {self.vocab}): the vocabulary")
         self.batcher.check(prompt, config)
 
-    def submit(self, prompt: Sequence[int], config: GenerationConfig, seed=None) -> Job:
-        """Queue a checked request; its tokens arrive on the returned job's ``events``."""
+    def submit(self, prompt: Sequence[int], config: GenerationConfig, seed=None, extra=None) -> Job:
+        """Queue a checked request; its tokens arrive on the returned job's ``events``.
+        ``extra``: a vision-language prompt's own inputs (:meth:`ImagePrompts.prepare`'s,
+        one row)."""
         self.check(prompt, config)
         if self.stopping.is_set():
             raise TfgraphError("the server is shutting down")
-        job = Job(list(prompt), config, seed, asyncio.get_running_loop())
+        job = Job(list(prompt), config, seed, asyncio.get_running_loop(), extra=extra)
         with self.ready:
             self.pending.append(job)
             self.ready.notify()
@@ -186,7 +199,7 @@ class Engine:
 
     def _admit(self, jobs: dict, job: Job) -> None:
         try:
-            request = self.batcher.admit(job.prompt, job.config, job.seed)
+            request = self.batcher.admit(job.prompt, job.config, job.seed, extra=job.extra)
         except Exception as exc:  # noqa: BLE001 - this client hears of it
             logger.exception("admitting a request failed")
             job.send(Event(error=f"generation failed: {type(exc).__name__}: {exc}"))

@@ -107,18 +107,57 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str  # a data: URL (base64); remote URLs are refused (no network)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted, not used
+
+
+class ImagePart(BaseModel):
+    """An image content part: ``{"type": "image_url", "image_url": {"url": "data:…"}}``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class Message(BaseModel):
-    """A chat message: text content (a string or text parts)."""
+    """A chat message: text content (a string or parts: text, and images for a
+    vision-language artifact)."""
 
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[Part]
     name: str | None = None
+
+    @property
+    def images(self) -> list[str]:
+        """The URLs of its image parts."""
+        if isinstance(self.content, str):
+            return []
+        return [p.image_url.url for p in self.content if isinstance(p, ImagePart)]
 
     def as_template_input(self) -> dict:
         content = self.content
         if not isinstance(content, str):
-            content = "".join(part.text for part in content)
+            content = "".join(part.text for part in content if isinstance(part, TextPart))
+        return {"role": self.role, "content": content}
+
+    def as_processor_input(self) -> dict:
+        """The message as a processor's chat template takes it: typed parts, an image part
+        as ``{"type": "image"}`` (where the template writes the image token)."""
+        parts = (
+            [TextPart(type="text", text=self.content)]
+            if isinstance(self.content, str)
+            else self.content
+        )
+        content = [
+            {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+            for p in parts
+        ]
         return {"role": self.role, "content": content}
 
 

@@ -6,10 +6,19 @@ in ``tokenizer/tokenizer_config.json`` or ``chat_template.jinja``, with the gene
 added) and the rendered text is tokenized without adding special tokens again (the template
 writes them). A tokenizer without a template is refused with a 400: there is no fallback
 format, since a model answers well only in the format it was trained on.
+
+A vision-language artifact's chat messages may hold an image (an ``image_url`` part with a
+``data:`` URL; a remote URL is refused: the server fetches nothing): they are rendered by the
+processor's own chat template (which writes the image token where the image part is) and go,
+with the image, through :meth:`tfgraph.runtime.vision_language.ImagePrompts.prepare`, as
+``tfgraph.load(DIR).generate(text, image=…)`` takes them.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 from collections.abc import Sequence
 
 from tfgraph.errors import TfgraphError, first_line
@@ -60,6 +69,54 @@ def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
     if not ids:
         raise RequestError("the chat template rendered no tokens", param="messages")
     return ids
+
+
+def decode_image(url: str):
+    """The PIL image of a ``data:image/…;base64,…`` URL; any other URL is refused in one line."""
+    from PIL import Image, UnidentifiedImageError
+
+    if url.startswith(("http://", "https://")):
+        raise RequestError(
+            "image_url: remote URLs are not fetched (this server uses no network); send the "
+            "image inline as a data: URL (data:image/png;base64,...)",
+            param="messages",
+        )
+    head, comma, data = url.partition(",")
+    if not (head.startswith("data:image/") and head.endswith(";base64") and comma):
+        raise RequestError(
+            "image_url: give a data URL of a base64 image (data:image/png;base64,...)",
+            param="messages",
+        )
+    try:
+        raw = base64.b64decode(data, validate=True)
+        with Image.open(io.BytesIO(raw)) as image:
+            return image.convert("RGB")
+    except (binascii.Error, ValueError, OSError, UnidentifiedImageError) as exc:
+        raise RequestError(
+            f"image_url: not a readable base64 image ({first_line(exc)})", param="messages"
+        ) from None
+
+
+def image_chat_text(processor, messages: list[dict]) -> str:
+    """Chat ``messages`` (the processor's form: typed parts) rendered by the processor's chat
+    template; a leading BOS the processor adds again is left to it (as Hugging Face's
+    ``apply_chat_template(tokenize=True)`` tokenizes such a text without special tokens)."""
+    if not getattr(processor, "chat_template", None):
+        raise RequestError(
+            "the model's processor has no chat template (chat_template.jinja in processor/), "
+            "so images cannot be placed in chat messages; use /v1/chat/completions without "
+            "images or tfgraph generate --image",
+            param="messages",
+        )
+    try:
+        text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001 - the template refused these messages (Jinja)
+        raise RequestError(f"the chat template refused the messages: {first_line(exc)}") from exc
+    tokenizer = processor.tokenizer
+    bos = getattr(tokenizer, "bos_token", None)
+    if bos and text.startswith(bos) and tokenizer.bos_token_id in tokenizer("")["input_ids"]:
+        text = text[len(bos) :]
+    return text
 
 
 class Detokenizer:

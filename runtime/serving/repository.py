@@ -13,6 +13,9 @@ Driven by the manifest (every tensor's ``role``), the repository holds:
 - **the generation model** (``NAME_generate``, KV-cached artifacts only) on Triton's Python
   backend, decoupled: :mod:`tfgraph.runtime.serving.triton_generate` runs tfgraph's generation loop
   over a copy of the artifact and streams each token back as it is chosen. Run for real here.
+  A vision-language artifact (``export`` of a VLM directory) gets the generation model only,
+  with an optional ``image`` input (the image file's bytes): its processor, vision graph and
+  decoder run inside it, so there is no engine model to write.
 
 ``tfgraph-repository.json`` at the top says what was written from which artifact; a directory
 holding it is the only non-empty one ``tfgraph triton`` replaces.
@@ -31,6 +34,7 @@ from tfgraph import contract
 from tfgraph.errors import TfgraphError
 from tfgraph.exporters import staged_directory
 from tfgraph.runtime.serving.launcher import python_site_paths
+from tfgraph.runtime.serving.repository_checks import check_config, parse_config  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +108,8 @@ def read_artifact(artifact: Path) -> dict:
             f"'{path.parent}' is laid out for Optimum (--flavour optimum), whose growing cache "
             "Triton's models do not batch: export it with the default flavour or --flavour genai"
         )
+    if manifest.get("vision_language") and manifest.get("graphs"):
+        return manifest  # its decoder's graph is decoder/model.onnx (write_repository)
     if "graphs" not in manifest or "model.onnx" not in manifest["graphs"]:
         raise TfgraphError(f"'{path}' names no model.onnx graph; export the artifact again")
     return manifest
@@ -137,15 +143,20 @@ def write_repository(
     name = name or _model_name(artifact)
     _check_arguments(manifest, max_batch_size, concurrency, slots, slot_capacity, batching)
     capacity = max_sequence or manifest.get("max_positions") or 2048
+    images = bool(manifest.get("vision_language"))  # the generation model only (module doc)
     with staged_directory(Path(out), MARKER, "Triton repository") as stage:
-        models = _write_engines(stage, artifact, name, manifest, max_batch_size, capacity)
+        models = []
+        if not images:
+            models = _write_engines(stage, artifact, name, manifest, max_batch_size, capacity)
         if manifest.get("kv_cache"):
-            mode = _batching(manifest, concurrency, slots, slot_capacity)
+            decoder = read_artifact(artifact / "decoder") if images else manifest
+            mode = _batching(decoder, concurrency, slots, slot_capacity)
             if batching == "inflight" and mode.mode != "inflight":
                 raise TfgraphError(f"in-flight batching is not available: {mode.reason}")
             if batching == "static":
                 mode = Batching("static", concurrency, reason="asked for")
-            models.append(_write_generate(stage, artifact, name + GENERATE_SUFFIX, mode))
+            generate = _write_generate(stage, artifact, name + GENERATE_SUFFIX, mode, images)
+            models.append(generate)
         for model in models:
             graph = artifact / "model.onnx" if model.backend == "tensorrt_plan" else None
             check_config(stage / model.name / "config.pbtxt", stage / model.name, graph)
@@ -381,8 +392,12 @@ def _batching(manifest: dict, concurrency: int, slots, capacity) -> Batching:
     return Batching("inflight", concurrency, slots or concurrency, capacity, per_position)
 
 
-def generate_config(name: str, tokenizer: bool, batching: Batching | int, paths: list[str]) -> str:
+def generate_config(
+    name: str, tokenizer: bool, batching: Batching | int, paths: list[str], images: bool = False
+) -> str:
     inputs = ['  { name: "input_ids" data_type: TYPE_INT64 dims: [ -1 ] optional: true }']
+    if images:  # a vision-language artifact's: the image file's bytes, with a text prompt
+        inputs.append('  { name: "image" data_type: TYPE_STRING dims: [ 1 ] optional: true }')
     # a token per response when streaming, else every token in one response
     outputs = ['  { name: "token_id" data_type: TYPE_INT64 dims: [ -1 ] }']
     if tokenizer:
@@ -416,7 +431,9 @@ def generate_config(name: str, tokenizer: bool, batching: Batching | int, paths:
     )
 
 
-def _write_generate(stage: Path, artifact: Path, name: str, batching: Batching) -> RepositoryModel:
+def _write_generate(
+    stage: Path, artifact: Path, name: str, batching: Batching, images: bool = False
+) -> RepositoryModel:
     import tfgraph.runtime.serving.triton_generate as triton_generate
 
     version = stage / name / "1"
@@ -431,9 +448,11 @@ def _write_generate(stage: Path, artifact: Path, name: str, batching: Batching) 
         elif path.is_file():
             _link(path, target)
     tokenizer = (artifact / "tokenizer").is_dir()
-    config = generate_config(name, tokenizer, batching, python_site_paths())
+    config = generate_config(name, tokenizer, batching, python_site_paths(), images)
     (stage / name / "config.pbtxt").write_text(config)
     notes = ["streams tokens (decoupled)", *batching.notes()]
+    if images:
+        notes.append("takes an image (its processor and vision graph run in the model)")
     files = ["model.py", "artifact/"]
     return RepositoryModel(name, "python", files, "generate", notes)
 
@@ -445,54 +464,3 @@ def _link(src: Path, dst: Path) -> None:
         os.link(src, dst)
     except OSError:
         shutil.copyfile(src, dst)
-
-
-# --- offline checks --------------------------------------------------------------------------
-
-
-def parse_config(path: Path):
-    """``config.pbtxt`` parsed into Triton's ``ModelConfig`` (a one-line error if it is not
-    one: a misspelt field, a bad enum)."""
-    try:
-        from google.protobuf import text_format
-        from tritonclient.grpc import model_config_pb2
-    except (ImportError, RuntimeError) as exc:  # RuntimeError: tritonclient without [grpc]
-        raise TfgraphError(
-            "checking Triton configs needs tritonclient with gRPC: pip install "
-            "'tritonclient[grpc]' (or 'tfgraph[serve]')"
-        ) from exc
-    config = model_config_pb2.ModelConfig()
-    try:
-        text_format.Parse(Path(path).read_text(), config)
-    except text_format.ParseError as exc:
-        raise TfgraphError(f"{path}: not a valid Triton model config: {exc}") from exc
-    return config
-
-
-def check_config(path: Path, model_dir: Path, graph: Path | None = None) -> None:
-    """Parse ``path`` against ``ModelConfig`` and, for an onnxruntime model (or a TensorRT plan
-    built from ``graph``), check its names against the ONNX graph: every graph input is a
-    config input or a state's input, every config output a graph output."""
-    config = parse_config(path)
-    if config.backend == "onnxruntime":
-        onnx_file = graph or model_dir / "1" / "model.onnx"
-    elif config.platform == "tensorrt_plan" and graph is not None:
-        onnx_file = graph  # the graph the engine was built from
-    else:
-        return
-    import onnx
-
-    graph = onnx.load(str(onnx_file), load_external_data=False).graph
-    graph_inputs = {i.name for i in graph.input} - {i.name for i in graph.initializer}
-    graph_outputs = {o.name for o in graph.output}
-    state_in = {s.input_name for s in config.sequence_batching.state}
-    state_out = {s.output_name for s in config.sequence_batching.state}
-    given = {i.name for i in config.input} | state_in
-    produced = {o.name for o in config.output} | state_out
-    problems = []
-    if given != graph_inputs:
-        problems.append(f"inputs {sorted(given ^ graph_inputs)} differ from the graph's")
-    if not produced <= graph_outputs:
-        problems.append(f"outputs {sorted(produced - graph_outputs)} are not the graph's")
-    if problems:
-        raise TfgraphError(f"{path}: " + "; ".join(problems))

@@ -10,11 +10,13 @@ one response) answers 200 with them, or the error's status (400 for a bad reques
 failed generation, 503 when unloaded) with the error.
 
 **Requests.** ``input_ids`` (INT64, one prompt) or ``text`` (a UTF-8 string, with a tokenizer);
-an encoder-decoder's prompt feeds its encoder. Request parameters: ``stream``, ``max_new_tokens``,
-``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``eos_token_id`` (and
-``pad_token_id``, ``decoder_start_token_id``); ``temperature``, ``top_k`` or ``top_p`` imply
-sampling unless ``do_sample`` is false. Anything else is refused with one error response
-naming what was wrong; the server keeps serving.
+an encoder-decoder's prompt feeds its encoder; a vision-language artifact's also takes
+``image`` (BYTES, an image file) with ``text``: its processor places it, the vision graph's
+features go into the request's slot (static batching: a batch of its own). Request
+parameters: ``stream``, ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``,
+``top_p``, ``seed``, ``eos_token_id`` (and ``pad_token_id``, ``decoder_start_token_id``);
+``temperature``, ``top_k`` or ``top_p`` imply sampling unless ``do_sample`` is false.
+Anything else is refused with one error response naming what was wrong; the server goes on.
 
 **In-flight batching** (``batching: inflight``, written by ``tfgraph triton`` when the artifact
 takes per-row past lengths): ``execute`` checks each request (a request that cannot fit a
@@ -80,8 +82,9 @@ SAMPLING = ("temperature", "top_k", "top_p")
 class Job:
     """One request waiting for, or in, a batch."""
 
-    def __init__(self, prompt, config, limit, seed, start, sender, stream=False):
+    def __init__(self, prompt, config, limit, seed, start, sender, stream=False, extra=None):
         self.prompt, self.config, self.limit, self.seed = prompt, config, limit, seed
+        self.extra = extra  # a vision-language prompt's own inputs: a batch of its own
         self.start, self.sender, self.sent = start, sender, 0
         self.stream = stream  # a response per token; else one response with all of them
         self.tokens = []  # chosen so far (sent at the end when not streaming)
@@ -89,6 +92,8 @@ class Job:
         c = config  # requests with equal keys can share a batch
         self.key = (c.do_sample, c.temperature, c.top_k, c.top_p, c.eos_token_id,
                     c.pad_token_id, start)  # fmt: skip
+        if extra is not None:
+            self.key = (*self.key, id(self))
 
 
 class Metrics:
@@ -164,10 +169,13 @@ class TritonPythonModel:
         import triton_python_backend_utils as pb_utils
 
         from tfgraph.runtime import CachedDecoder, open_runner
+        from tfgraph.runtime.vision_language import ImagePrompts
 
         self.pb = pb_utils
         here = os.path.join(args["model_repository"], args["model_version"], "artifact")
-        self.decoder = CachedDecoder(open_runner(os.path.join(here, "model.onnx")))
+        graph = os.path.join(here, "model.onnx")  # a vision-language artifact's: decoder/
+        self.decoder = CachedDecoder(open_runner(graph if os.path.isfile(graph) else here))
+        self.images = None if os.path.isfile(graph) else ImagePrompts(here)
         self.tokenizer = None
         if os.path.isdir(os.path.join(here, "tokenizer")):
             from tfgraph.runtime.tokenizer import load_tokenizer
@@ -248,9 +256,11 @@ class TritonPythonModel:
                 raise RequestError(
                     f"text is not valid UTF-8 ({exc.reason} at byte {exc.start})"
                 ) from None
-            prompt = list(self.tokenizer(value)["input_ids"])
+            prompt, extra = self._text_prompt(request, value)
         else:
-            prompt = [int(t) for t in ids.as_numpy().reshape(-1)]
+            prompt, extra = [int(t) for t in ids.as_numpy().reshape(-1)], None
+            if self.pb.get_input_tensor_by_name(request, "image") is not None:
+                raise RequestError("an image goes with a text prompt (the processor places it)")
         if not prompt:
             raise RequestError("the prompt is empty: give at least one token")
         if self.vocab is not None and any(not 0 <= t < self.vocab for t in prompt):
@@ -270,7 +280,25 @@ class TritonPythonModel:
             )
         except TfgraphError as exc:
             raise RequestError(str(exc)) from exc
-        return Job(prompt, config, limit, seed, start, sender, stream)
+        return Job(prompt, config, limit, seed, start, sender, stream, extra)
+
+    def _text_prompt(self, request, text: str):
+        """(token ids, per-prompt inputs or None) of a text prompt; with the request's image
+        (a vision-language artifact's), through the model's processor and vision graph."""
+        from tfgraph.errors import TfgraphError
+        from tfgraph.runtime.vision_language import open_image
+
+        image = self.pb.get_input_tensor_by_name(request, "image")
+        if image is None:
+            return list(self.tokenizer(text)["input_ids"]), None
+        raw = image.as_numpy().reshape(-1)
+        if raw.size != 1:
+            raise RequestError(f"image takes one image file's bytes, got {raw.size} items")
+        try:
+            ids, extra = self.images.prepare([text], [open_image(bytes(raw[0]))])
+        except (TfgraphError, ValueError) as exc:
+            raise RequestError(f"the image prompt was refused: {exc}") from None
+        return ids[0], extra
 
     def _parameters(self, request) -> dict:
         try:
@@ -334,9 +362,11 @@ class TritonPythonModel:
         from tfgraph.runtime.generate import seq2seq_prompts
 
         first = batch[0].config
-        prompts, extra = [job.prompt for job in batch], {}
+        prompts, extra = [job.prompt for job in batch], batch[0].extra or {}
         finished = set()
         try:
+            if self.images is not None and not extra:  # text prompts: no image features
+                extra = self.images.without_image(len(batch))
             if self.decoder.seq2seq:
                 prompts, extra = seq2seq_prompts(
                     self.decoder, prompts, first.pad_token_id, batch[0].start
@@ -385,7 +415,7 @@ class TritonPythonModel:
                     self.metrics.count("cancelled")
                     continue
                 try:
-                    request = batcher.admit(job.prompt, job.config, job.seed, job.start)
+                    request = batcher.admit(job.prompt, job.config, job.seed, job.start, job.extra)
                 except Exception as exc:  # noqa: BLE001 - this client hears of it
                     message = f"generation failed: {type(exc).__name__}: {exc}"
                     self._fail(job.sender, message, FAILED)

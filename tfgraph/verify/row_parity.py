@@ -81,7 +81,11 @@ def check_row_parity(
     from tfgraph import contract
     from tfgraph.runtime import GenerationConfig, generate
     from tfgraph.runtime.generate import seq2seq_prompts
-    from tfgraph.runtime.inflight import generate_inflight, inflight_support
+    from tfgraph.runtime.inflight import (
+        generate_inflight,
+        inflight_support,
+        without_prompt_inputs,
+    )
 
     if not decoder.session.signature.row_lengths:
         return None
@@ -101,7 +105,7 @@ def check_row_parity(
     )  # fmt: skip
     worst, passed, parted = 0.0, True, []
     for prompt, seed, request in zip(prompts, SEEDS, got, strict=True):
-        start, extra = [prompt], {}
+        start, extra = [prompt], without_prompt_inputs(decoder, 1)  # a VLM's: no image
         if decoder.seq2seq:
             start, extra = seq2seq_prompts(decoder, [prompt], 0, 0)
         single = generate(

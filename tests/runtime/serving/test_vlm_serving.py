@@ -1,0 +1,285 @@
+"""Serving a vision-language artifact: the in-flight batcher with per-request image features,
+``tfgraph serve``'s chat with an image content part (the official ``openai`` client), and the
+Triton generation model's ``image`` input (tritonclient), each giving the greedy tokens of
+``tfgraph.load(DIR).generate(text, image=…)`` and of Hugging Face's ``generate`` on the tiny
+random LLaVA (tfgraph/tools/tiny_vlm_build.py), exported once for the module.
+
+The default tier checks the request side alone (image parts parsed, remote URLs and unreadable
+images refused in one line); the export and everything served from it are slow-tier.
+"""
+
+import base64
+import io
+import queue
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import tfgraph
+from tfgraph.runtime import CachedDecoder, GenerationConfig, generate, open_runner
+from tfgraph.runtime.inflight import generate_inflight
+
+openai = pytest.importorskip("openai", reason="the test client: pip install -e '.[dev]'")
+pytest.importorskip("fastapi", reason="tfgraph serve: pip install 'tfgraph[serve]'")
+pytest.importorskip("uvicorn", reason="tfgraph serve: pip install 'tfgraph[serve]'")
+
+from tfgraph.runtime.serving.openai_app import (  # noqa: E402
+    bound_socket,
+    create_app,
+    image_prompt,
+    open_engine,
+    server,
+)
+from tfgraph.runtime.serving.openai_protocol import ChatRequest  # noqa: E402
+from tfgraph.runtime.serving.openai_text import RequestError, decode_image  # noqa: E402
+
+NAME, NEW = "tiny-llava", 8
+TEXT = "w1 w2 w3"  # after the image token: the tiny family's prompt, "<image> w1 w2 w3"
+# the processor's chat template: an image part writes the image token, a text part its text
+TEMPLATE = (
+    "{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image> "
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}"
+)
+
+
+def _png(image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")  # lossless: the server sees these very pixels
+    return buffer.getvalue()
+
+
+def _data_url(image) -> str:
+    return "data:image/png;base64," + base64.b64encode(_png(image)).decode()
+
+
+def _chat(image, text=TEXT) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": _data_url(image)}}]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+# --- the request side (default tier) --------------------------------------------------------
+
+
+def test_image_parts_parse_and_bad_images_are_refused_in_one_line():
+    from tfgraph.tools.tiny_vlm_build import random_image
+
+    image = random_image(0)
+    request = ChatRequest(messages=_chat(image), max_tokens=4)
+    message = request.messages[0]
+    assert message.images == [_data_url(image)]
+    assert message.as_processor_input()["content"] == [
+        {"type": "image"},
+        {"type": "text", "text": TEXT},
+    ]
+    assert message.as_template_input() == {"role": "user", "content": TEXT}
+    decoded = decode_image(_data_url(image))
+    assert np.array_equal(np.asarray(decoded), np.asarray(image))
+    for url, needle in [
+        ("https://example.com/cat.png", "remote URLs are not fetched"),
+        ("file:///etc/passwd", "give a data URL"),
+        ("data:image/png;base64,!!!", "not a readable base64 image"),
+        ("data:image/png;base64," + base64.b64encode(b"not a png").decode(), "not a readable"),
+    ]:
+        with pytest.raises(RequestError, match=needle) as caught:
+            decode_image(url)
+        assert "\n" not in str(caught.value)
+    text_only = SimpleNamespace(images=None)  # an engine over a text decoder
+    with pytest.raises(RequestError, match="takes no images"):
+        image_prompt(text_only, request.messages)
+
+
+# --- served (slow tier) ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    """The tiny LLaVA (its processor with a chat template), Hugging Face's greedy tokens on
+    its random image, and its artifact."""
+    from tfgraph.tools.tiny_vlm_build import IMAGE_HW, build_family, eager_generate
+    from tfgraph.tools.tiny_vlm_families import spec_for
+
+    root = tmp_path_factory.mktemp("vlm")
+    spec = spec_for("llava")
+    model, processor = build_family("llava", root / "hf", spec)
+    processor.chat_template = TEMPLATE
+    processor.save_pretrained(root / "hf")
+    _, want = eager_generate(model, processor, spec, new_tokens=NEW)
+    assert processor.tokenizer.eos_token_id not in want  # HF ran past EOS: no early stop here
+    out = root / "artifact"
+    assert tfgraph.export(str(root / "hf"), out, kv_cache=True, image_size=IMAGE_HW).passed
+    return SimpleNamespace(root=root, out=out, hf_tokens=want, processor=processor)
+
+
+def _alone(vlm, text, image):
+    """``tfgraph.load``'s path for one prompt: its processor, vision graph and ``generate``."""
+    from tfgraph.runtime.vision_language import ImagePrompts
+
+    ids, extra = ImagePrompts(vlm.out).prepare([text], [image] if image is not None else None)
+    decoder = CachedDecoder(open_runner(vlm.out))
+    tokens = generate(decoder, ids, GenerationConfig(max_new_tokens=NEW), extra=extra).tokens[0]
+    return ids[0], extra, tokens
+
+
+# slow: the tiny LLaVA's export with parity (~15 s on 2 shared cores), once for the module
+@pytest.mark.slow
+def test_inflight_requests_with_images_equal_generate_alone(vlm):
+    """Two image prompts and a text prompt through 2 slots, arriving apart: each request's
+    features are merged at its own prefill; its tokens equal generate alone (and HF's)."""
+    from tfgraph.tools.tiny_vlm_build import random_image
+
+    rows = [
+        _alone(vlm, f"<image> {TEXT}", random_image(0)),
+        _alone(vlm, "w5 w6", None),
+        _alone(vlm, "<image> w9", random_image(1)),
+    ]
+    assert rows[0][2] == vlm.hf_tokens
+    decoder = CachedDecoder(open_runner(vlm.out))
+    done = generate_inflight(
+        decoder,
+        [r[0] for r in rows],
+        GenerationConfig(max_new_tokens=NEW),
+        extras=[r[1] for r in rows],
+        arrivals=[0, 1, 2],
+        slots=2,
+    )
+    assert [r.tokens for r in done] == [r[2] for r in rows]
+
+
+@pytest.fixture(scope="module")
+def served(vlm):
+    """``tfgraph serve``'s app over the artifact on a free port, uvicorn in a thread."""
+    engine, tokenizer = open_engine(vlm.out, slots=4, capacity=64)
+    sock = bound_socket("127.0.0.1", 0)
+    uv = server(create_app(engine, tokenizer, NAME))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert uv.started
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    yield openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    uv.should_exit = True
+    thread.join(timeout=30)
+    engine.close()
+    sock.close()
+
+
+@pytest.mark.slow  # slow: the export above
+def test_serve_chat_with_an_image_equals_load_generate_and_hugging_face(vlm, served):
+    from tfgraph.tools.tiny_vlm_build import random_image
+
+    image = random_image(0)
+    want = tfgraph.load(vlm.out).generate(f"<image> {TEXT}", max_new_tokens=NEW, image=image)
+    ids = {"return_token_ids": True}
+    out = served.chat.completions.create(
+        model=NAME, messages=_chat(image), max_tokens=NEW, temperature=0, extra_body=ids
+    )
+    choice = out.choices[0]
+    assert choice.model_extra["token_ids"] == vlm.hf_tokens
+    assert choice.message.content == want and choice.finish_reason == "length"
+    stream = served.chat.completions.create(
+        model=NAME, messages=_chat(image), max_tokens=NEW, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+    # concurrent requests, two images and a text prompt, batched in flight
+    expected = [
+        _alone(vlm, f"<image> {TEXT}", random_image(0))[2],
+        _alone(vlm, "<image> w9", random_image(1))[2],
+        _alone(vlm, "w5 w6", None)[2],
+    ]
+    got = [None] * 3
+
+    def ask(i):
+        if i == 2:
+            answer = served.completions.create(
+                model=NAME, prompt="w5 w6", max_tokens=NEW, temperature=0, extra_body=ids
+            )
+        else:
+            messages = _chat(random_image(i), TEXT if i == 0 else "w9")
+            answer = served.chat.completions.create(
+                model=NAME, messages=messages, max_tokens=NEW, temperature=0, extra_body=ids
+            )
+        got[i] = answer.choices[0].model_extra["token_ids"]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert got == expected
+
+
+@pytest.mark.slow  # slow: the export above
+def test_serve_refuses_a_remote_image_and_a_second_image(served):
+    from tfgraph.tools.tiny_vlm_build import random_image
+
+    remote = [{"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}]
+    with pytest.raises(openai.BadRequestError, match="remote URLs are not fetched"):
+        served.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": remote}], max_tokens=2
+        )
+    two = _chat(random_image(0)) + _chat(random_image(1))
+    with pytest.raises(openai.BadRequestError, match="one image per request"):
+        served.chat.completions.create(model=NAME, messages=two, max_tokens=2)
+
+
+def _triton_stream(server, model, text, image=None, **params):
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    results = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    inputs = [grpcclient.InferInput("text", [1], "BYTES")]
+    inputs[0].set_data_from_numpy(np.array([text], dtype=np.object_))
+    if image is not None:
+        inputs.append(grpcclient.InferInput("image", [1], "BYTES"))
+        inputs[1].set_data_from_numpy(np.array([image], dtype=np.object_))
+    params = {"stream": True, **params}
+    client.async_stream_infer(model, inputs, parameters=params, enable_empty_final_response=True)
+    tokens, error = [], None
+    while True:
+        result, error = results.get(timeout=120)
+        if error is not None:
+            break
+        if result.get_response().parameters.get("triton_final_response").bool_param:
+            break
+        tokens.append(int(result.as_numpy("token_id")[0]))
+    client.stop_stream()
+    client.close()
+    return tokens, error
+
+
+# slow: the export above, and a Triton server starting the Python backend (~20 s)
+@pytest.mark.slow
+def test_triton_generation_model_takes_an_image(vlm, tmp_path):
+    pytest.importorskip("tritonclient.grpc", reason="needs tritonclient: 'tfgraph[serve]'")
+    from tfgraph.errors import TfgraphError
+    from tfgraph.runtime.serving.launcher import TritonServer, find_tritonserver
+    from tfgraph.runtime.serving.repository import write_repository
+    from tfgraph.tools.tiny_vlm_build import random_image
+
+    try:
+        find_tritonserver()
+    except TfgraphError as exc:
+        pytest.skip(f"needs the Triton server environment: {exc}")
+    written = write_repository(vlm.out, tmp_path / "repo", name="llava", slots=2)
+    assert [m.name for m in written] == ["llava_generate"]
+    assert any("in-flight" in note for note in written[0].notes)
+    model = "llava_generate"
+    with TritonServer(tmp_path / "repo", load=[model], startup_timeout=120) as triton:
+        tokens, error = _triton_stream(
+            triton, model, f"<image> {TEXT}", _png(random_image(0)), max_new_tokens=NEW
+        )
+        assert error is None and tokens == vlm.hf_tokens
+        other, error = _triton_stream(
+            triton, model, "<image> w9", _png(random_image(1)), max_new_tokens=NEW
+        )
+        assert error is None and other == _alone(vlm, "<image> w9", random_image(1))[2]
+        text, error = _triton_stream(triton, model, "w5 w6", max_new_tokens=NEW)
+        assert error is None and text == _alone(vlm, "w5 w6", None)[2]
+        _, error = _triton_stream(triton, model, TEXT, b"not an image", max_new_tokens=2)
+        assert error is not None and "cannot read the image" in str(error)
