@@ -117,8 +117,9 @@ def _alone(vlm, text, image):
     """``tfgraph.load``'s path for one prompt: its processor, vision graph and ``generate``."""
     from tfgraph.runtime.vision_language import ImagePrompts
 
-    ids, extra = ImagePrompts(vlm.out).prepare([text], [image] if image is not None else None)
-    decoder = CachedDecoder(open_runner(vlm.out))
+    out = vlm.out if hasattr(vlm, "out") else vlm
+    ids, extra = ImagePrompts(out).prepare([text], [image] if image is not None else None)
+    decoder = CachedDecoder(open_runner(out))
     tokens = generate(decoder, ids, GenerationConfig(max_new_tokens=NEW), extra=extra).tokens[0]
     return ids[0], extra, tokens
 
@@ -139,6 +140,44 @@ def test_inflight_requests_with_images_equal_generate_alone(vlm):
     decoder = CachedDecoder(open_runner(vlm.out))
     done = generate_inflight(
         decoder,
+        [r[0] for r in rows],
+        GenerationConfig(max_new_tokens=NEW),
+        extras=[r[1] for r in rows],
+        arrivals=[0, 1, 2],
+        slots=2,
+    )
+    assert [r.tokens for r in done] == [r[2] for r in rows]
+
+
+# slow: a tiny Qwen2-VL's export with parity (~30 s on 2 shared cores)
+@pytest.mark.slow
+def test_inflight_mrope_deltas_stay_with_their_slot(tmp_path_factory):
+    """Qwen2-VL (M-RoPE): an image prompt's ``rope_deltas`` go with its slot at every step,
+    a text prompt's are 0; in flight equals generate alone, and alone equals HF's."""
+    from tfgraph.tools.tiny_vlm_build import (
+        IMAGE_HW,
+        build_family,
+        eager_generate,
+        prompt_for,
+        random_image,
+    )
+    from tfgraph.tools.tiny_vlm_families import spec_for
+
+    root = tmp_path_factory.mktemp("qwen2_vl")
+    spec = spec_for("qwen2_vl")
+    model, processor = build_family("qwen2_vl", root / "hf", spec)
+    _, want = eager_generate(model, processor, spec, new_tokens=NEW)
+    out = root / "artifact"
+    assert tfgraph.export(str(root / "hf"), out, kv_cache=True, image_size=IMAGE_HW).passed
+    prompt = prompt_for(processor, spec)
+    rows = [
+        _alone(out, prompt, random_image(0)),
+        _alone(out, "w5 w6", None),
+        _alone(out, prompt, random_image(1)),
+    ]
+    assert rows[0][2] == want and rows[0][1]["rope_deltas"][0, 0] != 0
+    done = generate_inflight(
+        CachedDecoder(open_runner(out)),
         [r[0] for r in rows],
         GenerationConfig(max_new_tokens=NEW),
         extras=[r[1] for r in rows],
