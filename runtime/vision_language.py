@@ -92,7 +92,13 @@ class ImagePrompts:
         mask = np.asarray(inputs["attention_mask"]) != 0
         ids = [row[keep].tolist() for row, keep in zip(inputs["input_ids"], mask, strict=True)]
         extra = {"image_features": self._run_vision(inputs, len(texts))}
-        return ids, {**extra, **self._deltas(ids)}
+        return ids, {**extra, **self._deltas(ids), **self._row_inputs(inputs, len(texts))}
+
+    def _row_inputs(self, inputs: Mapping, rows: int) -> dict[str, np.ndarray]:
+        """The decoder's per-row inputs that are the processor's tensors (Mllama's
+        ``image_tiles``: its ``aspect_ratio_mask``), one row per prompt, fed at every step."""
+        named = self.settings.get("row_inputs") or {}
+        return {n: np.asarray(inputs[p]).reshape(rows, -1) for n, p in named.items()}
 
     def _sized(self, image):
         size = self.settings.get("input_size")
@@ -138,6 +144,11 @@ class ImagePrompts:
     def without_image(self, batch: int) -> dict[str, np.ndarray]:
         """The decoder's per-prompt inputs for prompts without an image: (batch, 0, hidden)
         features, and zero M-RoPE deltas."""
+        if self.settings.get("row_inputs"):  # Mllama: cross-attention reads the image
+            raise TfgraphError(
+                f"a {self.settings.get('model_type')} artifact attends an image from every "
+                "prompt (its cross-attention layers); give an image with each text"
+            )
         hidden = self.vision.signature.output(contract.IMAGE_FEATURES).shape[-1]
         feeds = {"image_features": np.zeros((batch, 0, hidden), np.float32)}
         if self.settings.get("mrope_delta") is not None:

@@ -118,10 +118,15 @@ def prompt_tensors(processor, images, texts=None, return_tensors: str = "pt") ->
     kwargs = {}
     if "mm_token_type_ids" in getattr(processor, "model_input_names", ()):
         kwargs["return_mm_token_type_ids"] = True
-    inputs = processor(
-        images=list(images), text=list(texts), padding=True, return_tensors=return_tensors,
-        **kwargs,
-    )  # fmt: skip
+    call = dict(text=list(texts), padding=True, return_tensors=return_tensors, **kwargs)
+    try:
+        inputs = processor(images=list(images), **call)
+    except ValueError:
+        if len(images) < 2:
+            raise
+        # a processor that takes a list of images per text (Mllama's) reads a flat list as
+        # one text's images
+        inputs = processor(images=[[image] for image in images], **call)
     return {k: v for k, v in inputs.items() if k != "labels"}
 
 

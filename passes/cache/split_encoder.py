@@ -91,7 +91,10 @@ def _shapes_from_encoder_inputs(model: ir.Model) -> None:
     if not decoder_inputs:
         return
     sources = {}  # symbol → (encoder input, axis)
-    for value in graph.inputs:
+    masks = set(contract.names_with_role(model, contract.ATTENTION_MASK))
+    # a mask last: an encoder reading only its shape would need it fed (Mllama's cross K/V
+    # take the batch from the decoder's mask, and the image features hold it too)
+    for value in sorted(graph.inputs, key=lambda v: v.name in masks):
         for axis, dim in enumerate(dims_of(value) or []):
             if isinstance(dim, str) and value not in decoder_inputs:
                 sources.setdefault(dim, (value, axis))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
+from tfgraph.passes.cache.split_encoder import cross_kv_entries
 from tfgraph.passes.canonical import NORM_OPS, is_canonical
 from tfgraph.passes.lower.lower_attention import Lowered
 from tfgraph.passes.rewrite_utils import (
@@ -137,7 +138,10 @@ class LowerNormsPass(ir.passes.InPlacePass):
         insert_tape(graph, node, case.tape)
         for new in case.tape.nodes:
             new.metadata_props[LOWERED_FROM_KEY] = node.op_type
+        name = node.outputs[0].name
         replace_value(node.outputs[0], result.value)
+        if name in {n for n, _, _ in cross_kv_entries(model)}:  # a norm's output is a cross K
+            result.value.name = name  # (Mllama's k_norm): the encoder split cuts there by name
         for old, new in case.replaced:
             replace_value(old, new)
         graph.remove([node, *case.removed], safe=True)

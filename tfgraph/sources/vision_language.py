@@ -133,6 +133,9 @@ class VisionLanguage:
         vocab = self.model.get_input_embeddings().num_embeddings
         scale = float(self.model.get_input_embeddings().weight.detach().std())
         image, n = self.image_token_id, self.image_tokens
+        module = self.decoder_module(self.model)
+        # a cross-attention family's per-row inputs besides the features (Mllama's tiles)
+        rows = _row_inputs(module)
 
         def make(batch, seq, generator):
             ids = torch.randint(0, vocab, (batch, seq), generator=generator)
@@ -146,15 +149,11 @@ class VisionLanguage:
             feeds = {"input_ids": ids, "attention_mask": mask, "image_features": features}
             if self.mrope is not None:
                 feeds[ROPE_DELTAS] = torch.randint(-4, 4, (batch, 1), generator=generator)
+            for name, (_, example) in rows.items():  # the probe's row, repeated
+                feeds[name] = example.expand(batch, *example.shape[1:]).clone()
             return feeds
 
-        # the tokens the features replace: the image token, and the family's around it
-        around = self.family.around(self.model) if self.family.around else ()
-        merged = (image, *around) if around else image
-        merge = self.family.merge
-        attention = self.family.attention
-        module = MergedDecoder(self.model, merged, merge, self.mrope, attention=attention).eval()
-        names = ("input_ids", "attention_mask", "image_features")
+        names = ("input_ids", "attention_mask", "image_features", *rows)
         axes = {
             "input_ids": {0: "batch", 1: "sequence"},
             "attention_mask": {0: "batch", 1: "sequence"},
@@ -163,6 +162,7 @@ class VisionLanguage:
         if self.mrope is not None:
             names += (ROPE_DELTAS,)
             axes[ROPE_DELTAS] = {0: "batch"}
+        axes.update({name: {0: "batch"} for name in rows})
         origin = f"{ORIGIN}:{self.path}#decoder{self._size_tag()}"
         source = ModelSource(module, names, ("logits",), axes, make, origin)
         source.info.update(self._info("decoder"), main_input="input_ids", causal_lm=True)
@@ -170,6 +170,19 @@ class VisionLanguage:
         if limit is not None:
             source.info["max_positions"] = limit
         return source
+
+    def decoder_module(self, model: nn.Module) -> nn.Module:
+        """The decoder graph's module around ``model`` (this VLM's, or the same model built
+        without weights that a streamed checkpoint traces: :mod:`.vlm_streamed`): the
+        family's own where its text model reads the image by cross-attention (Mllama)."""
+        own = getattr(self.family, "decoder", None)
+        if own is not None:
+            return own(model, self.image_token_id, self.probe).eval()
+        # the tokens the features replace: the image token, and the family's around it
+        around = self.family.around(model) if self.family.around else ()
+        merged = (self.image_token_id, *around) if around else self.image_token_id
+        merge, attention = self.family.merge, self.family.attention
+        return MergedDecoder(model, merged, merge, self.mrope, attention=attention).eval()
 
     def settings(self) -> dict:
         """The manifest's ``vision_language`` entry: the graphs' inputs and shapes, the image
@@ -191,6 +204,8 @@ class VisionLanguage:
             "resolution": "fixed",
             "merge": self.family.merge,
             "mrope_delta": self.mrope.delta if self.mrope is not None else None,
+            # the decoder's per-row inputs, each the processor's tensor of that name (Mllama)
+            "row_inputs": {n: p for n, (p, _) in _row_inputs(self.decoder.module).items()},
             "image_processor": processor,
         }
 
@@ -256,6 +271,11 @@ def _image_token(config) -> int:
     raise TfgraphError(
         f"{config.model_type}: its config states no image_token_id; add it to config.json"
     )
+
+
+def _row_inputs(module: nn.Module) -> dict:
+    """A decoder module's per-row inputs: {input: (the processor's tensor, example row)}."""
+    return getattr(module, "row_inputs", {})
 
 
 def _read_json(path: Path) -> dict | None:

@@ -3,7 +3,7 @@ family group, each with its ``FAMILIES`` (:class:`.family.Family` entries)."""
 
 from __future__ import annotations
 
-from tfgraph.sources.vlm_families import gemma, idefics, llava, llava_like, others, qwen
+from tfgraph.sources.vlm_families import gemma, idefics, llava, llava_like, mllama, others, qwen
 from tfgraph.sources.vlm_families.family import Family
 
 FAMILIES: dict[str, Family] = {
@@ -13,4 +13,5 @@ FAMILIES: dict[str, Family] = {
     **idefics.FAMILIES,
     **gemma.FAMILIES,
     **others.FAMILIES,
+    **mllama.FAMILIES,
 }
