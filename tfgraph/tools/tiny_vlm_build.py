@@ -113,6 +113,11 @@ def build_family(model_type: str, directory: Path, spec: dict | None = None, see
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = model_class(model_type)(config).eval()
+    with torch.no_grad():  # spec["fill"]: parameters set after the random init (Mllama's gates)
+        for name, parameter in model.named_parameters():
+            for suffix, value in spec.get("fill", {}).items():
+                if name.endswith(suffix):
+                    parameter.fill_(value)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)

@@ -12,7 +12,9 @@ Fields (all optional):
   ones that must agree with each other or with the 2-layer depth;
 - ``processor`` / ``image_processor``: arguments of the family's processor and image
   processor (the image tokens per image, which the processor expands the placeholder to);
-- ``nested_images``: the processor takes a list of images per prompt (Mllama).
+- ``nested_images``: the processor takes a list of images per prompt (Mllama);
+- ``fill``: ``{name suffix: value}``, parameters set after the random init (Mllama's tanh
+  gates, which Hugging Face initialises to zero: a random model would ignore its image).
 """
 
 from __future__ import annotations
@@ -132,6 +134,8 @@ SPECS: dict[str, dict] = {
             "text_config": {"cross_attention_layers": [1]},
         },
         "nested_images": True,
+        # the cross-attention layers' and the vision model's tanh gates, zero at init
+        "fill": {"gate": 0.8},
     },
     # image_seq_len = (image_size / patch_size)² / scale_factor² = (32 / 8)² / 4
     "idefics3": {"tokens": _IDEFICS_TOKENS, "processor": {"image_seq_len": 4}},
