@@ -13,9 +13,13 @@ reads them (``AttentionOp.read(node)``). Nothing else spells their attributes.
   ``causal_alignment``: ``bottom_right`` (key j visible from query i iff j ≤ i + S − T) or
   ``top_left`` (iff j ≤ i); ``window`` (0: none; else key j also masked when
   (i + S − T) − j ≥ window); ``bias_kind``: ``none``, ``additive``, ``alibi``, ``relative``,
-  ``padding``; ``cached``: K and V are ``Concat(past, new, axis=2)`` made by the KV-cache pass
-  (a target with an appending kernel takes past and new apart); ``softcap`` (0: none; else
-  the scaled scores become ``softcap · tanh(scores / softcap)`` before the mask and bias).
+  ``padding``, ``prompt_block`` (with ``causal=0``: the bias, kept, masks every later key
+  except where the step's own token ids open a block, as Gemma 3's image tokens see their whole
+  image at the prompt; computed from the new tokens alone, so the KV cache pass caches it as a
+  causal bias: :mod:`.recognize.attention.prompt_block`); ``cached``: K and V are
+  ``Concat(past, new, axis=2)`` made by the KV-cache pass (a target with an appending kernel
+  takes past and new apart); ``softcap`` (0: none; else the scaled scores become
+  ``softcap · tanh(scores / softcap)`` before the mask and bias).
 - ``tfgraph.LayerNorm(x[, γ[, β]])`` and ``tfgraph.RMSNorm(x[, γ])`` over the last axis, with
   ``epsilon``.
 - ``tfgraph.Gelu(x)`` with ``approximate`` ``none`` (erf) or ``tanh``.

@@ -234,7 +234,10 @@ class Analysis:
             if node in self.merged:  # checked above
                 continue
             q, k, v = node.inputs[:3]
-            if not node.attributes.get_int("causal", 0):
+            # prompt_block: causal but where the step's own ids open a block (its bias, kept,
+            # is computed from the new tokens: cached as any kept causal bias)
+            block = node.attributes.get_string("bias_kind", "none") == "prompt_block"
+            if not node.attributes.get_int("causal", 0) and not block:
                 raise KVCacheError(
                     f"{layer_name(node)}: self-attention over the tokens is not causal, so new "
                     "tokens would change earlier ones; a KV cache does not apply"

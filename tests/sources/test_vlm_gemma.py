@@ -1,4 +1,4 @@
-"""Gemma 3's graphs (tfgraph/sources/vlm_families/gemma.py, not registered yet): the vision
+"""Gemma 3's graphs (tfgraph/sources/vlm_families/gemma.py): the vision
 tower and its pooled projector batched over images, and a decoder whose image tokens attend
 bidirectionally within their block at the prompt (Hugging Face's mask with
 ``token_type_ids``), against Hugging Face's own model and processor on a tiny random model.
@@ -6,8 +6,9 @@ bidirectionally within their block at the prompt (Hugging Face's mask with
 Default tier (eager, seconds): the reach of each token; the vision module gives
 ``get_image_features``' features and the decoder module the model's logits with
 ``token_type_ids`` on a left-padded batch (and not the causal-only logits: the mask matters).
-Slow tier, expected to fail until the export keeps the mask (gemma.PENDING): the artifact
-(two traces with parity), its greedy tokens against ``generate`` through its own processor."""
+Slow tier: the artifact (two traces with parity; the decoder's layers classified
+``prompt_block``, so the mask is kept), its greedy tokens against ``generate`` through its own
+processor."""
 
 from __future__ import annotations
 
@@ -38,19 +39,7 @@ def tiny(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def registered():
-    """Gemma 3 registered for this module only (gemma.PENDING: the export does not keep its
-    mask yet)."""
-    from tfgraph.sources.vlm_families import FAMILIES, gemma
-
-    with pytest.MonkeyPatch.context() as patch:
-        for name, family in gemma.PENDING.items():
-            patch.setitem(FAMILIES, name, family)
-        yield
-
-
-@pytest.fixture(scope="module")
-def vlm(tiny, registered):
+def vlm(tiny):
     from tfgraph.sources.vision_language import load_vision_language
 
     return load_vision_language(tiny[0], image_size=IMAGE_HW)
@@ -90,7 +79,7 @@ def test_eager_modules_compute_hugging_face_model(tiny, vlm):
 
 
 @pytest.fixture(scope="module")
-def artifact(tiny, registered, tmp_path_factory):
+def artifact(tiny, tmp_path_factory):
     from tfgraph import export
 
     out = tmp_path_factory.mktemp("gemma_out") / "out"
@@ -98,12 +87,6 @@ def artifact(tiny, registered, tmp_path_factory):
 
 
 @pytest.mark.slow  # the artifact: two Hugging Face traces with parity (~35 s of CPU)
-@pytest.mark.xfail(
-    strict=True,
-    reason="the attention classifier probes the mask with token ids 0 and 1, never the image "
-    "token: it rebuilds it from attention_mask alone, causal, and the image block's "
-    "bidirectional part is lost (gemma.py)",
-)
 def test_export_passes_parity_and_generates_hugging_faces_tokens(tiny, artifact):
     from tfgraph.runtime import CachedDecoder, GenerationConfig, generate, open_runner
     from tfgraph.runtime.vision_language import ImagePrompts
@@ -115,6 +98,7 @@ def test_export_passes_parity_and_generates_hugging_faces_tokens(tiny, artifact)
     for graph in ("vision", "decoder"):
         fusions = settings["fusions"][graph]["attention"]
         assert fusions["fused"] == fusions["total"] == 2, (graph, fusions)
+    assert _bias_kinds(artifact.out_dir / "decoder" / "model.onnx") == ["prompt_block"] * 2
     inputs = processor(images=[[random_image()]], text=[prompt], return_tensors="pt")
     model.generation_config.pad_token_id = 0
     with torch.no_grad():
@@ -126,3 +110,13 @@ def test_export_passes_parity_and_generates_hugging_faces_tokens(tiny, artifact)
     decoder = CachedDecoder(open_runner(artifact.out_dir))
     config = GenerationConfig(max_new_tokens=NEW, pad_token_id=0)
     assert list(generate(decoder, prompts, config, extra=extra).tokens[0]) == want
+
+
+def _bias_kinds(path) -> list[str]:
+    """The classifier's verdict on each lowered attention of an ONNX file (node metadata)."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    kernels = ("MultiHeadAttention", "GroupQueryAttention", "Attention")
+    props = [{p.key: p.value for p in n.metadata_props} for n in graph.node if n.op_type in kernels]
+    return [p.get("tfgraph.bias_classified") for p in props]

@@ -15,6 +15,9 @@ fragile. Instead, for each ``tfgraph.Attention`` with a bias input:
    - the same mask plus finite values: ``causal=1`` and the bias kept, ``bias_kind`` ``alibi``
      (linear in i − j per head), ``relative`` (a function of i − j) or ``additive``;
    - nothing masked: all zero → dropped; else ``alibi`` / ``relative`` / ``additive``, kept;
+   - it opens later keys when the token ids are one the graph compares them against
+     (``input_ids == image_token``), causal otherwise: kept whole, ``bias_kind="prompt_block"``,
+     ``causal=0`` (:mod:`.prompt_block`: Gemma 3's image block at the prompt);
    - it changes when a key is padded: kept, ``bias_kind="padding"`` (with ``causal=1`` when
      the unpadded pattern is causal); when it is exactly a key mask of ``attention_mask``
      besides that pattern, it is rebuilt from the mask in three ops
@@ -50,6 +53,7 @@ from tfgraph.passes.recognize.attention.key_padding_bias import (
     compact_key_padding,
     shifts_with_left_padding,
 )
+from tfgraph.passes.recognize.attention.prompt_block import classify_prompt_block, compared_ids
 
 logger = logging.getLogger(__name__)
 
@@ -246,6 +250,7 @@ class ClassifyAttentionBiasPass(ir.passes.InPlacePass):
         runs = [evaluate_biases(model, values, size, False, subgraphs=subgraphs) for size in SIZES]
         padded = evaluate_biases(model, values, SIZES[0], pad=True, subgraphs=subgraphs)
         other_tokens = evaluate_biases(model, values, SIZES[0], False, token=1, subgraphs=subgraphs)
+        specials = _with_compared_ids(model, values, subgraphs)
         modified, checked = False, {}  # checked: the long check's result per bias value
         compacted: dict = {}  # the key-padding verdict per bias value
         shifted: dict = {}  # the left-padding verdict per bias value
@@ -260,7 +265,12 @@ class ClassifyAttentionBiasPass(ir.passes.InPlacePass):
                 node.metadata_props[CLASSIFIED_KEY] = "not evaluable"
                 continue
             attrs = agree([run[k] for run in runs])
-            if not np.array_equal(np.asarray(other_tokens[k]), np.asarray(runs[0][k])):
+            block = classify_prompt_block(
+                [r[k] for r in runs], [[r[k] for r in s] for s in specials]
+            )
+            if block is not None:  # causal but where the step's ids open a block (Gemma 3)
+                attrs = block
+            elif not np.array_equal(np.asarray(other_tokens[k]), np.asarray(runs[0][k])):
                 # depends on the activations (Shaw's q·r): only its mask structure is a fact;
                 # a mask of the token ids (T5Gemma's decoder: causal and ids != pad) is causal
                 # when every evaluation masks every later key
@@ -293,6 +303,24 @@ class ClassifyAttentionBiasPass(ir.passes.InPlacePass):
             logger.debug("attention %s: %s", node.name, attrs)
             modified = True
         return ir.passes.PassResult(model, modified=modified)
+
+
+def _with_compared_ids(model: ir.Model, values: list, subgraphs: Subgraphs) -> list:
+    """The biases evaluated at every size with each id the graph compares its tokens against
+    (:mod:`.prompt_block`), one list of runs per id; an id whose evaluation fails is left out
+    (the bias is then classified as before)."""
+    specials = []
+    for token in compared_ids(model):
+        try:
+            specials.append(
+                [
+                    evaluate_biases(model, values, size, False, token=token, subgraphs=subgraphs)
+                    for size in SIZES
+                ]
+            )
+        except Exception as exc:  # noqa: BLE001 - an id the bias cannot take: not a block mask
+            logger.debug("bias probe with token id %d failed: %s", token, exc)
+    return specials
 
 
 def _split_off_mask(model: ir.Model, node: ir.Node, subgraphs: Subgraphs, checked: dict) -> bool:

@@ -75,14 +75,8 @@ def bidirectional_masks(model: nn.Module, image_token: int):
 
 GEMMA3 = Family(_features, attention=bidirectional_masks)
 
-# Not registered yet: the export does not keep this mask. The attention classifier
-# (passes/recognize/attention/classify_bias.py) evaluates a mask with token ids all 0 and all
-# 1, never the image token, so it measures causal with key padding ("padding"), rebuilds the
-# mask from attention_mask alone (key_padding_bias) and makes the op causal: the image block's
-# later keys are masked again and decoder parity fails (max |err| 0.56 on the tiny model,
-# uncached too). Stated as it is, the mask is not causal within the prompt, which the KV cache
-# pass would refuse (kv_analysis: not causal); it needs a layer kind "causal but for the
-# prompt chunk", cached and lowered with its mask kept. Registered, a Gemma 3 directory would
-# export an artifact failing parity instead of its text decoder.
-PENDING: dict[str, Family] = {"gemma3": GEMMA3}
-FAMILIES: dict[str, Family] = {}
+# The export keeps this mask: the attention classifier probes it with the image token (the id
+# the graph compares input_ids against) and states it as bias_kind "prompt_block", non-causal
+# with the bias kept; the KV cache pass caches it as a kept causal bias and the lowering runs
+# it with the bias (passes/recognize/attention/prompt_block.py).
+FAMILIES: dict[str, Family] = {"gemma3": GEMMA3}
