@@ -122,10 +122,13 @@ class CachedDecoder:
 
     @property
     def seq2seq(self) -> bool:
-        """An encoder-decoder artifact: prompts feed the encoder, the decoder starts afresh."""
-        return self.encoder is not None or any(
-            p.role == contract.ENCODER_TOKEN_IDS for p in self._all_inputs()
-        )
+        """An encoder-decoder artifact: prompts feed the encoder, the decoder starts afresh.
+        Not a vision-language decoder whose encoder is its image's cross K/V (Mllama's: the
+        prompts are the decoder's, the encoder reads the vision graph's image features)."""
+        inputs = self._all_inputs()
+        if any(p.role == contract.IMAGE_FEATURES for p in inputs):
+            return False
+        return self.encoder is not None or any(p.role == contract.ENCODER_TOKEN_IDS for p in inputs)
 
     def encoder_feeds(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
         """Encoder-decoder generation: the left-padded prompts and their padding mask, by the

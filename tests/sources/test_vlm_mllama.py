@@ -140,3 +140,25 @@ def test_export_passes_parity_and_generates_hugging_faces_tokens(tiny, artifact)
     # a prompt without an image: the cross-attention layers need one (refused, said why)
     with pytest.raises(TfgraphError, match="give an image with each text"):
         tfgraph.load(artifact.out_dir).generate([1, 2, 3], max_new_tokens=2)
+
+
+@pytest.mark.slow  # the artifact: shared with the test above (module-scoped export)
+def test_cli_and_python_api_generate_with_an_image(tiny, artifact, tmp_path, capsys):
+    """``generate DIR --image`` and ``tfgraph.load(DIR).generate(image=…)``: Hugging Face's
+    tokens (the split encoder is the image's, not a seq2seq prompt's)."""
+    import tfgraph
+    from tfgraph.cli import main
+
+    _, model, processor = tiny
+    image = _images()[1]
+    inputs = _batch(processor, [TEXTS[1]], [image])
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    want = out[0, inputs["input_ids"].shape[1] :].tolist()
+    text = processor.tokenizer.decode(want, skip_special_tokens=True)
+    loaded = tfgraph.load(artifact.out_dir)
+    assert loaded.generate(TEXTS[1], image=image, max_new_tokens=4) == text
+    image.save(tmp_path / "image.png")
+    argv = ["generate", str(artifact.out_dir), "--image", str(tmp_path / "image.png")]
+    assert main([*argv, "--text", TEXTS[1], "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"[0] {processor.tokenizer.decode(want)}"

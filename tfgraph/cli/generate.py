@@ -53,7 +53,7 @@ def run(args) -> int:
 
     decoder = CachedDecoder(open_runner(args.path, providers=args.provider))
     tokenizer, extra = None, {}
-    inputs = decoder.session.signature.inputs
+    inputs = decoder._all_inputs()  # a cross-attention VLM's features feed its encoder
     if any(p.role == contract.IMAGE_FEATURES for p in inputs):  # a VLM: the model's processor
         from tfgraph.runtime.vision_language import ImagePrompts
 
