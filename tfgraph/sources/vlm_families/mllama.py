@@ -76,7 +76,6 @@ class CrossAttentionDecoder(nn.Module):
         super().__init__()
         self.model, self.image_token = model, image_token
         self.patches = model.model.vision_model.num_patches
-        self.width = model.config.text_config.hidden_size
         tiles = probe.inputs["aspect_ratio_mask"].reshape(1, -1).long()
         self.row_inputs = {IMAGE_TILES: ("aspect_ratio_mask", tiles)}
         self.input_roles = {"image_features": contract.IMAGE_FEATURES}
@@ -90,7 +89,8 @@ class CrossAttentionDecoder(nn.Module):
     ) -> torch.Tensor:
         from transformers.models.mllama.modeling_mllama import _prepare_cross_attention_mask
 
-        # (B, T): the row's image token is at or before the token
+        # (B, T): the row's image token is at or before the token (a count of it, which the
+        # KV cache pass continues past the cache: a generated token is after the image)
         after = torch.cumsum((input_ids == self.image_token).long(), -1) > 0
         # (B, T, 1 image, tiles) as the processor writes it; float: the exporter has no
         # ``1.0 - int64`` (Hugging Face's inversion of it)
