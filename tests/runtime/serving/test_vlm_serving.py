@@ -308,17 +308,23 @@ def test_triton_generation_model_takes_an_image(vlm, tmp_path):
     written = write_repository(vlm.out, tmp_path / "repo", name="llava", slots=2)
     assert [m.name for m in written] == ["llava_generate"]
     assert any("in-flight" in note for note in written[0].notes)
-    model = "llava_generate"
-    with TritonServer(tmp_path / "repo", load=[model], startup_timeout=120) as triton:
-        tokens, error = _triton_stream(
-            triton, model, f"<image> {TEXT}", _png(random_image(0)), max_new_tokens=NEW
-        )
-        assert error is None and tokens == vlm.hf_tokens
-        other, error = _triton_stream(
-            triton, model, "<image> w9", _png(random_image(1)), max_new_tokens=NEW
-        )
-        assert error is None and other == _alone(vlm, "<image> w9", random_image(1))[2]
-        text, error = _triton_stream(triton, model, "w5 w6", max_new_tokens=NEW)
-        assert error is None and text == _alone(vlm, "w5 w6", None)[2]
-        _, error = _triton_stream(triton, model, TEXT, b"not an image", max_new_tokens=2)
+    static = write_repository(vlm.out, tmp_path / "part", name="static", batching="static")
+    (tmp_path / "part" / "static_generate").rename(tmp_path / "repo" / "static_generate")
+    models = ["llava_generate", "static_generate"]
+    other_want = _alone(vlm, "<image> w9", random_image(1))[2]
+    text_want = _alone(vlm, "w5 w6", None)[2]
+    with TritonServer(tmp_path / "repo", load=models, startup_timeout=120) as triton:
+        for model in models:  # in flight, and static (an image request: a batch of its own)
+            tokens, error = _triton_stream(
+                triton, model, f"<image> {TEXT}", _png(random_image(0)), max_new_tokens=NEW
+            )
+            assert error is None and tokens == vlm.hf_tokens, (model, error)
+            other, error = _triton_stream(
+                triton, model, "<image> w9", _png(random_image(1)), max_new_tokens=NEW
+            )
+            assert error is None and other == other_want
+            text, error = _triton_stream(triton, model, "w5 w6", max_new_tokens=NEW)
+            assert error is None and text == text_want, (model, error)
+        _, error = _triton_stream(triton, models[0], TEXT, b"not an image", max_new_tokens=2)
         assert error is not None and "cannot read the image" in str(error)
+    assert "arrive together" in static[0].notes[1]  # static batching
