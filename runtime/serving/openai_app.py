@@ -133,17 +133,21 @@ def create_app(engine: Engine, tokenizer, name: str):
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatRequest):
-        extra = None
-        if any(m.images for m in request.messages):
-            _check_model(request.model, name)
-            prompt, extra = await asyncio.to_thread(image_prompt, engine, request.messages)
-        else:
-            messages = [m.as_template_input() for m in request.messages]
-            prompt = chat_prompt(tokenizer, messages)
+        _check_model(request.model, name)
+        prompt, extra = await chat_inputs(engine, tokenizer, request.messages)
         answer = start(request, prompt, request.limit, chat=True, extra=extra)
         return answer if isinstance(answer, StreamingResponse) else await answer
 
     return app
+
+
+async def chat_inputs(engine: Engine, tokenizer, messages) -> tuple[list[int], dict | None]:
+    """(token ids, the decoder's per-prompt inputs or None) of chat ``messages``: through the
+    tokenizer's chat template, or, holding an image, :func:`image_prompt` off the event loop
+    (the processor and the vision graph take a while)."""
+    if any(m.images for m in messages):
+        return await asyncio.to_thread(image_prompt, engine, messages)
+    return chat_prompt(tokenizer, [m.as_template_input() for m in messages]), None
 
 
 def image_prompt(engine: Engine, messages) -> tuple[list[int], dict]:
