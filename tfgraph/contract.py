@@ -80,7 +80,9 @@ OUTPUT = "output"
 PIXEL_VALUES, IMAGE_FEATURES = "pixel_values", "image_features"
 # M-RoPE decoders (Qwen2-VL): each row's position offset after its image block, every step
 ROPE_DELTAS = "rope_deltas"
-PROMPT_ROLES = (IMAGE_FEATURES, ROPE_DELTAS)  # per-prompt inputs besides the tokens
+# Mllama's decoder: each row's real image tiles (the processor's aspect_ratio_mask), every step
+IMAGE_TILES = "image_tiles"
+PROMPT_ROLES = (IMAGE_FEATURES, ROPE_DELTAS, IMAGE_TILES)  # per-prompt inputs besides the tokens
 
 # recurrent layers' carried state (passes/insert_recurrent_state.py): numbered apart from the
 # attention layers, in graph order; zeros before the first step, then the presents

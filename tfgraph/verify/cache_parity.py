@@ -222,7 +222,8 @@ def greedy_against_eager(source: ModelSource, decoder: CachedDecoder, seed=0) ->
     ids = inputs[decoder.token_input].numpy()
     prompts = [ids[0].tolist(), ids[1, :3].tolist()]
     # a vision-language decoder's image features go with the prompt (merged there only)
-    features = decoder.session.signature.inputs_with(*contract.PROMPT_ROLES)
+    # (with the encoder's: Mllama's features feed its cross K/V encoder)
+    features = [p for p in decoder._all_inputs() if p.role in contract.PROMPT_ROLES]
     extra = {p.name: inputs[p.name].numpy() for p in features}
     if decoder.seq2seq:  # the prompts feed the encoder; the decoder starts from token 0
         extra, prompts = encoder_inputs(decoder, prompts), [[0], [0]]

@@ -52,7 +52,8 @@ def greedy_error(source, model_file) -> dict:
     inputs = source.inputs(1, PROMPT_TOKENS, seed=11)
     prompts = inputs[decoder.token_input].numpy().tolist()
     # a vision-language decoder's image features go with the prompt (merged there only)
-    features = decoder.session.signature.inputs_with(*contract.PROMPT_ROLES)
+    # (with the encoder's: Mllama's features feed its cross K/V encoder)
+    features = [p for p in decoder._all_inputs() if p.role in contract.PROMPT_ROLES]
     start, extra = prompts, {p.name: inputs[p.name].numpy() for p in features}
     if decoder.seq2seq:  # the prompt feeds the encoder; the decoder starts from token 0
         start, extra = [[0]], encoder_inputs(decoder, prompts)

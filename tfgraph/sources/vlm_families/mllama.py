@@ -78,7 +78,10 @@ class CrossAttentionDecoder(nn.Module):
         self.patches = model.model.vision_model.num_patches
         tiles = probe.inputs["aspect_ratio_mask"].reshape(1, -1).long()
         self.row_inputs = {IMAGE_TILES: ("aspect_ratio_mask", tiles)}
-        self.input_roles = {"image_features": contract.IMAGE_FEATURES}
+        self.input_roles = {
+            "image_features": contract.IMAGE_FEATURES,
+            IMAGE_TILES: contract.IMAGE_TILES,
+        }
 
     def forward(
         self,
@@ -94,7 +97,8 @@ class CrossAttentionDecoder(nn.Module):
         after = torch.cumsum((input_ids == self.image_token).long(), -1) > 0
         # (B, T, 1 image, tiles) as the processor writes it; float: the exporter has no
         # ``1.0 - int64`` (Hugging Face's inversion of it)
-        dtype = image_features.dtype
+        dtype = self.model.dtype  # the model's (an fp16 reference's): HF's mask dtype too
+        image_features = image_features.to(dtype)
         tokens_tiles = after.to(dtype)[:, :, None, None] * image_tiles.to(dtype)[:, None, None, :]
         cross_mask, rows = _prepare_cross_attention_mask(
             tokens_tiles, num_vision_tokens=self.patches, dtype=dtype
