@@ -92,13 +92,21 @@ class ImagePrompts:
         mask = np.asarray(inputs["attention_mask"]) != 0
         ids = [row[keep].tolist() for row, keep in zip(inputs["input_ids"], mask, strict=True)]
         extra = {"image_features": self._run_vision(inputs, len(texts))}
-        return ids, {**extra, **self._deltas(ids), **self._row_inputs(inputs, len(texts))}
+        return ids, {**extra, **self._deltas(ids), **self._row_inputs(inputs, ids)}
 
-    def _row_inputs(self, inputs: Mapping, rows: int) -> dict[str, np.ndarray]:
+    def _row_inputs(self, inputs: Mapping, ids: list) -> dict[str, np.ndarray]:
         """The decoder's per-row inputs that are the processor's tensors (Mllama's
-        ``image_tiles``: its ``aspect_ratio_mask``), one row per prompt, fed at every step."""
+        ``image_tiles``: its ``aspect_ratio_mask``), one row per prompt, fed at every step;
+        PaliGemma's ``prompt_length``: the longest prompt (``generate`` pads every row on the
+        left to it, so each row's prompt ends there)."""
         named = self.settings.get("row_inputs") or {}
-        return {n: np.asarray(inputs[p]).reshape(rows, -1) for n, p in named.items()}
+        longest = np.full((len(ids), 1), max(len(row) for row in ids), np.int64)
+        return {
+            n: longest
+            if p == contract.PROMPT_LENGTH
+            else np.asarray(inputs[p]).reshape(len(ids), -1)
+            for n, p in named.items()
+        }
 
     def _sized(self, image):
         size = self.settings.get("input_size")

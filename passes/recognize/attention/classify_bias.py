@@ -44,7 +44,12 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from tfgraph.contract import ATTENTION_MASK, ENCODER_ATTENTION_MASK, names_with_role
+from tfgraph.contract import (
+    ATTENTION_MASK,
+    ENCODER_ATTENTION_MASK,
+    PROMPT_LENGTH,
+    names_with_role,
+)
 from tfgraph.passes.canonical import DOMAIN, AttentionOp, drop_attention_bias
 from tfgraph.passes.probe_feeds import probe_feeds
 from tfgraph.passes.recognize.attention.causal_within import mask_candidates
@@ -307,19 +312,23 @@ class ClassifyAttentionBiasPass(ir.passes.InPlacePass):
 
 def _with_compared_ids(model: ir.Model, values: list, subgraphs: Subgraphs) -> list:
     """The biases evaluated at every size with each id the graph compares its tokens against
-    (:mod:`.prompt_block`), one list of runs per id; an id whose evaluation fails is left out
-    (the bias is then classified as before)."""
+    (:mod:`.prompt_block`), one list of runs per id, and, where the graph takes a
+    ``prompt_length`` (PaliGemma), with every input at the probe's length (the whole probe a
+    prompt); a probe that fails is left out (the bias is then classified as before)."""
+    probes = [lambda size, t=token: t for token in compared_ids(model)]
+    if names_with_role(model, PROMPT_LENGTH):
+        probes.append(lambda size: size)
     specials = []
-    for token in compared_ids(model):
+    for token in probes:
         try:
             specials.append(
                 [
-                    evaluate_biases(model, values, size, False, token=token, subgraphs=subgraphs)
-                    for size in SIZES
+                    evaluate_biases(model, values, n, False, token=token(n), subgraphs=subgraphs)
+                    for n in SIZES
                 ]
             )
-        except Exception as exc:  # noqa: BLE001 - an id the bias cannot take: not a block mask
-            logger.debug("bias probe with token id %d failed: %s", token, exc)
+        except Exception as exc:  # noqa: BLE001 - ids the bias cannot take: not a block mask
+            logger.debug("bias probe with token ids %d failed: %s", token(SIZES[0]), exc)
     return specials
 
 

@@ -5,7 +5,9 @@ included (Hugging Face's mask with ``token_type_ids``); PaliGemma's whole prompt
 bidirectional. Such a mask is a function of the token ids, and evaluated with the ids 0 and 1
 (:mod:`.classify_bias`) it looks plainly causal with key padding: only the ids the graph
 compares the tokens against (``input_ids == image_token``: the constants of ``Equal`` nodes fed
-by a token-id input) show it. This module finds those ids and judges the evaluated biases:
+by a token-id input) show it, or, for a graph told where the prompt ends (PaliGemma's
+``prompt_length`` input, role :data:`tfgraph.contract.PROMPT_LENGTH`), a prompt as long as the
+probe. This module finds those ids and judges the evaluated biases:
 
 - with ordinary ids, the bias masks every later key (causal, with any window and padding);
 - with one of the compared ids, it masks a subset of that, and every key it opens lies after

@@ -14,14 +14,26 @@ is computed from the new tokens alone: a decoding step's token is text (extra 0,
 Hugging Face's cached steps drop ``token_type_ids``), and the image block lies within the
 prompt, which is one chunk (the sliding window and the padding mask are applied as
 transformers' masks apply them).
+
+PaliGemma's whole prompt (image and text, ``token_type_ids`` 0) is bidirectional at prefill,
+which the step's tokens cannot say: its decoder (:class:`PrefixDecoder`) takes each row's
+prompt end, ``prompt_length`` (role ``prompt_length``), fed at every step by the runtime, and
+the mask is ``key ≤ max(query, prompt_length − 1)``; its positions are 1-based, as its
+``generate`` makes them. The export states both masks as ``bias_kind="prompt_block"``
+(:mod:`tfgraph.passes.recognize.attention.prompt_block`): cached, lowered with the bias.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from tfgraph import contract
 from tfgraph.sources.vlm_families.family import Family, Probe
+from tfgraph.sources.vlm_graphs import merge_image_features
 
 
 def _features(model: nn.Module, _probe: Probe):
@@ -79,4 +91,92 @@ GEMMA3 = Family(_features, attention=bidirectional_masks)
 # the graph compares input_ids against) and states it as bias_kind "prompt_block", non-causal
 # with the bias kept; the KV cache pass caches it as a kept causal bias and the lowering runs
 # it with the bias (passes/recognize/attention/prompt_block.py).
-FAMILIES: dict[str, Family] = {"gemma3": GEMMA3}
+
+
+# PaliGemma: the whole prompt (image, text) attends bidirectionally at prefill (the processor's
+# token_type_ids are 0 over it); generated tokens are causal. The step's tokens cannot say
+# where the prompt ended, so the decoder takes it: ``prompt_length``, (batch, 1), each row's
+# prompt end in the step's columns (left padding included), fed at every step.
+PROMPT_LENGTH = "prompt_length"
+# the parity inputs' prompt length: within the cache parity's 5-token prompt, so that its
+# eager pass over prompt + steps and the cached steps see the same prefix
+PARITY_PROMPT_LENGTH = 3
+
+
+def prefix_masks(model: nn.Module):
+    """The text model's attention masks as a function of (``attention_mask``, ``input_ids``,
+    ``prompt_length``): ``key ≤ max(query, prompt_length − 1)`` and the padding mask (the
+    sliding layers' also ``key > query − window``): every prompt token sees the whole prompt,
+    a later token the keys up to itself, as Hugging Face's mask with ``token_type_ids``. The
+    reach is on the query axis (as :func:`bidirectional_masks`'), a dict by layer type where
+    the text model has several, else one (B, 1, T, T) mask."""
+    text = model.config.get_text_config()
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+
+    def masks(input_ids, attention_mask, prompt_length):
+        index = torch.arange(input_ids.shape[1], device=input_ids.device)
+        extra = (prompt_length - 1 - index[None, :]).clamp(min=0)  # (B, T)
+        reach = index[None, :, None] + extra[..., None]  # (B, T, 1)
+        keys = index[None, None, :]
+        full = (keys <= reach) & attention_mask[:, None, :].bool()
+        if not types:
+            return full[:, None]
+        out = {"full_attention": full[:, None]}
+        if "sliding_attention" in types:
+            near = keys > index[None, :, None] - window if window else True
+            out["sliding_attention"] = (full & near)[:, None]
+        return {t: out[t] for t in set(types)}
+
+    return masks
+
+
+class PrefixDecoder(nn.Module):
+    """PaliGemma's decoder graph: ``input_ids``, ``attention_mask``, ``image_features``,
+    ``prompt_length`` → ``logits``: the block merge, the prefix mask (:func:`prefix_masks`),
+    positions 1-based (Hugging Face's ``prepare_inputs_for_generation`` adds 1 to the
+    padding mask's). ``row_inputs``: ``prompt_length`` and its parity example (the runtime
+    computes it: the longest prompt, as ``generate`` pads every row to it on the left)."""
+
+    def __init__(self, model: nn.Module, image_token: int, _probe: Probe) -> None:
+        super().__init__()
+        self.model, self.image_token = model, image_token
+        self.vocab = model.get_input_embeddings().num_embeddings
+        self.masks = prefix_masks(model)
+        width = model.get_input_embeddings().embedding_dim
+        self.register_buffer("zero_row", torch.zeros(1, 1, width), persistent=False)
+        example = torch.tensor([[PARITY_PROMPT_LENGTH]])
+        self.row_inputs = {PROMPT_LENGTH: (PROMPT_LENGTH, example)}
+        self.input_roles = {
+            "image_features": contract.IMAGE_FEATURES,
+            PROMPT_LENGTH: contract.PROMPT_LENGTH,
+        }
+
+    def forward(self, input_ids, attention_mask, image_features, prompt_length) -> torch.Tensor:
+        # an image token outside the vocabulary embeds as token 0 (Hugging Face's forward)
+        ids = input_ids
+        if self.image_token >= self.vocab:
+            ids = torch.where(input_ids == self.image_token, 0, input_ids)
+        embeds = self.model.get_input_embeddings()(ids)
+        embeds = merge_image_features(
+            embeds, input_ids, image_features, self.image_token, self.zero_row
+        )
+        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+        out = self.model.model.language_model(
+            inputs_embeds=embeds,
+            attention_mask=self.masks(input_ids, attention_mask, prompt_length),
+            position_ids=positions + 1,
+            use_cache=False,
+        )
+        return self.model.lm_head(out.last_hidden_state)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixFamily(Family):
+    """A family with its own decoder module (``decoder(model, image_token, probe)``)."""
+
+    decoder: Callable[[nn.Module, int, Probe], nn.Module] | None = None
+
+
+PALIGEMMA = PrefixFamily(_features, decoder=PrefixDecoder)
+FAMILIES: dict[str, Family] = {"gemma3": GEMMA3, "paligemma": PALIGEMMA}
