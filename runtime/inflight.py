@@ -35,9 +35,10 @@ attention reads ``encoder_capacity`` keys per row, the padding masked.
 :data:`tfgraph.contract.PROMPT_ROLES`): :meth:`~SlotBatcher.admit` takes the request's own
 (:class:`tfgraph.runtime.vision_language.ImagePrompts`' ``prepare`` of its prompt, one row):
 its ``image_features`` are merged at its prefill, alone; every step after gets none,
-(batch, 0, hidden), as :func:`tfgraph.runtime.generate` gives them; M-RoPE's
-``rope_deltas`` stay with the slot and are fed, one row per slot, at every step. A request
-without them (a text prompt) gets no features and a delta of 0.
+(batch, 0, hidden), as :func:`tfgraph.runtime.generate` gives them; its other per-prompt
+inputs (M-RoPE's ``rope_deltas``, Mllama's ``image_tiles``) stay with the slot and are fed,
+one row per slot, at every step. A request without them (a text prompt) gets no features and
+a delta of 0; an input with no such default must come with each request.
 """
 
 from __future__ import annotations
@@ -97,9 +98,15 @@ def signature_support(signature: contract.Signature, encoder_file: bool) -> str 
 
 def empty_prompt_input(port: contract.Port, rows: int) -> np.ndarray:
     """``rows`` rows of a per-prompt input (:data:`contract.PROMPT_ROLES`) for prompts without
-    an image: (rows, 0, hidden) image features, M-RoPE deltas of 0."""
+    an image: (rows, 0, hidden) image features, M-RoPE deltas of 0; a one-line error for an
+    input that has no such default (each request brings its own)."""
     if port.role == contract.ROPE_DELTAS:
         return np.zeros((rows, 1), np.int64)
+    if port.role != contract.IMAGE_FEATURES:
+        raise TfgraphError(
+            f"the step graph needs each request's '{port.name}' (the processor's, through "
+            "ImagePrompts.prepare): give it with every request"
+        )
     hidden = (port.shape or [None])[-1]
     if not isinstance(hidden, int):
         raise TfgraphError(f"'{port.name}' states no hidden size; export the model again")
@@ -136,7 +143,7 @@ class Request:
     finished: bool = False
     rng: np.random.Generator | None = None
     logits: list[np.ndarray] | None = None  # each chosen token's logits, when kept
-    deltas: np.ndarray | None = None  # M-RoPE's rope_deltas row, fed at every step
+    rows: dict = field(default_factory=dict)  # its per-prompt inputs fed at every step
 
     @property
     def last(self) -> int:
@@ -240,7 +247,11 @@ class SlotBatcher:
         request = Request(list(prompt), config, seed, slot)
         request.rng = np.random.default_rng(seed if seed is not None else config.seed)
         request.logits = [] if self.keep_logits else None
-        request.deltas = prompt_extra.get(self._deltas_input)
+        request.rows = {
+            n: v
+            for n, v in prompt_extra.items()
+            if self.prompt_inputs[n].role != contract.IMAGE_FEATURES
+        }
         tokens = np.asarray([request.prompt], np.int64)
         extra = prompt_extra or None
         if self.cross:
@@ -279,11 +290,6 @@ class SlotBatcher:
             out[slot] = self._choose(request, logits[slot, -1])
         return out
 
-    @property
-    def _deltas_input(self) -> str | None:
-        names = [n for n, p in self.prompt_inputs.items() if p.role == contract.ROPE_DELTAS]
-        return names[0] if names else None
-
     def _prompt_extra(self, extra: dict | None) -> dict[str, np.ndarray]:
         """A request's per-prompt inputs, one row: its own, else none (no image features, a
         delta of 0). Checked before its slot is taken."""
@@ -306,15 +312,18 @@ class SlotBatcher:
         return out
 
     def _step_extra(self, width: int) -> dict[str, np.ndarray]:
-        """A step's per-prompt inputs: no image features; each slot's M-RoPE delta (0 for a
-        free slot)."""
+        """A step's per-prompt inputs: no image features; each slot's own row of the others
+        (zeros for a free slot)."""
         out = {}
         for name, port in self.prompt_inputs.items():
-            out[name] = empty_prompt_input(port, width)
-            if port.role == contract.ROPE_DELTAS:
-                for slot, request in self.active.items():
-                    if slot < width and request.deltas is not None:
-                        out[name][slot] = request.deltas[0]
+            if port.role == contract.IMAGE_FEATURES:
+                out[name] = empty_prompt_input(port, width)
+                continue
+            rows = {slot: r.rows[name] for slot, r in self.active.items() if slot < width}
+            first = next(iter(rows.values()))
+            out[name] = np.zeros((width, *first.shape[1:]), first.dtype)
+            for slot, row in rows.items():
+                out[name][slot] = row[0]
         return out
 
     def _encode(self, slot: int, ids: np.ndarray) -> None:

@@ -91,6 +91,53 @@ def test_image_parts_parse_and_bad_images_are_refused_in_one_line():
         image_prompt(text_only, request.messages)
 
 
+def _step_manifest(*roles) -> dict:
+    """A decoder step graph's manifest entry (the tiny LLaVA's, written out) with ``roles``'
+    inputs besides the tokens, the mask and the cache."""
+    port = lambda name, role, shape, dtype="int64": {  # noqa: E731
+        "name": name, "role": role, "shape": shape, "dtype": dtype}  # fmt: skip
+    cache = ["batch", 4, "max_sequence", 16]
+    inputs = [
+        port("input_ids", "token_ids", ["batch", "sequence"]),
+        port("attention_mask", "attention_mask", ["batch", "total_sequence"]),
+        *[
+            port(r, r, ["batch", "image_tokens", 64] if "features" in r else ["batch", 1])
+            for r in roles
+        ],
+        port("past_key_values.0.key", "past_key", cache, "float"),
+        port("past_key_values.0.value", "past_value", cache, "float"),
+        port("past_sequence_length", "past_length", [1]),
+        port("past_sequence_lengths", "past_lengths", ["batch"]),
+    ]
+    kv = {"kind": "shared", "layers": 1, "row_lengths": "past_sequence_lengths"}
+    logits = port("logits", "logits", ["batch", "sequence", 512], "float")
+    return {"graphs": {"model.onnx": {"inputs": inputs, "outputs": [logits], "kv_layout": kv}}}
+
+
+def test_the_batcher_takes_a_prompts_own_inputs_and_refuses_others():
+    """Per-prompt inputs (:data:`contract.PROMPT_ROLES`) batch in flight; any other input a
+    step graph takes per request is refused in one line. A request without an image gets
+    (rows, 0, hidden) features and a delta of 0; an input without such a default is each
+    request's own."""
+    from tfgraph import contract
+    from tfgraph.runtime.inflight import empty_prompt_input, signature_support
+
+    def why(*roles):
+        return signature_support(contract.signature_from_manifest(_step_manifest(*roles)), False)
+
+    assert why("image_features") is None and why("image_features", "rope_deltas") is None
+    assert why("image_features", "segment_ids") == (
+        "the step graph also takes segment_ids per request"
+    )
+    signature = contract.signature_from_manifest(_step_manifest("image_features", "rope_deltas"))
+    features, deltas = (signature.input(r) for r in (contract.IMAGE_FEATURES, "rope_deltas"))
+    assert empty_prompt_input(features, 3).shape == (3, 0, 64)
+    assert empty_prompt_input(deltas, 2).tolist() == [[0], [0]]
+    tiles = contract.signature_from_manifest(_step_manifest("image_tiles")).input("image_tiles")
+    with pytest.raises(tfgraph.TfgraphError, match="each request's 'image_tiles'"):
+        empty_prompt_input(tiles, 1)
+
+
 # --- served (slow tier) ---------------------------------------------------------------------
 
 
