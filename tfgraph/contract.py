@@ -82,10 +82,11 @@ PIXEL_VALUES, IMAGE_FEATURES = "pixel_values", "image_features"
 ROPE_DELTAS = "rope_deltas"
 # Mllama's decoder: each row's real image tiles (the processor's aspect_ratio_mask), every step
 IMAGE_TILES = "image_tiles"
-PROMPT_ROLES = (IMAGE_FEATURES, ROPE_DELTAS, IMAGE_TILES)  # per-prompt inputs besides the tokens
 # PaliGemma's decoder: each row's prompt end in the step's columns (its prompt attends
 # bidirectionally), fed at every step (tfgraph/sources/vlm_families/gemma.py)
 PROMPT_LENGTH = "prompt_length"
+# per-prompt inputs besides the tokens
+PROMPT_ROLES = (IMAGE_FEATURES, ROPE_DELTAS, IMAGE_TILES, PROMPT_LENGTH)
 
 # recurrent layers' carried state (passes/insert_recurrent_state.py): numbered apart from the
 # attention layers, in graph order; zeros before the first step, then the presents
