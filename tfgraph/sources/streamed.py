@@ -69,7 +69,7 @@ def checkpoint_keys(model: nn.Module, checkpoint: Checkpoint) -> dict[str, str]:
         aliases.setdefault(id(param), []).append(name)
         params[id(param)] = param
     keys: dict[str, str] = {}
-    candidates = _key_candidates(model)
+    candidates = _key_candidates(model, checkpoint)
     for pid, names in aliases.items():
         key = next((c for n in names for c in candidates(n) if c in checkpoint.entries), None)
         if key is None:
@@ -80,13 +80,18 @@ def checkpoint_keys(model: nn.Module, checkpoint: Checkpoint) -> dict[str, str]:
     return keys
 
 
-def _key_candidates(model: nn.Module):
+def _key_candidates(model: nn.Module, checkpoint: Checkpoint):
     """``candidates(name)``: the checkpoint keys that may hold ``model``'s tensor ``name``, the
     likeliest first."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     tied = getattr(model, "_tied_weights_keys", None)
     tied = tied if isinstance(tied, dict) else {}
     renamed = _saved_names(model)
+    # transformers' chained renamings, where the caller asks (a VLM saved in the older
+    # layout); a text decoder's checkpoint keeps the single renamings above (a key found only
+    # by a chain there would change which missing tensor a fused checkpoint is refused by)
+    chained = getattr(checkpoint, "chained_renamings", False)
+    loaded = _loaded_names(model, checkpoint) if chained else {}
 
     def prefixed(name: str) -> tuple[str, ...]:
         if prefix and name.startswith(prefix + "."):
@@ -98,10 +103,39 @@ def _key_candidates(model: nn.Module):
         yield from prefixed(name)
         for each in prefixed(name):  # an older layout's names (LayerNorm.gamma), either way
             yield from renamed(each)  # before a tied weight: an untied head has its own tensor
+        if name in loaded:  # renamed as transformers loads it (several renamings chained)
+            yield loaded[name]
         if name in tied:
             yield from candidates(tied[name])
 
     return candidates
+
+
+def _loaded_names(model: nn.Module, checkpoint: Checkpoint) -> dict[str, str]:
+    """The model's name of each checkpoint key → that key, by transformers' own renamings of
+    the key as it loads it, applied in turn as it applies them (a VLM saved in the older
+    layout: ``language_model.model.embed_tokens`` is ``model.language_model.embed_tokens``,
+    two renamings chained). Renamings only: a converted tensor (fused experts) is not the
+    stored one."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, apply_renamings
+
+        mapping = get_model_conversion_mapping(model)
+    except Exception:  # noqa: BLE001 - an older transformers, or a model it cannot map
+        return {}
+    renamings = [r for r in mapping if not isinstance(r, WeightConverter)]
+    if not renamings:
+        return {}
+    out: dict[str, str] = {}
+    for key in checkpoint.entries:
+        try:
+            name = apply_renamings(key, renamings)
+        except Exception:  # noqa: BLE001 - a renaming that does not apply to this key
+            continue
+        if name != key:
+            out.setdefault(name, key)
+    return out
 
 
 # a plain name part: ``^embed_out\.`` (a name prefix, dots escaped), or words joined by dots
@@ -149,7 +183,7 @@ def load_buffers(model: nn.Module, checkpoint: Checkpoint) -> list[str]:
     the trace records it as a constant and the streamed reference keeps it on the CPU, so
     without this both would compute with the value ``__init__`` gave it."""
     persistent = set(model.state_dict(keep_vars=True))
-    candidates = _key_candidates(model)
+    candidates = _key_candidates(model, checkpoint)
     loaded = []
     for name, buf in list(model.named_buffers()):
         if name not in persistent or not buf.dtype.is_floating_point:
@@ -368,18 +402,26 @@ def _read_outside_forward(model: nn.Module, keys: dict, checkpoint, overrides) -
             return overrides[name].to(torch.float32)
         return checkpoint.tensor(keys[name], torch.float32)
 
+    reads_outside(model, model, lambda: _OffloadedReads(model, load))
+
+
+def reads_outside(module: nn.Module, model: nn.Module, mode) -> None:
+    """Each forward pass of ``module`` runs under ``mode()``, an :class:`_OffloadedReads` of
+    the streamed ``model``; kept on the model as ``tfgraph_reads`` for a wrapper calling its
+    submodules directly (a vision-language graph: :mod:`.vlm_streamed`)."""
     modes: list[_OffloadedReads] = []
+    model.tfgraph_reads = mode
 
     def enter(_module, _args):
-        modes.append(_OffloadedReads(model, load))
+        modes.append(mode())
         modes[-1].__enter__()
 
     def leave(_module, _args, _out):
         if modes:
             modes.pop().__exit__(None, None, None)
 
-    model.register_forward_pre_hook(enter)
-    model.register_forward_hook(leave, always_call=True)
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
 
 
 @contextlib.contextmanager

@@ -131,7 +131,7 @@ class VisionLanguage:
         at each row's first real positions, inside the prompt that cache parity runs first (a
         later step's features are empty, by design), the other ids never the image token."""
         vocab = self.model.get_input_embeddings().num_embeddings
-        scale = float(self.model.get_input_embeddings().weight.detach().std())
+        scale = embedding_scale(self.model)
         image, n = self.image_token_id, self.image_tokens
         module = self.decoder_module(self.model)
         # a cross-attention family's per-row inputs besides the features (Mllama's tiles)
@@ -208,6 +208,19 @@ class VisionLanguage:
             "row_inputs": {n: p for n, (p, _) in _row_inputs(self.decoder.module).items()},
             "image_processor": processor,
         }
+
+
+def embedding_scale(model: nn.Module) -> float:
+    """The token embeddings' standard deviation (the parity inputs' image features are drawn
+    at it): the table's, or, where the table is not in memory (a streamed checkpoint's, on the
+    meta device), that of its first rows as the module reads them."""
+    table = model.get_input_embeddings()
+    weight = getattr(table, "weight", None)
+    if weight is not None and not weight.is_meta:
+        return float(weight.detach().std())
+    with torch.no_grad():
+        rows = table(torch.arange(min(4096, table.num_embeddings)))
+    return float(rows.float().std())
 
 
 def probe(path: Path, model: nn.Module, family, image_size=None) -> Probe:
@@ -310,8 +323,11 @@ def load_vision_language(
     attn_implementation: str | None = None,
     image_size=None,
 ) -> VisionLanguage:
-    """The VLM in the Hugging Face directory ``path``, loaded whole in fp32."""
+    """The VLM in the Hugging Face directory ``path``: streamed from its safetensors shards
+    (:mod:`.vlm_streamed`), else loaded whole in fp32."""
+    from tfgraph.sources.checkpoint import Checkpoint, whole_load_info
     from tfgraph.sources.huggingface import _has_experts, _load_hf_weights, _refuse_remote_code
+    from tfgraph.sources.vlm_streamed import streamed_vision_language
 
     path = Path(path)
     _refuse_remote_code(path, trust_remote_code)
@@ -325,6 +341,15 @@ def load_vision_language(
     cls = getattr(transformers, config.architectures[0])
     # a mixture-of-experts text model (HY-V4-VL): the experts that trace, as for a decoder
     experts = {"experts_implementation": "batched_mm"} if _has_experts(config) else {}
-    model = _load_hf_weights(cls, path, trust_remote_code, attn_implementation, experts)
     logger.info("vision-language %s: vision and decoder graphs", config.model_type)
-    return VisionLanguage(model, path, image_size)
+    why = "no safetensors (pytorch_model.bin)"
+    if Checkpoint.present(path):
+        extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        vlm, why = streamed_vision_language(cls, config, path, {**extra, **experts}, image_size)
+        if vlm is not None:
+            return vlm
+    model = _load_hf_weights(cls, path, trust_remote_code, attn_implementation, experts)
+    vlm = VisionLanguage(model, path, image_size)
+    for source in (vlm.vision, vlm.decoder):
+        source.info.update(whole_load_info(path, why))
+    return vlm
