@@ -208,7 +208,11 @@ def _check(results: list[tuple[dict, str]], cases: list[dict]) -> None:
         assert result["restored"], f"signal handlers not restored after {where}"
 
 
-@pytest.mark.parametrize("model", ["tiny", "gpt", "hf"])
+@pytest.mark.parametrize(
+    "model",
+    # slow: gpt goes through the same preset stages as tiny, a bigger graph (~35 s)
+    ["tiny", pytest.param("gpt", marks=pytest.mark.slow), "hf"],
+)
 def test_an_interrupt_at_each_stage_leaves_nothing(tmp_path, model):
     """SIGINT and SIGTERM at the start of each stage; for the tiny model also SIGTERM, SIGHUP
     and SIGINT sent from outside (as ``kill`` or a closed terminal sends them) while a stage is

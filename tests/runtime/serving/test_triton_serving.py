@@ -22,6 +22,11 @@ import tfgraph
 from tfgraph.runtime import CachedDecoder, GenerationConfig, generate, open_runner
 from tfgraph.runtime.generate import seq2seq_prompts
 
+# slow: five exports and a real server (~65 s of setup); the default tier keeps a real Triton
+# server streaming the in-flight generation model token for token (test_triton_faults.py) and
+# the printed command starting one (test_triton_command.py)
+pytestmark = pytest.mark.slow
+
 grpcclient = pytest.importorskip(
     "tritonclient.grpc", reason="needs tritonclient: pip install 'tfgraph[serve]'"
 )

@@ -194,7 +194,10 @@ def test_an_additive_minus_10000_is_not_a_selection():
     assert apply_rules(minus_inf, RewriteRuleSet(MASK_RULES)) == 1
 
 
-@pytest.mark.parametrize("target", ["ort", "onnx", "tensorrt"])
+# slow (tensorrt): 10 s, its static checks of the graph the ort and onnx cases run
+@pytest.mark.parametrize(
+    "target", ["ort", "onnx", pytest.param("tensorrt", marks=pytest.mark.slow)]
+)
 def test_softcapped_scores_with_alternating_windows_fuse_and_cache(target, tmp_path):
     """Gemma 2's ``cap · tanh(scores / cap)`` before the mask, windowed and global layers in
     turn: fused into ``softcap`` (GroupQueryAttention's and Attention-23's attribute; for
