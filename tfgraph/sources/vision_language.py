@@ -345,7 +345,9 @@ def load_vision_language(
     why = "no safetensors (pytorch_model.bin)"
     if Checkpoint.present(path):
         extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-        vlm, why = streamed_vision_language(cls, config, path, {**extra, **experts}, image_size)
+        vlm, why = streamed_vision_language(
+            VisionLanguage, cls, config, path, {**extra, **experts}, image_size
+        )
         if vlm is not None:
             return vlm
     model = _load_hf_weights(cls, path, trust_remote_code, attn_implementation, experts)

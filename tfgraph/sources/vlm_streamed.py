@@ -77,11 +77,10 @@ def _reading(wrapper: nn.Module) -> nn.Module:
     return wrapper
 
 
-def streamed_vision_language(cls, config, path: Path, extra: dict, image_size=None):
-    """The :class:`VisionLanguage` of the safetensors directory ``path`` streamed (module
-    doc); (None, why) when it cannot stream."""
-    from tfgraph.sources.vision_language import VisionLanguage
-
+def streamed_vision_language(build, cls, config, path: Path, extra: dict, image_size=None):
+    """The :class:`~tfgraph.sources.vision_language.VisionLanguage` of the safetensors
+    directory ``path`` streamed (module doc); (None, why) when it cannot stream. ``build``:
+    that class, handed in by its module (which imports this one: no import circle)."""
     checkpoint = Checkpoint(path)  # a missing or truncated shard is refused here
     # saved in the older layout (``language_model.model.…``): transformers' renamings chained
     checkpoint.chained_renamings = True
@@ -91,7 +90,7 @@ def streamed_vision_language(cls, config, path: Path, extra: dict, image_size=No
         eager = streamed.model()
         try:
             with eager.tfgraph_reads():  # the probe's eager runs call the model's parts
-                vlm = VisionLanguage(eager, path, image_size)
+                vlm = build(eager, path, image_size)
         except (RuntimeError, NotImplementedError, TypeError, AttributeError) as exc:
             # the streamed model does not run (a weight read where no hook loads it, as
             # Mllama's tower does): as a text decoder that cannot stream, loaded whole
