@@ -61,10 +61,7 @@ def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
             "tokenizer_config.json): use /v1/completions with the prompt written out",
             param="messages",
         )
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # noqa: BLE001 - the template refused these messages (Jinja)
-        raise RequestError(f"the chat template refused the messages: {first_line(exc)}") from exc
+    text = _render(tokenizer, messages)
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if not ids:
         raise RequestError("the chat template rendered no tokens", param="messages")
@@ -108,10 +105,7 @@ def image_chat_text(processor, messages: list[dict]) -> str:
             "images or tfgraph generate --image",
             param="messages",
         )
-    try:
-        text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # noqa: BLE001 - the template refused these messages (Jinja)
-        raise RequestError(f"the chat template refused the messages: {first_line(exc)}") from exc
+    text = _render(processor, messages)
     tokenizer = processor.tokenizer
     bos = getattr(tokenizer, "bos_token", None)
     if bos and text.startswith(bos) and tokenizer.bos_token_id in tokenizer("")["input_ids"]:
@@ -165,3 +159,12 @@ class Detokenizer:
         piece = self.text[self.sent : end]
         self.sent = end
         return piece
+
+
+def _render(owner, messages: list) -> str:
+    """The chat template of ``owner`` (a tokenizer or a processor) applied to ``messages``
+    with the generation prompt; a template that refuses them is the request's error."""
+    try:
+        return owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001 - the template refused these messages (Jinja)
+        raise RequestError(f"the chat template refused the messages: {first_line(exc)}") from exc

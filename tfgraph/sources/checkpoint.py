@@ -27,7 +27,7 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from tfgraph.errors import TfgraphError
+from tfgraph.errors import TfgraphError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -299,3 +299,17 @@ def whole_load_info(path: Path, why: str | None) -> dict:
         "eager_reference": "loaded whole (from_pretrained), fp32",
         "loaded_whole": why,
     }
+
+
+def loading_whole(path: Path, exc: Exception) -> str:
+    """Log that ``path`` loads whole because its shards do not hold the tensors the model
+    names (``exc``: a :class:`MissingTensor` or a failed stream), and return the reason for
+    the report: transformers renames, fuses or computes some tensors as it loads them (MoE
+    experts, ViT, sinusoidal positions)."""
+    logger.warning(
+        "%s cannot stream from its shards (%s; transformers renames, fuses or computes "
+        "such tensors as it loads): loading it whole",
+        path,
+        str(exc).split(": the shards do not match")[0],
+    )
+    return first_line(exc)

@@ -29,7 +29,12 @@ import torch
 from torch import nn
 
 from tfgraph.errors import TfgraphError, first_line
-from tfgraph.sources.checkpoint import Checkpoint, MissingTensor, whole_load_info
+from tfgraph.sources.checkpoint import (
+    Checkpoint,
+    MissingTensor,
+    loading_whole,
+    whole_load_info,
+)
 from tfgraph.sources.hf_layouts import NAFLEX_INPUTS, candidates, naflex
 from tfgraph.sources.hf_wrappers import (
     _ENCODER_ONLY,
@@ -198,15 +203,7 @@ def _streamed_source(
         )
         source.binder = prepare_trace(source.trace_module, checkpoint)
     except (MissingTensor, _StreamFailed) as exc:
-        # transformers renames or fuses some checkpoints' tensors as it loads them (MoE
-        # experts, ViT), or computes weights the file does not hold (sinusoidal positions)
-        logger.warning(
-            "%s cannot stream from its shards (%s; transformers renames, fuses or computes "
-            "such tensors as it loads): loading it whole",
-            path,
-            str(exc).split(": the shards do not match")[0],
-        )
-        return None, first_line(exc)
+        return None, loading_whole(path, exc)
     source.binder.streamed = streamed
     stored = checkpoint.dtypes()
     source.info["checkpoint_dtype"] = max(stored, key=stored.get) if stored else None

@@ -26,7 +26,7 @@ from pathlib import Path
 from torch import nn
 
 from tfgraph.errors import first_line
-from tfgraph.sources.checkpoint import Checkpoint, MissingTensor
+from tfgraph.sources.checkpoint import Checkpoint, MissingTensor, loading_whole
 from tfgraph.sources.streamed import (
     Streamed,
     WeightBinder,
@@ -110,13 +110,7 @@ def streamed_vision_language(build, cls, config, path: Path, extra: dict, image_
         logger.warning("%s cannot stream (%s): loading it whole", path, exc)
         return None, str(exc)
     except MissingTensor as exc:
-        logger.warning(
-            "%s cannot stream from its shards (%s; transformers renames, fuses or computes "
-            "such tensors as it loads): loading it whole",
-            path,
-            str(exc).split(": the shards do not match")[0],
-        )
-        return None, first_line(exc)
+        return None, loading_whole(path, exc)
     binder.streamed = streamed
     _bind(vlm, vision, decoder, binder, checkpoint)
     return vlm, None

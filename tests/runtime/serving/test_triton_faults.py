@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import tfgraph
+from tests.grpc_streams import stream_tokens
 from tfgraph.runtime import CachedDecoder, GenerationConfig, generate, open_runner
 
 grpcclient = pytest.importorskip(
@@ -65,25 +66,7 @@ def _wait_for(predicate, timeout: float = 30.0) -> bool:
 
 def _stream(server, prompt, **params):
     """(tokens, error) of one streamed request."""
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    results = queue.Queue()
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    array = np.asarray(prompt, dtype=np.int64)
-    tensor = grpcclient.InferInput("input_ids", list(array.shape), "INT64")
-    tensor.set_data_from_numpy(array)
-    params = {"stream": True, **params}  # a response per token
-    client.async_stream_infer(MODEL, [tensor], parameters=params, enable_empty_final_response=True)
-    tokens, error = [], None
-    while True:
-        result, error = results.get(timeout=120)
-        if error is not None:
-            break
-        if result.get_response().parameters.get("triton_final_response").bool_param:
-            break
-        tokens.append(int(result.as_numpy("token_id")[0]))
-    client.stop_stream()
-    client.close()
-    return tokens, error
+    return stream_tokens(server, MODEL, {"input_ids": np.asarray(prompt, dtype=np.int64)}, **params)
 
 
 def test_clients_that_disconnect_mid_stream_free_their_slots(served):

@@ -10,7 +10,6 @@ images refused in one line); the export and everything served from it are slow-t
 
 import base64
 import io
-import queue
 import threading
 import time
 from types import SimpleNamespace
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 
 import tfgraph
+from tests.grpc_streams import stream_tokens
 from tfgraph.runtime import CachedDecoder, GenerationConfig, generate, open_runner
 from tfgraph.runtime.inflight import generate_inflight
 
@@ -314,29 +314,10 @@ def test_serve_refuses_a_remote_image_and_a_second_image(served):
 
 
 def _triton_stream(server, model, text, image=None, **params):
-    import tritonclient.grpc as grpcclient
-
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    results = queue.Queue()
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    inputs = [grpcclient.InferInput("text", [1], "BYTES")]
-    inputs[0].set_data_from_numpy(np.array([text], dtype=np.object_))
+    inputs = {"text": np.array([text], dtype=np.object_)}
     if image is not None:
-        inputs.append(grpcclient.InferInput("image", [1], "BYTES"))
-        inputs[1].set_data_from_numpy(np.array([image], dtype=np.object_))
-    params = {"stream": True, **params}
-    client.async_stream_infer(model, inputs, parameters=params, enable_empty_final_response=True)
-    tokens, error = [], None
-    while True:
-        result, error = results.get(timeout=120)
-        if error is not None:
-            break
-        if result.get_response().parameters.get("triton_final_response").bool_param:
-            break
-        tokens.append(int(result.as_numpy("token_id")[0]))
-    client.stop_stream()
-    client.close()
-    return tokens, error
+        inputs["image"] = np.array([image], dtype=np.object_)
+    return stream_tokens(server, model, inputs, **params)
 
 
 # slow: the export above, and a Triton server starting the Python backend (~20 s)
