@@ -24,7 +24,8 @@ CASES = [
     ("gpt_gqa", "onnx"),
     ("mha_lm", "ort"),
     ("seq2seq", "ort"),
-    ("seq2seq", "onnx"),
+    # slow: 10 s; seq2seq on ort stays, and gpt on onnx keeps ONNX Attention's is_causal
+    pytest.param("seq2seq", "onnx", marks=pytest.mark.slow),
 ]
 
 
