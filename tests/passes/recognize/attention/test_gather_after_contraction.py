@@ -36,7 +36,8 @@ def _equations(model: onnx.ModelProto) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("kv_cache", [False, True])
+# slow (without a cache): 10 s; the cached case runs the same rewrite and the cache besides
+@pytest.mark.parametrize("kv_cache", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_shaw_contracts_the_table_then_gathers(tmp_path, kv_cache):
     result = tfgraph.export("shaw-tiny", tmp_path / "a", kv_cache=kv_cache)
     assert_export_passed(result, kv_cache)
