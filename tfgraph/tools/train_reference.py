@@ -45,8 +45,8 @@ class Plan:
     kv_heads: int = 2
     intermediate: int = 1280
     context: int = 256
-    batch: int = 16
-    steps: int = 600
+    batch: int = 12
+    steps: int = 500
     lr: float = 1.5e-3
     warmup: int = 40
     corpus_chars: int = 6_000_000
@@ -141,7 +141,7 @@ def train(model, ids: torch.Tensor, plan: Plan, progress=None) -> list[float]:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if progress is not None and (step % 20 == 0 or step == plan.steps - 1):
             progress(step + 1, plan.steps, losses[-1], time.monotonic() - start)
     model.eval()
