@@ -23,6 +23,9 @@ def test_heldout_files_are_not_trained_on():
     assert not any("test" in p.parts[-2:-1] for p in train + held)
 
 
+# slow: 7 s of training; the default tier keeps the committed model's own check
+# (test_reference_model.py) and the held-out split above
+@pytest.mark.slow
 def test_micro_model_learns_and_reloads(tmp_path):
     torch.set_num_threads(1)
     figures = tr.make_reference(tmp_path / "ref", MICRO)
