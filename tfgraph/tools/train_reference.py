@@ -9,7 +9,8 @@ agreement against fp32) means something (issue 48).
     python -m tfgraph.tools.train_reference OUT [--steps N] [--seed S]
 
 writes ``OUT/`` as a Hugging Face directory (``config.json``, ``model.safetensors`` in bf16, the
-tokenizer) and ``OUT/heldout.txt``, text from files the model never trained on. The corpus is
+tokenizer), ``OUT/heldout.txt``, text from files the model never trained on, and
+``OUT/figures.json``, its held-out perplexity and how it was trained. The corpus is
 the standard library's ``.py`` files in sorted order, every :data:`HELDOUT_EVERY`-th file held
 out; tests and packages' own test suites are left out (they repeat the code they test).
 """
@@ -17,6 +18,7 @@ out; tests and packages' own test suites are left out (they repeat the code they
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import sysconfig
@@ -172,20 +174,33 @@ def make_reference(out: Path, plan: Plan, root: Path | None = None, progress=Non
     tokenizer = train_tokenizer(text, plan.vocab)
     ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
     model = build_model(plan, tokenizer)
+    start = time.monotonic()
     losses = train(model, ids, plan, progress)
+    seconds = time.monotonic() - start
     held_ids = torch.tensor(tokenizer(heldout)["input_ids"], dtype=torch.long)
+    before = perplexity(model, held_ids, plan.context)
+    model.to(torch.bfloat16)  # what is committed; its figure is measured with those weights
     figures = {
+        "heldout_ppl": perplexity(model.float(), held_ids, plan.context),
+        "about": "perplexity of the bf16 checkpoint (weights upcast to fp32) on heldout.txt, "
+        "windows of `context` tokens; python -m tfgraph.tools.train_reference",
+        "context": plan.context,
+        "steps": plan.steps,
+        "batch": plan.batch,
+        "seed": plan.seed,
         "parameters": sum(p.numel() for p in model.parameters()),
         "train_tokens": len(ids),
         "heldout_tokens": len(held_ids),
         "first_loss": losses[0],
         "final_loss": losses[-1],
-        "heldout_ppl_fp32": perplexity(model, held_ids, plan.context),
+        "heldout_ppl_before_bf16": before,
+        "train_seconds": round(seconds, 1),
     }
     out.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     (out / "heldout.txt").write_text(heldout, encoding="utf-8")
+    (out / "figures.json").write_text(json.dumps(figures, indent=1) + "\n", encoding="utf-8")
     return figures
 
 
@@ -195,17 +210,15 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=Plan.steps)
     parser.add_argument("--seed", type=int, default=Plan.seed)
     args = parser.parse_args(argv)
-    torch.set_num_threads(max(torch.get_num_threads(), 1))
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     def progress(step, steps, loss, seconds):
         eta = seconds / step * (steps - step)
-        print(
-            f"step {step}/{steps}  loss {loss:.3f}  {seconds:.0f} s, {eta:.0f} s left", flush=True
-        )
+        logger.info("step %d/%d  loss %.3f  %.0f s, %.0f s left", step, steps, loss, seconds, eta)
 
     figures = make_reference(args.out, Plan(steps=args.steps, seed=args.seed), progress=progress)
     for key, value in figures.items():
-        print(f"{key}: {value}")
+        logger.info("%s: %s", key, value)
     return 0
 
 
