@@ -37,6 +37,7 @@ from tfgraph.sources.tracing import trace_source
 from tfgraph.sources.vision_language import is_vision_language
 from tfgraph.verify.artifact import check_artifact, weights_error
 from tfgraph.verify.kv_quantization import check_int8_cache
+from tfgraph.verify.quality import check_measurable, measure_quality
 from tfgraph.vision_export import export_vision_language
 
 if TYPE_CHECKING:
@@ -138,7 +139,7 @@ def export(
                     shapes,
                 )  # fmt: skip
         report = _report(source, options, graph, saved, parity, done, budget, stages)
-        write_json(stage / "report.json", report)
+        _write_report(stage, out_dir, report, source, options, stages)
     return ExportResult(out_dir, saved.manifest, report)
 
 
@@ -201,11 +202,29 @@ def _load(model, options: ExportOptions, tokenizer=None) -> ModelSource:
     if not isinstance(model, ModelSource):
         model = load_source(model, **asdict(options.view("loading")))
     get_flavour(options.flavour).check_source(model)  # a model it cannot describe: refused now
-    return with_tokenizer(model, tokenizer)
+    model = with_tokenizer(model, tokenizer)
+    if options.quality_text is not None:  # no tokenizer to measure with: refused now
+        check_measurable(model, options.kv_layout)
+    return model
 
 
 def _positions(source: ModelSource) -> int | None:
     return source.info.get("max_positions")
+
+
+def _write_report(stage: Path, out_dir: Path, report: dict, source, options, stages) -> None:
+    """``report.json`` into the staged artifact; with ``quality_text`` (and parity passed) the
+    artifact's quality over it measured there, against ``source`` (fp32), and added."""
+    write_json(stage / "report.json", report)
+    if options.quality_text is None:
+        return
+    if not report["parity"]["passed"]:
+        logger.warning("quality: not measured, parity failed")
+        return
+    with stages.timed("quality"):
+        quality = measure_quality(stage, options.quality_text, source=source)
+    report["quality"] = {**quality, "artifact": str(out_dir)}  # where it is published
+    write_json(stage / "report.json", report)
 
 
 def _report(source, options, graph, saved, parity, done, budget, stages) -> dict:

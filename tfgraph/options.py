@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, make_dataclass
+from pathlib import Path
 
 from tfgraph.errors import TfgraphError
 from tfgraph.exporters.flavours import get_flavour
@@ -49,6 +50,13 @@ class ExportOptions:
     quantize_lm_head: bool = True
     quantize_embeddings: bool = True
     accuracy_level: int | None = None
+    # how int4/int8 weights are quantized: rtn, hqq, k_quant, gptq (exporters/ort/weights/
+    # methods.py); gptq and weights="mixed" measure the weights' inputs on calibration_text
+    # (its first calibration_tokens tokens); mixed puts int8_share of the weights in int8
+    weight_method: str = "rtn"
+    calibration_text: str | None = None
+    calibration_tokens: int = 2048
+    int8_share: float = 0.125
     # per-row past lengths in the cached graph (in-flight batching) where the target takes them;
     # False: machinery for the new rows only, one past length for the batch
     row_lengths: bool = True
@@ -67,6 +75,9 @@ class ExportOptions:
     # a vision-language model's input image size (height, width) where its processor's shapes
     # follow the image's (Qwen2-VL's patch grid): "HxW" or a pair; None: the family's default
     image_size: tuple[int, int] | str | None = None
+    # a text the finished artifact's quality is measured over (perplexity and KL against the
+    # fp32 source, tfgraph/verify/quality.py), into report.json's "quality"; None: not measured
+    quality_text: str | None = None
 
     @classmethod
     def of(cls, options: ExportOptions | None, fields: dict) -> ExportOptions:
@@ -90,7 +101,15 @@ class ExportOptions:
 
         target = target or get_target(self.target)
         check_precision(self.precision, self.keep_io_types, target)
-        level = check_weights(self.weights, self.block_size, target, self.accuracy_level)
+        level = check_weights(
+            self.weights,
+            self.block_size,
+            target,
+            self.accuracy_level,
+            self.weight_method,
+            self.calibration_text,
+            self.int8_share,
+        )
         check_kv_dtype(self.kv_dtype, self.kv_scales, self.kv_cache, target, self.precision)
         check_kv_layout(self, target)
         get_flavour(self.flavour).check(self, target)
@@ -100,6 +119,10 @@ class ExportOptions:
             raise TfgraphError(
                 "--image-size sizes a vision-language model's images; this model takes none "
                 "(drop the option)"
+            )
+        if self.quality_text is not None and not Path(self.quality_text).is_file():
+            raise TfgraphError(
+                f"--quality-text: no text file at '{self.quality_text}'; give a UTF-8 text file"
             )
         static = parse_static_axes(self.static_axes)  # names checked against the model's later
         return dataclasses.replace(
@@ -139,6 +162,10 @@ VIEWS = {
         "quantize_embeddings",
         "accuracy_level",
         "kv_scales",
+        "weight_method",
+        "calibration_text",
+        "calibration_tokens",
+        "int8_share",
     ),
     "saving": ("target", "pipeline", "precision", "kv_cache", "external_data", "flavour"),
     "flavouring": ("target", "precision", "weights", "kv_cache", "kv_dtype", "flavour"),

@@ -10,6 +10,7 @@ from tfgraph.cli.output import (
     print_fusions,
     print_parity,
     print_precision,
+    print_quality,
     print_weights,
     progress,
     table,
@@ -105,6 +106,13 @@ def _add_checks_and_output(p):
     )
     p.add_argument("--atol", type=float, default=1e-4, help="parity: absolute tolerance")
     p.add_argument("--rtol", type=float, default=1e-3, help="parity: relative tolerance")
+    p.add_argument(
+        "--quality-text",
+        metavar="FILE",
+        help="after parity, measure the artifact's perplexity, KL divergence and top-1 "
+        "agreement against the fp32 source over this text (report.json's quality; as "
+        "tfgraph quality DIR --text FILE)",
+    )
 
 
 def _add_precision_and_weights(p):
@@ -130,9 +138,41 @@ def _add_weight_quantization(p):
     """--weights and its knobs: block size, accuracy level, zero points, what stays fp32."""
     p.add_argument(
         "--weights",
-        choices=["int8", "int4"],
+        choices=["int8", "int4", "mixed"],
         help="weight-only quantization of MatMul weights (MatMulNBits, ort targets); parity "
-        "then runs against eager with the same dequantized weights",
+        "then runs against eager with the same dequantized weights. mixed: int4, and int8 for "
+        "the weights most sensitive on --calibration-text (--int8-share of them)",
+    )
+    p.add_argument(
+        "--method",
+        dest="weight_method",
+        choices=["rtn", "hqq", "k_quant", "gptq"],
+        default="rtn",
+        help="--weights: how (ONNX Runtime's routines). rtn: round to nearest (default, "
+        "seconds); hqq: optimized float zero points, no data (a few times rtn's time; int4, "
+        "asymmetric by construction, runs at accuracy level 0); k_quant: llama.cpp's scale "
+        "search, no data (~20x rtn's time; asymmetric by construction); gptq: error feedback "
+        "through each input's Hessian, needs --calibration-text (a calibration pass, then "
+        "minutes on a large model; int4)",
+    )
+    p.add_argument(
+        "--calibration-text",
+        metavar="FILE",
+        help="--method gptq, --weights mixed: text the weights' inputs are measured on "
+        "(tokenized with the model's tokenizer)",
+    )
+    p.add_argument(
+        "--calibration-tokens",
+        type=int,
+        default=2048,
+        help="--calibration-text: tokens used, in windows of 256 (default 2048)",
+    )
+    p.add_argument(
+        "--int8-share",
+        type=float,
+        default=0.125,
+        help="--weights mixed: the share of the MatMul weights put in int8, the most "
+        "sensitive first (default 0.125)",
     )
     p.add_argument(
         "--block-size",
@@ -284,6 +324,10 @@ def options_from_args(args):
         quantize_lm_head=not args.no_quantize_lm_head,
         quantize_embeddings=not args.no_quantize_embeddings,
         accuracy_level=args.accuracy_level,
+        weight_method=args.weight_method,
+        calibration_text=args.calibration_text,
+        calibration_tokens=args.calibration_tokens,
+        int8_share=args.int8_share,
         row_lengths=not args.no_row_lengths,
         kv_dtype=args.kv_dtype,
         kv_scales=args.kv_scales,
@@ -292,6 +336,7 @@ def options_from_args(args):
         flavour=args.flavour,
         static_axes=args.static_axes,
         image_size=args.image_size,
+        quality_text=args.quality_text,
     )
 
 
@@ -339,6 +384,7 @@ def run(args) -> int:
         + (args.kv_dtype != "fp32")
         + (args.kv_layout == "paged")
         + (args.flavour != "tfgraph")
+        + (args.quality_text is not None)
     )
     from tfgraph.progress import listening
     from tfgraph.sources.vision_language import is_vision_language
@@ -363,6 +409,7 @@ def run(args) -> int:
     print_weights(report.get("weights"), verbose=args.verbose)
     print_compatibility(report.get("compatibility") or [], report["target"], args.verbose)
     print_parity(report["parity"], cached=bool(report.get("kv_cache")))
+    print_quality(report.get("quality"), line=True)
     paged = report.get("paged")
     if paged:
         print(

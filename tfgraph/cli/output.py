@@ -177,12 +177,22 @@ def print_weights(weights: dict | None, *, verbose: bool) -> None:
     before, after = (weights[k] / (1 << 20) for k in ("weight_bytes_before", "weight_bytes_after"))
     tables = sum(1 for row in weights["quantized"] if row.get("op") == "Gather")
     gathered = f"{tables} embedding tables in GatherBlockQuantized, " if tables else ""
+    method = weights.get("method", "rtn")
+    calibration = weights.get("calibration")
+    if calibration:
+        method += f" on {calibration['tokens']} calibration tokens"
     print(
-        f"weights {weights['weights']} (block {weights['block_size']}, {kind}, accuracy level "
-        f"{weights.get('accuracy_level', 0)}): "
+        f"weights {weights['weights']} ({method}, block {weights['block_size']}, {kind}, "
+        f"accuracy level {weights.get('accuracy_level', 0)}): "
         f"{len(weights['quantized']) - tables} MatMul weights in MatMulNBits, {gathered}"
         f"{before:.2f} -> {after:.2f} MiB"
     )
+    mixed = weights.get("mixed")
+    if mixed:
+        eight = [row for row in mixed["sensitivity"] if row["bits"] == 8]
+        print(f"  int8: {len(eight)} most sensitive weights ({mixed['int8_held']:.1%} of them)")
+        for row in mixed["sensitivity"] if verbose else eight[:3]:
+            print(f"    {row['module']}: sensitivity {row['sensitivity']:.3g}, {row['bits']} bits")
     shown = weights["unquantized"] if verbose else weights["unquantized"][:3]
     for row in shown:
         print(f"  kept {row.get('module') or row.get('node')}: {row['reason']}")
@@ -229,3 +239,36 @@ def print_compatibility(findings: list[dict], target: dict, verbose: bool) -> No
     print(table(rows, ["severity", "op", "module", "reason", "what to do"]))
     if len(findings) > len(shown):
         print(f"  … {len(findings) - len(shown)} more (-v lists all)")
+
+
+def quality_rows(figures: dict) -> list[str]:
+    """One row of :func:`print_quality`'s table: an artifact's quality figures."""
+    return [
+        f"{figures['ppl']:.4f}",
+        f"{figures['ppl_ref']:.4f}",
+        f"{figures['delta_ppl']:+.4f} ({figures['delta_ppl_pct']:+.2f}%)",
+        f"{figures['kl_mean']:.3g}",
+        f"{figures['kl_max']:.3g}",
+        f"{100 * figures['top1']:.2f}%",
+        str(figures["tokens"]),
+    ]
+
+
+QUALITY_HEADER = ["PPL", "fp32 PPL", "ΔPPL", "mean KL", "max KL", "top-1", "tokens"]
+
+
+def print_quality(figures: dict | None, *, line: bool = False) -> None:
+    """The quality figures (``tfgraph quality``, ``export --quality-text``): a table, or with
+    ``line`` one line of the export's summary."""
+    if not figures:
+        return
+    if line:
+        ppl, ref, delta, kl, _, top1, _ = quality_rows(figures)
+        print(f"quality over {figures['text']}: PPL {ppl} (fp32 {ref}, Δ {delta}), "
+              f"mean KL {kl}, top-1 {top1}")  # fmt: skip
+        return
+    print(
+        f"quality of {figures['artifact']} over {figures['text']}: {figures['windows']} windows "
+        f"of {figures['window']} tokens against {figures['reference']} ({figures['seconds']:.1f} s)"
+    )
+    print(table([quality_rows(figures)], QUALITY_HEADER))
