@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from tfgraph.errors import TfgraphError, first_line
+from tfgraph.sources import quantized_checkpoint
 from tfgraph.sources.checkpoint import (
     Checkpoint,
     MissingTensor,
@@ -154,6 +155,10 @@ def from_hf_dir(
         raise TfgraphError(
             f"cannot read '{path / 'config.json'}': {first_line(exc, named=True)}"
         ) from exc
+    shipped = quantized_checkpoint.detect(path)  # AWQ / GPTQ: plain Linears, dequantized
+    if shipped is not None:
+        quantized_checkpoint.without_quantization(config)
+        shipped = quantized_checkpoint.QuantizedCheckpoint(path, shipped)
     arch = (config.architectures or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
     if cls is None:
@@ -165,11 +170,17 @@ def from_hf_dir(
     experts = {"experts_implementation": "batched_mm"} if _has_experts(config) else {}
     source, why = None, "no safetensors (pytorch_model.bin)"
     if Checkpoint.present(path):
-        source, why = _streamed_source(cls, config, path, attn_implementation, experts)
+        source, why = _streamed_source(cls, config, path, attn_implementation, experts, shipped)
     if source is None:
-        model = _load_hf_weights(cls, path, trust_remote_code, attn_implementation, experts)
+        if shipped is not None:  # from_pretrained would need autoawq / gptqmodel
+            extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+            model = quantized_checkpoint.load_whole(cls, config, {**extra, **experts}, shipped)
+        else:
+            model = _load_hf_weights(cls, path, trust_remote_code, attn_implementation, experts)
         source = hf_source(model, origin=f"hf:{path}")
         source.info.update(whole_load_info(path, why))
+    if shipped is not None:
+        source.info["quantized_checkpoint"] = shipped.describe()
     source.info.update(
         {
             "hf_architecture": arch,
@@ -187,12 +198,13 @@ def from_hf_dir(
 
 
 def _streamed_source(
-    cls, config, path: Path, attn_implementation, experts
+    cls, config, path: Path, attn_implementation, experts, shipped=None
 ) -> tuple[ModelSource | None, str | None]:
     """A safetensors directory, never loaded whole: traced without weights, the weights bound
     lazily, the eager reference streamed block by block (:mod:`tfgraph.sources.streamed`);
-    (None, why) when it cannot stream."""
-    checkpoint = Checkpoint(path)  # a missing or truncated shard is refused here
+    (None, why) when it cannot stream. ``shipped``: an AWQ / GPTQ checkpoint, whose quantized
+    weights are read dequantized (:mod:`tfgraph.sources.quantized_checkpoint`)."""
+    checkpoint = shipped or Checkpoint(path)  # a missing or truncated shard is refused here
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     extra.update(experts)
     logger.info("streaming %s from %s (%s)", cls.__name__, path, checkpoint.dtypes())
