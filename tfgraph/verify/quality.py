@@ -66,8 +66,8 @@ def measure_quality(
     directory = Path(artifact_dir)
     report = read_report(directory)
     ids = text_tokens(directory, text_path, max_tokens)
-    spans = windows(len(ids), _window(window, directory, report))
-    size = spans[0][1] - spans[0][0]
+    size = _window(window, directory, report)
+    spans = windows(len(ids), size)
     say(f"artifact over {len(spans)} windows of {size} tokens")
     logger.info("quality: %d tokens, %d windows of %d", len(ids), len(spans), size)
     with LogitStore(len(ids) - 1) as store:
