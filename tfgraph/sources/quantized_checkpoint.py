@@ -310,6 +310,27 @@ def shipped_blocks(tensor, block_size: int):
     return _ShippedRows(parts, block_size)
 
 
+def shipped_label(tensor) -> str:
+    """The format a weight's shipped integers come from ("awq checkpoint")."""
+    return _shipped_parts(tensor)[0].checkpoint.format.label
+
+
+def export_block_size(info: dict | None, weights: str | None, asked: int) -> int:
+    """The block size of an export of a checkpoint whose ``info`` (``source.info``'s
+    ``quantized_checkpoint``) says how it ships: int4 keeps the shipped integers, so its group
+    size overrides ``asked`` (``--block-size``; logged, and the report says so); ``asked``
+    otherwise, and where the group size is no ``MatMulNBits`` block size (per column: -1)."""
+    if not info or weights not in ("int4", "mixed"):
+        return asked
+    group = info["group_size"]
+    if group < 16 or group & (group - 1):
+        return asked
+    if group != asked:
+        logger.info("--block-size %d overridden by the %s's group size %d (its integers are "
+                    "kept as shipped)", asked, info["format"], group)  # fmt: skip
+    return group
+
+
 class _ShippedRows:
     """The shipped integers of a weight's output rows, handed out chunk after chunk."""
 
