@@ -172,6 +172,39 @@ def test_gptq_layouts(tmp_path):
     assert qc.detect(tmp_path) is None
 
 
+class _Derived:
+    """A (K, N) graph weight made as the weights stage sees one (``tfgraph.derived`` meta)."""
+
+    def __init__(self, op, arg, sources) -> None:
+        from tfgraph.passes.lazy_weights import DERIVED
+
+        self.meta = {DERIVED: (op, arg, sources)}
+
+
+def test_shipped_rows(written):
+    """The weights stage's view of a shipped Linear (the lazy transpose of its weight, or Q/K/V
+    concatenated): the repacked shipped integers of each chunk of output rows, checked against
+    the rows it reads; desc_act's reordered rows and another block size are quantized again."""
+    name, directory, expected = written
+    checkpoint = qc.QuantizedCheckpoint(directory, qc.detect(directory))
+    names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+    lazies = [checkpoint.lazy(n, torch.float32) for n in names]
+    weight = _Derived("concat", 1, [_Derived("transpose", (1, 0), [t]) for t in lazies])
+    assert qc.shipped_blocks(weight, 64) is None  # not the checkpoint's group size
+    rows = qc.shipped_blocks(weight, 32)
+    if name == "gptq-desc_act":
+        assert rows is None
+        return
+    assert qc.shipped_label(weight) == f"{CASES[name][0]} checkpoint"
+    full = np.concatenate([expected[n] for n in names])  # (N, K) rows of the fused weight
+    parts = [rows(full[:48]), rows(full[48:])]  # two chunks, across the Q/K boundary
+    packed, scales, zeros = (np.concatenate(p) for p in zip(*parts, strict=True))
+    got = _ort_dequantized(packed, scales, zeros, full.shape[1])
+    np.testing.assert_array_equal(got, full)
+    with pytest.raises(TfgraphError, match="not what its shipped integers dequantize to"):
+        rows(full[1:17])  # out of order: refused, never silently replaced
+
+
 # --- the export (slow: two exports and a builder run per format) ----------------------------
 
 
@@ -210,7 +243,7 @@ def test_export_keeps_the_shipped_integers(tmp_path, name):
 
     method, options = CASES[name]
     directory = tmp_path / name
-    expected = write(directory, method, **options)
+    expected = write(directory, method, seed=1 if method == "gptq" else 0, **options)
     out = tmp_path / "out"
     result = export(directory, out, weights="int4", symmetric=False, block_size=64,
                     quantize_lm_head=False, quantize_embeddings=False)  # fmt: skip
@@ -219,6 +252,8 @@ def test_export_keeps_the_shipped_integers(tmp_path, name):
     weights = report["weights"]
     assert weights["source_format"] == f"{method} checkpoint"
     assert weights["block_size"] == 32  # the checkpoint's group size, not --block-size 64
+    assert "overridden" in weights["block_size_note"]
+    assert weights["shipped_weights"] == 14
     model = ir.load(out / "model.onnx")
     nodes = {n.name: n for n in model.graph}
     seen = set()
