@@ -37,9 +37,9 @@ def test_quality_prints_the_table_and_writes_the_report(artifact, tmp_path_facto
     assert report["parity"]["passed"]  # the rest of the report kept
     assert not list(artifact.glob(".report-*"))  # the temporary file renamed away
 
-    assert main([*argv, "--json"]) == 0
+    assert main([*argv[:-1], "100", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
-    assert printed["window"] == 512 and printed["tokens"] == 299
+    assert printed["window"] == 512 and printed["tokens"] == 99
     assert json.loads((artifact / "report.json").read_text())["quality"] == printed
 
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-from tfgraph.cli.output import print_quality
+from tfgraph.cli.output import print_quality, progress
 
 
 def add_parser(sub):
@@ -32,15 +31,14 @@ def add_parser(sub):
 
 
 def run(args) -> int:
+    from tfgraph.progress import listening
     from tfgraph.verify.quality import measure_quality
 
-    figures = measure_quality(
-        args.path,
-        args.text,
-        window=args.window,
-        max_tokens=args.max_tokens,
-        progress=lambda line: print(line, file=sys.stderr, flush=True),
-    )
+    lines = progress(2)  # the artifact, then the fp32 model: each with its windows' pace
+    with listening(lines):
+        figures = measure_quality(
+            args.path, args.text, window=args.window, max_tokens=args.max_tokens, progress=lines
+        )
     write_quality(Path(args.path), figures)
     if args.json:
         print(json.dumps(figures, indent=2))
