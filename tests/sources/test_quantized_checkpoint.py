@@ -31,6 +31,7 @@ from tfgraph.sources import quantized_checkpoint as qc
 
 pytest.importorskip("transformers")
 
+REFERENCE_MODEL = Path(__file__).resolve().parents[2] / "bench" / "reference_model"
 CASES = {
     "awq": ("awq", {}),
     "gptq": ("gptq", {}),
@@ -212,7 +213,7 @@ def _builder(directory: Path, out: Path) -> Path:
     """onnxruntime-genai's builder's int4 CPU export of ``directory`` (its LM head kept fp32,
     as the tfgraph export it is compared with)."""
     for name in ("tokenizer.json", "tokenizer_config.json"):  # the builder saves a tokenizer
-        shutil.copy(Path("bench/reference_model") / name, directory / name)
+        shutil.copy(REFERENCE_MODEL / name, directory / name)
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(directory),
            "-o", str(out), "-p", "int4", "-e", "cpu", "-c", str(out.parent / "cache"),
            "--extra_options", "nodes_to_exclude=/lm_head/MatMul"]  # fmt: skip
