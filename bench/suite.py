@@ -10,7 +10,9 @@ and the onnxruntime-genai builder), ``precision`` (decode and prefill in fp32, i
 fp16, beside the builder's int4), ``serving`` (the Triton generation model under 1, 4, 16 and 32
 concurrent streams with a mixed workload: static vs in-flight batching vs an int8 KV cache,
 beside local generation), ``scale`` (export time, peak RSS and decode step
-from ~120M to 6.7B parameters, beside the builder) and, in full runs, ``norm_folding``. Writes
+from ~120M to 6.7B parameters, beside the builder), ``quality`` (perplexity, KL and top-1 of
+every weight format and method on the trained reference model, beside the builder's int4 and
+llama.cpp's Q4_0 / Q4_K_M) and, in full runs, ``norm_folding``. Writes
 ``DIR/bench/<section>.json``, ``DIR/bench/*.png``, ``DIR/bench/suite.json`` (machine, command,
 per-section status, wall and CPU seconds) and ``DIR/BENCHMARKS.md``; each section's wall and
 CPU time (this process and its ended children, user + system) also goes to ``progress`` as it
@@ -51,6 +53,7 @@ SECTIONS = {  # name → module; the order they run in
     "serving": "serving",
     "scale": "scale",
     "norm_folding": "norm_folding",
+    "quality": "quality",  # the formats' cost on the trained reference model (issue 48)
 }
 
 
@@ -188,7 +191,8 @@ def _run_sections(quick: bool, only, bench: Path, suite: dict, progress) -> dict
                 info["skipped"] = data["skipped"]
             elif "error" not in data:
                 results[name] = data
-            (bench / report.FILES[name]).write_text(json.dumps(data, indent=2) + "\n")
+            file = report.FILES.get(name, f"{name}.json")  # a section report.py does not render
+            (bench / file).write_text(json.dumps(data, indent=2) + "\n")
             suite["sections"][name] = info
         if quick:
             suite["shared"] = shared.stats()
