@@ -30,7 +30,7 @@ def _size(n: float) -> str:
 
 
 OPEN_FACTOR = 1.25  # session memory per artifact byte (measured: fp32 1.1B 1.05, int4 1.2)
-_BITS = {"int4": 4, "int8": 8}
+_BITS = {"int4": 4, "int8": 8, "mixed": 5}  # mixed: int4 and --int8-share of int8, rounded up
 
 
 def estimate_bytes(

@@ -50,6 +50,13 @@ class ExportOptions:
     quantize_lm_head: bool = True
     quantize_embeddings: bool = True
     accuracy_level: int | None = None
+    # how int4/int8 weights are quantized: rtn, hqq, k_quant, gptq (exporters/ort/weights/
+    # methods.py); gptq and weights="mixed" measure the weights' inputs on calibration_text
+    # (its first calibration_tokens tokens); mixed puts int8_share of the weights in int8
+    weight_method: str = "rtn"
+    calibration_text: str | None = None
+    calibration_tokens: int = 2048
+    int8_share: float = 0.125
     # per-row past lengths in the cached graph (in-flight batching) where the target takes them;
     # False: machinery for the new rows only, one past length for the batch
     row_lengths: bool = True
@@ -94,7 +101,15 @@ class ExportOptions:
 
         target = target or get_target(self.target)
         check_precision(self.precision, self.keep_io_types, target)
-        level = check_weights(self.weights, self.block_size, target, self.accuracy_level)
+        level = check_weights(
+            self.weights,
+            self.block_size,
+            target,
+            self.accuracy_level,
+            self.weight_method,
+            self.calibration_text,
+            self.int8_share,
+        )
         check_kv_dtype(self.kv_dtype, self.kv_scales, self.kv_cache, target, self.precision)
         check_kv_layout(self, target)
         get_flavour(self.flavour).check(self, target)
@@ -147,6 +162,10 @@ VIEWS = {
         "quantize_embeddings",
         "accuracy_level",
         "kv_scales",
+        "weight_method",
+        "calibration_text",
+        "calibration_tokens",
+        "int8_share",
     ),
     "saving": ("target", "pipeline", "precision", "kv_cache", "external_data", "flavour"),
     "flavouring": ("target", "precision", "weights", "kv_cache", "kv_dtype", "flavour"),

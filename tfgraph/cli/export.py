@@ -138,9 +138,41 @@ def _add_weight_quantization(p):
     """--weights and its knobs: block size, accuracy level, zero points, what stays fp32."""
     p.add_argument(
         "--weights",
-        choices=["int8", "int4"],
+        choices=["int8", "int4", "mixed"],
         help="weight-only quantization of MatMul weights (MatMulNBits, ort targets); parity "
-        "then runs against eager with the same dequantized weights",
+        "then runs against eager with the same dequantized weights. mixed: int4, and int8 for "
+        "the weights most sensitive on --calibration-text (--int8-share of them)",
+    )
+    p.add_argument(
+        "--method",
+        dest="weight_method",
+        choices=["rtn", "hqq", "k_quant", "gptq"],
+        default="rtn",
+        help="--weights: how (ONNX Runtime's routines). rtn: round to nearest (default, "
+        "seconds); hqq: optimized float zero points, no data (a few times rtn's time; int4, "
+        "asymmetric by construction, runs at accuracy level 0); k_quant: llama.cpp's scale "
+        "search, no data (~20x rtn's time; asymmetric by construction); gptq: error feedback "
+        "through each input's Hessian, needs --calibration-text (a calibration pass, then "
+        "minutes on a large model; int4)",
+    )
+    p.add_argument(
+        "--calibration-text",
+        metavar="FILE",
+        help="--method gptq, --weights mixed: text the weights' inputs are measured on "
+        "(tokenized with the model's tokenizer)",
+    )
+    p.add_argument(
+        "--calibration-tokens",
+        type=int,
+        default=2048,
+        help="--calibration-text: tokens used, in windows of 256 (default 2048)",
+    )
+    p.add_argument(
+        "--int8-share",
+        type=float,
+        default=0.125,
+        help="--weights mixed: the share of the MatMul weights put in int8, the most "
+        "sensitive first (default 0.125)",
     )
     p.add_argument(
         "--block-size",
@@ -292,6 +324,10 @@ def options_from_args(args):
         quantize_lm_head=not args.no_quantize_lm_head,
         quantize_embeddings=not args.no_quantize_embeddings,
         accuracy_level=args.accuracy_level,
+        weight_method=args.weight_method,
+        calibration_text=args.calibration_text,
+        calibration_tokens=args.calibration_tokens,
+        int8_share=args.int8_share,
         row_lengths=not args.no_row_lengths,
         kv_dtype=args.kv_dtype,
         kv_scales=args.kv_scales,

@@ -177,12 +177,23 @@ def print_weights(weights: dict | None, *, verbose: bool) -> None:
     before, after = (weights[k] / (1 << 20) for k in ("weight_bytes_before", "weight_bytes_after"))
     tables = sum(1 for row in weights["quantized"] if row.get("op") == "Gather")
     gathered = f"{tables} embedding tables in GatherBlockQuantized, " if tables else ""
+    method = weights.get("method", "rtn")  # rtn (round to nearest): named only by default
+    method = "" if method == "rtn" else f" by {method}"
+    calibration = weights.get("calibration")
+    if calibration:
+        method += f" on {calibration['tokens']} calibration tokens"
     print(
-        f"weights {weights['weights']} (block {weights['block_size']}, {kind}, accuracy level "
-        f"{weights.get('accuracy_level', 0)}): "
+        f"weights {weights['weights']}{method} (block {weights['block_size']}, {kind}, "
+        f"accuracy level {weights.get('accuracy_level', 0)}): "
         f"{len(weights['quantized']) - tables} MatMul weights in MatMulNBits, {gathered}"
         f"{before:.2f} -> {after:.2f} MiB"
     )
+    mixed = weights.get("mixed")
+    if mixed:
+        eight = [row for row in mixed["sensitivity"] if row["bits"] == 8]
+        print(f"  int8: {len(eight)} most sensitive weights ({mixed['int8_held']:.1%} of them)")
+        for row in mixed["sensitivity"] if verbose else eight[:3]:
+            print(f"    {row['module']}: sensitivity {row['sensitivity']:.3g}, {row['bits']} bits")
     shown = weights["unquantized"] if verbose else weights["unquantized"][:3]
     for row in shown:
         print(f"  kept {row.get('module') or row.get('node')}: {row['reason']}")

@@ -10,24 +10,34 @@ def dequantize(node: ir.Node, initializers, shape: tuple[int, int]) -> np.ndarra
     """The (K, N) weight ``MatMulNBits`` computes with: ``(q − zero_point) · scale`` per block.
 
     Layout (ONNX Runtime's contrib op): ``B`` (N, blocks, block·bits/8) uint8, values packed
-    low bits first; ``scales`` (N·blocks); ``zero_points`` packed the same way along blocks,
-    absent for symmetric weights (then 2^(bits−1)).
+    low bits first; ``scales`` (N·blocks); ``zero_points`` packed the same way along blocks
+    (uint8), or one float per block in the scales' type (HQQ's), or absent for symmetric
+    weights (then 2^(bits−1)).
     """
     bits = node.attributes.get_int("bits", 4)
     block = node.attributes.get_int("block_size")
-    k, n = shape
     packed = initializers[node.inputs[1].name].const_value.numpy()
-    scales = initializers[node.inputs[2].name].const_value.numpy().astype(np.float32)
-    blocks = packed.shape[1]
-    q = _unpack(packed.reshape(n, -1), bits).reshape(n, blocks, block).astype(np.float32)
+    scales = initializers[node.inputs[2].name].const_value.numpy()
     zp_value = node.inputs[3] if len(node.inputs) > 3 else None
+    zp = None
     if zp_value is not None and zp_value.name:
         zp = initializers[zp_value.name].const_value.numpy()
-        zp = _unpack(zp.reshape(n, -1), bits)[:, :blocks].astype(np.float32)
-    else:
+    return np.ascontiguousarray(dequantize_parts(packed, scales, zp, bits, block, shape[0]).T)
+
+
+def dequantize_parts(packed, scales, zero_points, bits: int, block: int, k: int) -> np.ndarray:
+    """(N, K) fp32 weight rows from ``MatMulNBits``' parts: ``(q − zero_point) · scale``."""
+    n, blocks = packed.shape[0], packed.shape[1]
+    scales = np.asarray(scales).astype(np.float32).reshape(n, blocks)
+    q = _unpack(packed.reshape(n, -1), bits).reshape(n, blocks, block).astype(np.float32)
+    if zero_points is None:
         zp = np.full((n, blocks), 2 ** (bits - 1), np.float32)
-    w = (q - zp[:, :, None]) * scales.reshape(n, blocks)[:, :, None]  # (N, blocks, block)
-    return np.ascontiguousarray(w.reshape(n, -1)[:, :k].T)  # (K, N)
+    elif np.issubdtype(zero_points.dtype, np.integer):
+        zp = _unpack(zero_points.reshape(n, -1), bits)[:, :blocks].astype(np.float32)
+    else:  # float zero points (HQQ's), one per block in the scales' type
+        zp = zero_points.astype(np.float32).reshape(n, blocks)
+    w = (q - zp[:, :, None]) * scales[:, :, None]  # (N, blocks, block)
+    return w.reshape(n, -1)[:, :k]
 
 
 def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
@@ -75,7 +85,9 @@ def dequantize_rows(node: ir.Node, initializers, rows: tuple[int, int] | None = 
     for c0 in range(0, r1 - r0, ROW_CHUNK):
         c1 = min(c0 + ROW_CHUNK, r1 - r0)
         q = _unpack_torch(packed[c0:c1], bits).reshape(c1 - c0, blocks, block).float()
-        if zps is not None:
+        if zps is not None and zps.is_floating_point():  # float zero points (HQQ's)
+            zp = zps[c0:c1].float()
+        elif zps is not None:
             zp = _unpack_torch(zps[c0:c1], bits)[:, :blocks].float()
         else:
             zp = torch.full((c1 - c0, blocks), float(2 ** (bits - 1)))

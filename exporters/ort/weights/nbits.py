@@ -13,7 +13,8 @@ share one quantization). Tested byte for byte against ``MatMulNBitsQuantizer`` o
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
@@ -29,9 +30,10 @@ class _Blocks:
     """One weight's parts (packed, scales[, zero_points]), computed by ``compute()`` on the
     first read of any of them and dropped once all were read."""
 
-    def __init__(self, compute, parts: int) -> None:
+    def __init__(self, compute, parts: int, keep: bool = False) -> None:
         self.compute = compute
         self.parts = parts
+        self.keep = keep
         self._value: tuple | None = None
         self._left: set[int] = set()
 
@@ -41,7 +43,7 @@ class _Blocks:
             self._left = set(range(self.parts))
         value = self._value[index]
         self._left.discard(index)
-        if not self._left:
+        if not self._left and not self.keep:
             self._value = None
         return value
 
@@ -58,28 +60,75 @@ class _Blocks:
 COLUMN_CHUNK = 16384  # output columns quantized at a time from a transposed weight
 
 
-def _block_quantized(quantizer, weight) -> tuple:
-    """ONNX Runtime's (packed, scales, zero_points) of one (K, N) weight tensor.
+@dataclass(frozen=True)
+class NodeQuantizer:
+    """How one MatMul weight is quantized (the per-node interface of :func:`quantize_matmuls`).
+
+    ``quantize(rows)`` takes output rows of the weight, (n, K) in the weight's dtype (a chunk of
+    the (K, N) MatMul weight transposed: every output column is quantized on its own), and
+    returns ``MatMulNBits``' parts for them: ``packed`` (n, blocks, blob) uint8, ``scales``
+    (n, blocks) and ``zero_points`` as ``zero_points`` says: ``None`` (none written),
+    ``"uint8"`` ((n, ceil(blocks·bits/8)), packed per row) or ``"float"`` ((n, blocks), the
+    scales' type). :mod:`tfgraph.exporters.ort.weights.methods` makes them for each method.
+    ``accuracy_level``: the node's own, where the kernel cannot run the export's (``None``).
+    ``keep``: hold the parts once computed (an export reads each weight up to three times:
+    the step check, the eager reference, the save) where the method is slow and the model
+    small; else they are computed again on each read, holding one weight at a time."""
+
+    bits: int
+    zero_points: str | None
+    quantize: Callable[[np.ndarray], tuple]
+    method: str = "rtn"
+    accuracy_level: int | None = None
+    keep: bool = False
+
+
+def rtn_quantizer(bits: int, block_size: int, symmetric: bool, accuracy_level: int):
+    """ONNX Runtime's round to nearest (``DefaultWeightOnlyQuantizer.qbits_block_quant``): the
+    bytes of ``MatMulNBitsQuantizer``'s default."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        DefaultWeightOnlyQuantizer,
+    )
+
+    config = DefaultWeightOnlyQuantConfig(
+        block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level, bits=bits
+    )
+    quantizer = DefaultWeightOnlyQuantizer(config)
+
+    def run(rows: np.ndarray) -> tuple:
+        packed, scales, zero_points = _quantized(quantizer, rows.T)
+        return packed, scales, None if symmetric else zero_points  # the C++ routine fills them
+
+    return NodeQuantizer(bits, None if symmetric else "uint8", run)
+
+
+def _block_quantized(quantize, weight) -> tuple:
+    """``quantize``'s (packed, scales, zero_points) of one (K, N) weight tensor.
 
     A ``Linear``'s weight is the lazy transpose of its (N, K) parameter: it is quantized
     :data:`COLUMN_CHUNK` output columns at a time from the parameter's rows (each column is
     quantized on its own, so the bytes are the same), never transposed whole — a 250k-word
     head held 4.1 GB twice, parameter and transposed copy."""
+    rows = weight_rows(weight)
+    chunks = [quantize(rows[c : c + COLUMN_CHUNK]) for c in range(0, rows.shape[0], COLUMN_CHUNK)]
+    del rows
+    if len(chunks) == 1:
+        return chunks[0]
+    return tuple(
+        None if parts[0] is None else np.concatenate(parts) for parts in zip(*chunks, strict=True)
+    )
+
+
+def weight_rows(weight) -> np.ndarray:
+    """The (N, K) output rows of a (K, N) weight tensor: a ``Linear``'s parameter as stored
+    where the weight is its lazy transpose (no transposed copy), else a transposed view."""
     from tfgraph.passes.lazy_weights import DERIVED
 
     made = weight.meta.get(DERIVED)
     if made is not None and made[0] == "transpose" and tuple(made[1]) == (1, 0):
-        rows = made[2][0].numpy()  # (N, K)
-        chunks = [
-            _quantized(quantizer, rows[c : c + COLUMN_CHUNK].T)
-            for c in range(0, rows.shape[0], COLUMN_CHUNK)
-        ]
-        del rows
-        return tuple(
-            None if parts[0] is None else np.concatenate(parts)
-            for parts in zip(*chunks, strict=True)
-        )
-    return _quantized(quantizer, weight.numpy())
+        return made[2][0].numpy()
+    return weight.numpy().T
 
 
 def _quantized(quantizer, array: np.ndarray) -> tuple:
@@ -110,6 +159,24 @@ def replace_node(graph: ir.Graph, node: ir.Node, new: ir.Node, weight: ir.Value)
         graph.initializers.pop(weight.name)
 
 
+def quantizable(model: ir.Model, exclude: Iterable[str] = ()) -> list[tuple[ir.Node, ir.Value]]:
+    """The standard ``MatMul`` nodes of the main graph with a constant 2-D weight, except those
+    named in ``exclude``, and their weights, in graph order: what :func:`quantize_matmuls`
+    replaces (the nodes ``MatMulNBitsQuantizer`` takes)."""
+    exclude = set(exclude)
+    found = []
+    for node in model.graph:
+        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or node.name in exclude:
+            continue
+        weight = node.inputs[1]
+        if weight is None or not weight.is_initializer() or weight.const_value is None:
+            continue
+        if len(weight.const_value.shape) != 2:
+            continue  # the N-D weights MatMulNBitsQuantizer reshapes do not occur in our graphs
+        found.append((node, weight))
+    return found
+
+
 def quantize_matmuls(
     model: ir.Model,
     bits: int,
@@ -118,73 +185,67 @@ def quantize_matmuls(
     symmetric: bool,
     accuracy_level: int,
     exclude: Iterable[str] = (),
+    plan: Callable[[ir.Node, ir.Value], NodeQuantizer | None] | None = None,
 ) -> list[tuple[ir.Node, ir.Value]]:
-    """Replace every standard ``MatMul`` of the main graph with a constant 2-D weight (except
-    the nodes named in ``exclude``) by ``MatMulNBits``, as ``MatMulNBitsQuantizer`` does;
-    ``(new node, the original weight)`` per MatMul replaced, in graph order."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import (
-        DefaultWeightOnlyQuantConfig,
-        DefaultWeightOnlyQuantizer,
-    )
-
-    config = DefaultWeightOnlyQuantConfig(
-        block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level, bits=bits
-    )
-    quantizer = DefaultWeightOnlyQuantizer(config)
-    exclude = set(exclude)
+    """Replace every :func:`quantizable` ``MatMul`` by ``MatMulNBits``, as
+    ``MatMulNBitsQuantizer`` does; ``(new node, the original weight)`` per MatMul replaced, in
+    graph order. ``plan(node, weight)``: how each is quantized (its bits, zero points and
+    routine; ``None`` keeps the MatMul); default: ONNX Runtime's round to nearest at ``bits``,
+    ``symmetric`` as asked."""
+    if plan is None:
+        default = rtn_quantizer(bits, block_size, symmetric, accuracy_level)
+        plan = lambda node, weight: default  # noqa: E731
     graph = model.graph
     done: list[tuple[ir.Node, ir.Value]] = []
-    for node in list(graph):
-        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or node.name in exclude:
+    for node, weight in quantizable(model, exclude):
+        spec = plan(node, weight)
+        if spec is None:
             continue
-        weight = node.inputs[1]
-        if weight is None or not weight.is_initializer() or weight.const_value is None:
-            continue
-        tensor = weight.const_value
-        if len(tensor.shape) != 2:
-            continue  # the N-D weights MatMulNBitsQuantizer reshapes do not occur in our graphs
-        k, n = (int(d) for d in tensor.shape)
-        blocks = (k + block_size - 1) // block_size
-        kpack = 8 // bits
-        blob = (block_size + kpack - 1) // kpack
-        parts = 2 if symmetric else 3
-        held = _Blocks(lambda t=tensor: _block_quantized(quantizer, t), parts)
-        scale_dtype = ir.DataType.BFLOAT16 if tensor.dtype == ir.DataType.BFLOAT16 else tensor.dtype
-        inputs = [
-            node.inputs[0],
-            register(
-                graph,
-                f"{weight.name}_Q{bits}",
-                held.lazy(0, ir.DataType.UINT8, (n, blocks, blob), f"{weight.name}_Q{bits}"),
-            ),
-            register(
-                graph,
-                f"{weight.name}_scales",
-                held.lazy(1, scale_dtype, (n, blocks), f"{weight.name}_scales"),
-            ),
-        ]
-        if not symmetric:
-            zp_shape = (n, (blocks + kpack - 1) // kpack)
-            inputs.append(
-                register(
-                    graph,
-                    f"{weight.name}_zero_points",
-                    held.lazy(2, ir.DataType.UINT8, zp_shape, f"{weight.name}_zero_points"),
-                )
-            )
-        attributes = {"K": k, "N": n, "bits": bits, "block_size": block_size}
-        if accuracy_level:
-            attributes["accuracy_level"] = accuracy_level
-        new = ir.node(
-            "MatMulNBits",
-            inputs,
-            attributes,
-            domain=MS_DOMAIN,
-            name=f"{node.name}_Q{bits}" if node.name else "",
-        )
+        new = _nbits_node(graph, node, weight, spec, block_size, accuracy_level)
         replace_node(graph, node, new, weight)
         done.append((new, weight))
     if done:
         model.opset_imports.setdefault(MS_DOMAIN, 1)
-    logger.info("quantized %d MatMul weights to %d bits (block %d)", len(done), bits, block_size)
+    logger.info("quantized %d MatMul weights (block %d)", len(done), block_size)
     return done
+
+
+def _nbits_node(graph, node, weight, spec: NodeQuantizer, block_size, accuracy_level) -> ir.Node:
+    """The ``MatMulNBits`` node of ``node``, its weight's parts lazy (quantized when written)."""
+    tensor, bits = weight.const_value, spec.bits
+    k, n = (int(d) for d in tensor.shape)
+    blocks = (k + block_size - 1) // block_size
+    kpack = 8 // bits
+    blob = (block_size + kpack - 1) // kpack
+    parts = 2 if spec.zero_points is None else 3
+    held = _Blocks(lambda t=tensor: _block_quantized(spec.quantize, t), parts, spec.keep)
+    scale_dtype = ir.DataType.BFLOAT16 if tensor.dtype == ir.DataType.BFLOAT16 else tensor.dtype
+    name = weight.name
+    inputs = [
+        node.inputs[0],
+        register(
+            graph,
+            f"{name}_Q{bits}",
+            held.lazy(0, ir.DataType.UINT8, (n, blocks, blob), f"{name}_Q{bits}"),
+        ),
+        register(graph, f"{name}_scales", held.lazy(1, scale_dtype, (n, blocks), f"{name}_scales")),
+    ]
+    if spec.zero_points == "uint8":
+        zp_shape, zp_dtype = (n, (blocks + kpack - 1) // kpack), ir.DataType.UINT8
+    elif spec.zero_points == "float":
+        zp_shape, zp_dtype = (n, blocks), scale_dtype
+    if spec.zero_points is not None:
+        zp_name = f"{name}_zero_points"
+        inputs.append(register(graph, zp_name, held.lazy(2, zp_dtype, zp_shape, zp_name)))
+    attributes = {"K": k, "N": n, "bits": bits, "block_size": block_size}
+    if spec.accuracy_level is not None:
+        accuracy_level = spec.accuracy_level
+    if accuracy_level:
+        attributes["accuracy_level"] = accuracy_level
+    return ir.node(
+        "MatMulNBits",
+        inputs,
+        attributes,
+        domain=MS_DOMAIN,
+        name=f"{node.name}_Q{bits}" if node.name else "",
+    )

@@ -41,9 +41,12 @@ import onnx_ir as ir
 from tfgraph import contract
 from tfgraph.errors import TfgraphError
 from tfgraph.exporters.ort.weights.activations import ActivationQuantizer
+from tfgraph.exporters.ort.weights.calibration import DEFAULT_TOKENS
 from tfgraph.exporters.ort.weights.dequantize import dequantize
 from tfgraph.exporters.ort.weights.gather_nbits import dequantize_table, quantize_embeddings
-from tfgraph.exporters.ort.weights.nbits import quantize_matmuls
+from tfgraph.exporters.ort.weights.methods import check_method
+from tfgraph.exporters.ort.weights.mixed import DEFAULT_INT8_SHARE, check_share, plan_nodes
+from tfgraph.exporters.ort.weights.nbits import quantizable, quantize_matmuls
 from tfgraph.exporters.ort.weights.streamed_reference import is_streamed, streamed_dequantized
 from tfgraph.passes.lazy_weights import transposed
 from tfgraph.passes.lower.gemm_as_matmul import gemm_as_matmul
@@ -52,26 +55,49 @@ from tfgraph.passes.rewrite_utils import weight_bytes
 
 logger = logging.getLogger(__name__)
 
-WEIGHT_FORMATS = {"int8": 8, "int4": 4}
+WEIGHT_FORMATS = {"int8": 8, "int4": 4, "mixed": 4}  # mixed: int4 and int8 (mixed.py)
+NEEDS_CALIBRATION = "--calibration-text"
 DEFAULT_BLOCK_SIZE = 32
 MIN_BLOCK_SIZE = 16
 
 
 def check_weights(
-    weights: str | None, block_size: int, target, accuracy_level: int | None = None
+    weights: str | None,
+    block_size: int,
+    target,
+    accuracy_level: int | None = None,
+    method: str = "rtn",
+    calibration_text: str | None = None,
+    int8_share: float = DEFAULT_INT8_SHARE,
 ) -> int:
-    """Refuse a format the target cannot run or a block size the kernel rejects; the accuracy
-    level to use (``None``: the target's default)."""
+    """Refuse a format the target cannot run, a block size the kernel rejects, a method that
+    cannot make the format or lacks its calibration text; the accuracy level to use (``None``:
+    the target's default)."""
     if weights is None:
+        if method != "rtn" or calibration_text is not None:
+            raise TfgraphError(
+                "--method and --calibration-text choose how --weights quantizes: add --weights "
+                "int4 (or int8, mixed)"
+            )
         return 0
     if weights not in WEIGHT_FORMATS:
         raise TfgraphError(
             f"unknown --weights '{weights}': choose one of {', '.join(WEIGHT_FORMATS)}"
         )
-    if weights not in target.weight_formats:
+    check_method(method, 8 if weights == "int8" else 4)
+    check_share(int8_share)
+    if (method == "gptq" or weights == "mixed") and calibration_text is None:
+        what = "--method gptq" if method == "gptq" else "--weights mixed"
+        raise TfgraphError(
+            f"{what} measures the weights' inputs on text: give {NEEDS_CALIBRATION} FILE (a "
+            "few thousand tokens of text like the model's)"
+        )
+    formats = ("int4", "int8") if weights == "mixed" else (weights,)
+    missing = [f for f in formats if f not in target.weight_formats]
+    if missing:
         supported = ", ".join(target.weight_formats) or "none"
         raise TfgraphError(
-            f"target '{target.label}' does not run --weights {weights} (MatMulNBits is an ONNX "
+            f"target '{target.label}' does not run --weights {missing[0]} (MatMulNBits is an ONNX "
             f"Runtime kernel): use --target ort or ort-cuda (this target takes: {supported})"
         )
     if block_size < MIN_BLOCK_SIZE or block_size & (block_size - 1):
@@ -133,11 +159,18 @@ def quantize(
     lm_head: bool,
     accuracy_level: int = 0,
     embeddings: bool = True,
+    method: str = "rtn",
+    source=None,
+    calibration_text: str | None = None,
+    calibration_tokens: int = DEFAULT_TOKENS,
+    int8_share: float = DEFAULT_INT8_SHARE,
 ) -> tuple[ir.Model, dict]:
     """``model`` with its MatMul weights in ``MatMulNBits``; and what the report says: the
     quantized and unquantized layers, weight bytes before and after, and under
     ``"_quantized"`` the ``(MatMulNBits node, original weight value)`` pairs. The new weights
-    are lazy (:mod:`tfgraph.exporters.ort.weights.nbits`): quantized when written."""
+    are lazy (:mod:`tfgraph.exporters.ort.weights.nbits`): quantized when written, each by
+    ``method`` (:mod:`tfgraph.exporters.ort.weights.methods`); gptq and ``weights="mixed"``
+    measure ``source``'s inputs on ``calibration_tokens`` of ``calibration_text``."""
     bits = WEIGHT_FORMATS[weights]
     if bits == 8 and accuracy_level == 0:
         logger.warning(
@@ -156,6 +189,17 @@ def quantize(
         unquantized.append(
             {"module": layer_name(head), "reason": "LM head (--no-quantize-lm-head)"}
         )
+    how = {
+        "weights": weights,
+        "method": method,
+        "block": block_size,
+        "symmetric": symmetric,
+        "level": accuracy_level,
+        "text": calibration_text,
+        "tokens": calibration_tokens,
+        "share": int8_share,
+    }
+    plan, extra = plan_nodes(quantizable(model, exclude), how, source)
     done = quantize_matmuls(
         model,
         bits,
@@ -163,10 +207,15 @@ def quantize(
         symmetric=symmetric,
         accuracy_level=accuracy_level,
         exclude=exclude,
+        plan=plan,
     )
     quantized_model = model
     quantized = [
-        {"module": layer_name(node), "shape": [int(d) for d in weight.shape]}
+        {
+            "module": layer_name(node),
+            "shape": [int(d) for d in weight.shape],
+            "bits": node.attributes.get_int("bits", bits),
+        }
         for node, weight in done
     ]
     if embeddings and bits == 4:
@@ -192,6 +241,7 @@ def quantize(
         "weights": weights,
         "block_size": block_size,
         "symmetric": symmetric,
+        **extra,
         "accuracy_level": accuracy_level,
         "lm_head": bool(lm_head and head is not None),
         "embeddings": bool(embeddings and bits == 4),
