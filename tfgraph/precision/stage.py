@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tfgraph.exporters.ort.weights.nbits import SHIPPED
 from tfgraph.exporters.ort.weights.quantize import dequantized_source, quantize
 from tfgraph.exporters.ort.weights.streamed_reference import (
     is_streamed,
@@ -15,6 +16,7 @@ from tfgraph.exporters.ort.weights.streamed_reference import (
     streamed_dequantized,
 )
 from tfgraph.precision.islands import apply_precision
+from tfgraph.sources.quantized_checkpoint import export_block_size
 
 
 def convert_precision(graph, source, options, shapes, steps) -> dict:
@@ -33,12 +35,14 @@ def quantize_weights(graph, source, options, steps) -> tuple:
     """(the graph with ``MatMulNBits`` weights, what the report says of them, the eager
     reference: ``source`` with the dequantized weights, quantizing activations where the
     kernels do)."""
+    shipped = source.info.get("quantized_checkpoint")  # AWQ / GPTQ: its own integers
+    block_size = export_block_size(shipped, options.weights, options.block_size)
     graph, report = steps.run(
         "MatMulNBitsQuantizer",
         lambda: quantize(
             graph,
             options.weights,
-            block_size=options.block_size,
+            block_size=block_size,
             symmetric=options.symmetric,
             lm_head=options.quantize_lm_head,
             embeddings=options.quantize_embeddings,
@@ -53,6 +57,13 @@ def quantize_weights(graph, source, options, steps) -> tuple:
         exact=False,
     )
     quantized = report.pop("_quantized")
+    if shipped:
+        report["source_format"] = shipped["format"]
+        report["shipped_weights"] = sum(1 for node, _ in quantized if node.meta.get(SHIPPED))
+        if block_size != options.block_size:
+            report["block_size_note"] = (
+                f"the checkpoint's group size: --block-size {options.block_size} overridden"
+            )
     if is_streamed(source):  # a checkpoint's weights: streamed, dequantized per block
         placed = placements(quantized)
         nodes = {n.name: n for n in graph.graph}

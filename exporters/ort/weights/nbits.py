@@ -24,6 +24,7 @@ from tfgraph.passes.lazy_weights import register
 logger = logging.getLogger(__name__)
 
 MS_DOMAIN = "com.microsoft"
+SHIPPED = "tfgraph.shipped"  # node meta: it holds a checkpoint's shipped integers
 
 
 class _Blocks:
@@ -177,6 +178,20 @@ def quantizable(model: ir.Model, exclude: Iterable[str] = ()) -> list[tuple[ir.N
     return found
 
 
+def _shipped(spec: NodeQuantizer | None, weight: ir.Value, block_size: int):
+    """``spec``, or for a 4-bit weight read from an AWQ / GPTQ checkpoint the checkpoint's own
+    integers, scales and zero points (:mod:`tfgraph.sources.quantized_checkpoint`: never
+    quantized again)."""
+    from tfgraph.sources.quantized_checkpoint import shipped_blocks, shipped_label
+
+    if spec is None or spec.bits != 4:
+        return spec
+    rows = shipped_blocks(weight.const_value, block_size)
+    if rows is None:
+        return spec
+    return NodeQuantizer(4, "uint8", rows, shipped_label(weight.const_value))
+
+
 def quantize_matmuls(
     model: ir.Model,
     bits: int,
@@ -198,10 +213,11 @@ def quantize_matmuls(
     graph = model.graph
     done: list[tuple[ir.Node, ir.Value]] = []
     for node, weight in quantizable(model, exclude):
-        spec = plan(node, weight)
+        spec = _shipped(plan(node, weight), weight, block_size)
         if spec is None:
             continue
         new = _nbits_node(graph, node, weight, spec, block_size, accuracy_level)
+        new.meta[SHIPPED] = spec.method.endswith("checkpoint")
         replace_node(graph, node, new, weight)
         done.append((new, weight))
     if done:
