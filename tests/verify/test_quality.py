@@ -17,7 +17,7 @@ import tfgraph
 from tfgraph.errors import TfgraphError
 from tfgraph.verify import quality_store
 from tfgraph.verify.quality import measure_quality
-from tfgraph.verify.quality_store import LogitStore, batches, windows
+from tfgraph.verify.quality_store import LogitStore, batches, stacked, windows
 
 REFERENCE = Path(__file__).resolve().parents[2] / "bench" / "reference_model"
 HELDOUT = REFERENCE / "heldout.txt"
@@ -100,8 +100,12 @@ def test_windows_score_every_token_but_the_first_once():
     targets = [t for a, b in spans for t in range(a + 1, b + 1)]
     assert targets == list(range(1, 10))
     groups = list(batches(spans, vocab=100, budget=4 * 100 * 4 * 2, cap=None))
-    assert groups == [[(0, 4), (4, 8)], [(8, 9)]]  # equal lengths, within the budget
+    assert groups == [[(0, 4), (4, 8)], [(8, 9)]]  # two longest windows within the budget
+    everything = list(batches(spans, vocab=100, budget=1 << 20, cap=None))
+    assert everything == [spans]  # the short last window joins: one pass over the weights
     assert list(batches(spans, vocab=100, budget=1, cap=None))[0] == [(0, 4)]
+    padded = stacked(np.arange(10), [(4, 8), (8, 9)])
+    assert padded.tolist() == [[4, 5, 6, 7], [8, 8, 8, 8]]
 
 
 def test_logits_kept_on_disk_come_back_and_go(monkeypatch):

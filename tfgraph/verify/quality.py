@@ -37,7 +37,7 @@ from tfgraph import contract
 from tfgraph.errors import TfgraphError
 from tfgraph.progress import tick
 from tfgraph.verify.quality_metrics import QualityTally
-from tfgraph.verify.quality_store import LogitStore, batches, windows
+from tfgraph.verify.quality_store import LogitStore, batches, stacked, windows
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ def _run_artifact(directory: Path, ids: np.ndarray, spans, store: LogitStore) ->
     done = 0
     try:
         for group in batches(spans, vocab, PASS_BYTES, MAX_BATCH):
-            tokens = np.stack([ids[a:b] for a, b in group])
+            tokens = stacked(ids, group)
             if decoder is not None:
                 cache = decoder.empty_cache(len(group), tokens.shape[1])
                 logits, _ = decoder.step(tokens, cache)
@@ -271,7 +271,7 @@ def _run_reference(source, ids, spans, store: LogitStore) -> QualityTally:
     out = out or source.output_names[0]
     tally, done = QualityTally(), 0
     for group in batches(spans, store.vocab, PASS_BYTES, None):
-        tokens = np.stack([ids[a:b] for a, b in group])
+        tokens = stacked(ids, group)
         feeds = _feeds(ports, tokens, lambda p: p.name)
         inputs = {n: torch.from_numpy(np.ascontiguousarray(v)) for n, v in feeds.items()}
         logits = source.eager(inputs)[out].float().numpy()

@@ -30,20 +30,33 @@ def windows(tokens: int, size: int) -> list[tuple[int, int]]:
 
 
 def batches(spans, vocab: int, budget: int, cap: int | None):
-    """``spans`` in groups of equal length whose logits (``len × vocab`` float32 each) stay
-    within ``budget`` bytes together (one window at least), at most ``cap`` windows."""
+    """``spans`` in groups whose logits (the group's longest span ``× vocab`` float32 per
+    window: shorter ones are padded, :func:`stacked`) stay within ``budget`` bytes together
+    (one window at least), at most ``cap`` windows. The text's shorter last window joins the
+    group before it: a 7B reference reads its weights once per group."""
     group: list[tuple[int, int]] = []
+    longest = 0
     for span in spans:
-        size = span[1] - span[0]
+        size = max(longest, span[1] - span[0])
         most = max(1, budget // max(1, size * vocab * 4))
         if cap is not None:
             most = min(most, cap)
-        if group and (size != group[0][1] - group[0][0] or len(group) >= most):
+        if group and len(group) + 1 > most:
             yield group
-            group = []
+            group, size = [], span[1] - span[0]
         group.append(span)
+        longest = size
     if group:
         yield group
+
+
+def stacked(ids: np.ndarray, group) -> np.ndarray:
+    """The group's windows as one ``(batch, longest)`` array, a shorter window padded at its
+    end with its own last token: in a causal decoder nothing after a position changes its
+    logits, and only the first ``stop - start`` positions of each row are read."""
+    longest = max(b - a for a, b in group)
+    rows = [np.pad(ids[a:b], (0, longest - (b - a)), mode="edge") for a, b in group]
+    return np.stack(rows)
 
 
 class LogitStore:
