@@ -127,6 +127,21 @@ def test_same_weight_as_onnx_runtimes_whole_model_path(method, config):
         np.testing.assert_allclose(dequantize_parts(*parts, 4, block, k).T, theirs, atol=1e-6)
 
 
+def test_float_zero_points_dequantize_the_same_by_rows():
+    """The streamed reference's (N, K) dequantization reads HQQ's float zero points as
+    :func:`dequantize` does (K = 80: a padded last block)."""
+    from tfgraph.exporters.ort.weights.dequantize import dequantize_rows
+
+    k, n, block = 80, 24, 32
+    w = np.random.default_rng(6).standard_normal((k, n)).astype(np.float32)
+    parts = node_quantizer("hqq", 4, block, False, 0).quantize(np.ascontiguousarray(w.T))
+    model = ir.serde.deserialize_model(_nbits_proto(parts, k, n, 4, block, 0))
+    node = next(iter(model.graph))
+    want = dequantize(node, model.graph.initializers, (k, n))
+    np.testing.assert_array_equal(dequantize_rows(node, model.graph.initializers).numpy(), want.T)
+    np.testing.assert_allclose(want, dequantize_parts(*parts, 4, block, k).T, atol=1e-7)
+
+
 def test_zero_points_are_packed_per_row():
     """3 blocks a row: each row's zero points take 2 bytes of their own (ORT's Python packing
     runs them across rows)."""
@@ -176,9 +191,17 @@ def test_refusals(fields, says):
         tfgraph.ExportOptions(**fields).resolved(get_target("ort"))
 
 
-# k_quant's export in the slow tier (~25 s; its bytes are checked against the kernel and ORT's
-# whole-model path above); hqq (float zero points, level 0) and gptq (calibration) stay
-@pytest.mark.parametrize("method", ["hqq", pytest.param("k_quant", marks=pytest.mark.slow), "gptq"])
+# hqq's and k_quant's exports in the slow tier (~15 s each: the default tier's budget); their
+# bytes are checked against the kernel and ORT's whole-model path above, hqq's float zero points
+# through the streamed reference's dequantization below; gptq's (calibration) stays
+@pytest.mark.parametrize(
+    "method",
+    [
+        pytest.param("hqq", marks=pytest.mark.slow),
+        pytest.param("k_quant", marks=pytest.mark.slow),
+        "gptq",
+    ],
+)
 def test_export_passes_parity(tmp_path, tiny_llama_dir, calibration_text, method):
     """An export of a tiny Llama by each method passes its parity rule (the reference is the
     dequantized artifact) and its report names the method."""
@@ -202,3 +225,43 @@ def test_export_passes_parity(tmp_path, tiny_llama_dir, calibration_text, method
         if a.name == "accuracy_level"
     }
     assert levels == (set() if method == "hqq" else {4})  # hqq's written at level 0
+
+
+REFERENCE_MODEL = "bench/reference_model"
+
+
+# slow: 12 exports of the 18.9 M-parameter reference model (~20-60 s each)
+@pytest.mark.slow
+@pytest.mark.parametrize("block", [32, 128])
+@pytest.mark.parametrize(
+    "method, symmetric",
+    [
+        ("rtn", True),
+        ("rtn", False),
+        ("hqq", False),
+        ("k_quant", False),
+        ("gptq", True),
+        ("gptq", False),
+    ],
+)
+def test_reference_model_exports_pass_parity(tmp_path, method, symmetric, block):
+    """Every method x group x zero points on the trained model passes its parity rule; GPTQ
+    calibrates on the model's training files (not its held-out text)."""
+    from tfgraph.tools.train_reference import corpus_files, read_text
+
+    extra = {}
+    if method == "gptq":
+        text = tmp_path / "calibration.txt"
+        text.write_text(read_text(corpus_files()[0][::-1], 30_000))
+        extra = {"calibration_text": str(text)}
+    result = tfgraph.export(
+        REFERENCE_MODEL,
+        tmp_path / "a",
+        weights="int4",
+        weight_method=method,
+        block_size=block,
+        symmetric=symmetric,
+        **extra,
+    )
+    assert result.passed
+    assert result.report["weights"]["method"] == method
