@@ -41,6 +41,7 @@ import datetime
 import json
 import logging
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -290,8 +291,8 @@ def bench(
     time_rows(rows, llama, rounds, progress)
     return {
         "date": datetime.date.today().isoformat(),
-        "model": str(model_dir),
-        "text": str(text),
+        "model": _shown(model_dir),
+        "text": _shown(text),
         "tokens": int(len(ids)),
         "window": WINDOW,
         "windows": len(spans),
@@ -307,6 +308,13 @@ def bench(
         ],
         "seconds": round(time.perf_counter() - start, 1),
     }
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository when inside it (the JSON is committed)."""
+    root = Path(__file__).resolve().parents[1]
+    path = Path(path).resolve()
+    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
 
 
 def markdown(result: dict) -> str:
@@ -358,7 +366,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/bench/quality.json"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    result = bench(
+    result = {"command": "python -m tfgraph.bench.quality " + " ".join(argv or sys.argv[1:])}
+    result |= bench(
         model_dir=args.model,
         text=args.text,
         work=args.work,
