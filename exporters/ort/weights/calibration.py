@@ -78,16 +78,16 @@ def _tokenizer(source):
     )
 
 
-def weight_modules(source, quantized: list) -> dict[str, str]:
+def weight_modules(source, quantized: list, locate) -> dict[str, str]:
     """MatMul node name → the name (in ``source.module``) of the module whose parameter its
-    weight is (a packed Q/K/V: its first block's; all read the same input)."""
+    weight is (a packed Q/K/V: its first block's; all read the same input). ``locate``:
+    :func:`tfgraph.exporters.ort.weights.quantize.locate` (finds an in-memory module's
+    parameters by content; handed in, as quantize imports this module)."""
     from tfgraph.exporters.ort.weights.streamed_reference import is_streamed, placements
 
     if is_streamed(source):
         placed = placements(quantized)
     else:
-        from tfgraph.exporters.ort.weights.quantize import locate
-
         originals = {n.name: (w.const_value.numpy().astype(np.float32), None) for n, w in quantized}
         placed = locate(source.module, originals)
     modules: dict[str, str] = {}

@@ -111,7 +111,7 @@ def report(measured: list[dict], chosen: set[str], share: float) -> dict:
     return {"int8_share": share, "int8_held": held / total, "sensitivity": rows}
 
 
-def plan_nodes(pairs: list, how: dict, source) -> tuple:
+def plan_nodes(pairs: list, how: dict, source, locate=None) -> tuple:
     """(``plan(node, weight)`` → its NodeQuantizer, what the report adds: the method, its
     calibration, mixed's sensitivities) for the MatMuls ``pairs`` as ``how`` asks."""
     weights, method, block = how["weights"], how["method"], how["block"]
@@ -134,7 +134,7 @@ def plan_nodes(pairs: list, how: dict, source) -> tuple:
         if source is None:
             raise TfgraphError(f"--method {method} / --weights {weights} needs the eager model")
         windows = calibration_windows(source, how["text"], how["tokens"])
-        modules = weight_modules(source, pairs)
+        modules = weight_modules(source, pairs, locate)
         extra["calibration"] = {
             "text": str(how["text"]),
             "tokens": tokens_of(windows),

@@ -172,12 +172,7 @@ def quantize(
     ``method`` (:mod:`tfgraph.exporters.ort.weights.methods`); gptq and ``weights="mixed"``
     measure ``source``'s inputs on ``calibration_tokens`` of ``calibration_text``."""
     bits = WEIGHT_FORMATS[weights]
-    if bits == 8 and accuracy_level == 0:
-        logger.warning(
-            "--weights int8 at accuracy level 0: ONNX Runtime 1.32's CPU MatMulNBits with fp32 "
-            "activations measured 16-17x slower than fp32 MatMul (docs/precision.md); level 4 "
-            "(the default on the CPU) is not"
-        )
+    _warn_slow(bits, accuracy_level)
     gemm_as_matmul(model)  # the quantizer takes MatMuls only (GPT-2's Conv1D is a Gemm)
     head = _logits_head(model)
     unquantized = []
@@ -189,17 +184,10 @@ def quantize(
         unquantized.append(
             {"module": layer_name(head), "reason": "LM head (--no-quantize-lm-head)"}
         )
-    how = {
-        "weights": weights,
-        "method": method,
-        "block": block_size,
-        "symmetric": symmetric,
-        "level": accuracy_level,
-        "text": calibration_text,
-        "tokens": calibration_tokens,
-        "share": int8_share,
-    }
-    plan, extra = plan_nodes(quantizable(model, exclude), how, source)
+    how = {"weights": weights, "method": method, "block": block_size, "symmetric": symmetric}
+    how.update(level=accuracy_level, text=calibration_text, tokens=calibration_tokens)
+    how["share"] = int8_share
+    plan, extra = plan_nodes(quantizable(model, exclude), how, source, locate)
     done = quantize_matmuls(
         model,
         bits,
@@ -225,18 +213,7 @@ def quantize(
             for node, table in tables
         ]
         done += tables
-    for node in quantized_model.graph:
-        if (
-            node.op_type == "MatMul"
-            and node.inputs[1] is not None
-            and node.inputs[1].is_initializer()
-        ):
-            if node.name not in exclude:
-                unquantized.append({"node": node.name, "reason": "not taken by the quantizer"})
-    for node in quantized_model.graph:
-        if node.op_type == "Gather" and node.inputs[0].const_value is not None:
-            why = _kept_gather(bits, embeddings)
-            unquantized.append({"module": layer_name(node), "reason": why})
+    unquantized += _left(quantized_model, exclude, bits, embeddings)
     return quantized_model, {
         "weights": weights,
         "block_size": block_size,
@@ -251,6 +228,32 @@ def quantize(
         "weight_bytes_after": weight_bytes(quantized_model),
         "_quantized": done,
     }
+
+
+def _warn_slow(bits: int, accuracy_level: int) -> None:
+    if bits == 8 and accuracy_level == 0:
+        logger.warning(
+            "--weights int8 at accuracy level 0: ONNX Runtime 1.32's CPU MatMulNBits with fp32 "
+            "activations measured 16-17x slower than fp32 MatMul (docs/precision.md); level 4 "
+            "(the default on the CPU) is not"
+        )
+
+
+def _left(model: ir.Model, exclude: list, bits: int, embeddings: bool) -> list[dict]:
+    """The report's rows for the constant MatMuls and Gathers left unquantized, and why."""
+    rows = []
+    for node in model.graph:
+        if (
+            node.op_type == "MatMul"
+            and node.inputs[1] is not None
+            and node.inputs[1].is_initializer()
+        ):
+            if node.name not in exclude:
+                rows.append({"node": node.name, "reason": "not taken by the quantizer"})
+    for node in model.graph:
+        if node.op_type == "Gather" and node.inputs[0].const_value is not None:
+            rows.append({"module": layer_name(node), "reason": _kept_gather(bits, embeddings)})
+    return rows
 
 
 def _kept_gather(bits: int, embeddings: bool) -> str:
