@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from tfgraph.bench import quality_peers as peers
+from tfgraph.verify.quality_store import windows
 
 logger = logging.getLogger(__name__)
 
@@ -123,11 +124,6 @@ def text_ids(model_dir: Path, text: Path, max_tokens: int | None) -> np.ndarray:
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     ids = np.array(tokenizer.encode(text.read_text(encoding="utf-8")).ids, np.int64)
     return ids[:max_tokens] if max_tokens else ids
-
-
-def windows(count: int, window: int) -> list[tuple[int, int]]:
-    """(start, stop) of each window's inputs; its targets are ids[start + 1 : stop + 1]."""
-    return [(a, min(a + window, count - 1)) for a in range(0, count - 1, window)]
 
 
 def calibration_text(out: Path) -> Path:

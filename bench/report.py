@@ -75,6 +75,7 @@ SECTIONS = {
     "serving": lambda d: serving_section(d),
     "scale": lambda d: scale_section(d),
     "norm_folding": lambda d: norm_section(d),
+    "quality": lambda d: quality_section(d),
 }
 
 
@@ -89,7 +90,15 @@ FILES = {  # section → JSON file in OUT/bench/ (the older scripts' names kept)
     "serving": "serving.json",
     "scale": "scale.json",
     "norm_folding": "norm_folding.json",
+    "quality": "quality.json",
 }
+
+
+def quality_section(d: dict) -> list[str]:
+    """The quality bench's table (:func:`tfgraph.bench.quality.markdown`) under its title."""
+    from tfgraph.bench.quality import markdown
+
+    return ["## Quality on the trained reference model", "", markdown(d), ""]
 
 
 def render(out: Path) -> Path:

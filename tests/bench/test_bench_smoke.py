@@ -35,6 +35,7 @@ SECTIONS = {
     "serving",
     "scale",
     "norm_folding",
+    "quality",
 }
 TITLES = (
     "## Prefill",
