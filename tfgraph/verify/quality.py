@@ -25,7 +25,6 @@ perplexity of each, ΔPPL, mean and max KL(fp32 ‖ artifact), top-1 agreement.
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from tfgraph.errors import TfgraphError
 from tfgraph.progress import tick
 from tfgraph.verify.quality_metrics import QualityTally
 from tfgraph.verify.quality_store import LogitStore, batches, stacked, windows
+from tfgraph.verify.recheck import read_report
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def measure_quality(
     start = time.perf_counter()
     say = progress or (lambda _line: None)
     directory = Path(artifact_dir)
-    report = read_report(directory)
+    report = read_report(directory, "quality")
     ids = text_tokens(directory, text_path, max_tokens)
     size = _window(window, directory, report)
     spans = windows(len(ids), size)
@@ -91,21 +91,6 @@ def measure_quality(
         "reference": f"fp32 eager {origin}",
         "seconds": seconds,
     }
-
-
-def read_report(directory: Path) -> dict:
-    """The artifact's ``report.json`` (it names the source), refused when absent or when the
-    artifact is not a decoder with logits."""
-    file = directory / "report.json"
-    if not file.is_file():
-        raise TfgraphError(
-            f"'{directory}' has no report.json: quality needs an artifact directory tfgraph "
-            "export wrote (it names the fp32 source)"
-        )
-    report = json.loads(file.read_text())
-    if not str(report.get("model", "")).partition(":")[2]:
-        raise TfgraphError(f"'{file}' names no source ({report.get('model')!r}); export it again")
-    return report
 
 
 def text_tokens(directory: Path, text_path: str | Path, max_tokens: int | None) -> np.ndarray:

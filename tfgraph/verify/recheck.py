@@ -39,23 +39,30 @@ logger = logging.getLogger(__name__)
 RESULT_FILE = "parity.json"
 
 
+def read_report(directory: Path, needs: str) -> dict:
+    """The artifact's ``report.json``, refused in one line when it is absent or names no
+    source (``needs``: the command that needs it, for the message)."""
+    file = directory / "report.json"
+    if not file.is_file():
+        raise TfgraphError(
+            f"'{directory}' has no report.json: {needs} needs the artifact directory tfgraph "
+            "export wrote (it names the source)"
+        )
+    report = json.loads(file.read_text())
+    if not str(report.get("model", "")).partition(":")[2]:
+        raise TfgraphError(f"'{file}' names no source ({report.get('model')!r}); export it again")
+    return report
+
+
 def load_artifact_source(directory: Path, *, trust_remote_code: bool = False):
     """(source, reference, report, manifest): the source ``report.json`` names and the eager
     reference parity uses (the dequantized weights of a quantized artifact)."""
     from tfgraph.exporters.ort.weights.quantize import reference_from_artifact
     from tfgraph.sources import load_source, vision_language
 
-    report_file = directory / "report.json"
-    if not report_file.is_file():
-        raise TfgraphError(
-            f"'{directory}' has no report.json: re-check needs the artifact directory tfgraph "
-            "export wrote (it names the source)"
-        )
-    report = json.loads(report_file.read_text())
-    origin = report.get("model", "")
+    report = read_report(directory, "re-check")
+    origin = report["model"]
     _, _, spec = origin.partition(":")
-    if not spec:
-        raise TfgraphError(f"report.json names no source ('{origin}'); export it again")
     info = report.get("source") or {}
     if origin.startswith(f"{vision_language.ORIGIN}:"):  # a graph of a vision-language model
         source = vision_language.graph_source(spec, trust_remote_code=trust_remote_code)

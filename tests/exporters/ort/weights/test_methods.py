@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
+from matmul_model import matmul_proto
 from ort_run import ort_session
 
 import tfgraph
@@ -18,15 +19,7 @@ from tfgraph.exporters.targets import get_target
 
 
 def _matmul_proto(w: np.ndarray) -> onnx.ModelProto:
-    k, n = w.shape
-    graph = onnx.helper.make_graph(
-        [onnx.helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
-        "g",
-        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["m", k])],
-        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["m", n])],
-        [onnx.numpy_helper.from_array(w, "w")],
-    )
-    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+    return matmul_proto(w, opset=21)
 
 
 def _nbits_proto(parts, k, n, bits, block, level) -> onnx.ModelProto:

@@ -98,20 +98,13 @@ def _holders(graph):
 def test_rows_dequantized_with_torch_are_the_same_values(bits, symmetric):
     """The streamed reference's (N, K) dequantization equals :func:`dequantize` bit for bit
     (K not a multiple of the block: the padded last block is cut)."""
-    import onnx
+    from matmul_model import matmul_proto
 
     from tfgraph.exporters.ort.weights.dequantize import dequantize, dequantize_rows
 
     k, n = 72, 40
     w = np.random.default_rng(bits).standard_normal((k, n)).astype(np.float32)
-    graph = onnx.helper.make_graph(
-        [onnx.helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
-        "g",
-        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["m", k])],
-        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["m", n])],
-        [onnx.numpy_helper.from_array(w, "w")],
-    )
-    proto = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 20)])
+    proto = matmul_proto(w)
     quantizer = MatMulNBitsQuantizer(proto, bits=bits, block_size=32, is_symmetric=symmetric)
     quantizer.process()
     model = ir.serde.deserialize_model(quantizer.model.model)

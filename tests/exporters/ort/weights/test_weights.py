@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
+from matmul_model import matmul_proto
 from ort_run import ort_session
 
 import tfgraph
@@ -29,14 +30,7 @@ def _quantized_matmul(w: np.ndarray, bits, block, symmetric, level=0):
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     k, n = w.shape
-    graph = onnx.helper.make_graph(
-        [onnx.helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
-        "g",
-        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["m", k])],
-        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["m", n])],
-        [onnx.numpy_helper.from_array(w, "w")],
-    )
-    proto = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 20)])
+    proto = matmul_proto(w)
     quantizer = MatMulNBitsQuantizer(
         proto, bits=bits, block_size=block, is_symmetric=symmetric, accuracy_level=level
     )
