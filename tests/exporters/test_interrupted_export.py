@@ -35,6 +35,8 @@ BOTH = (signal.SIGINT, signal.SIGTERM)
 
 # export configuration → the stages whose start is interrupted in it; together every stage.
 # The configurations of one model run in one process, sharing its trace.
+REFERENCE = Path(__file__).resolve().parents[2] / "bench" / "reference_model"
+
 CONFIGS = {
     "tiny-int4": (
         "factories:tiny_lm --weights int4".split(),
@@ -49,6 +51,11 @@ CONFIGS = {
     # a flavour's step after the last precision step (a transformers model from a factory:
     # the optimum flavour refuses a model without a Hugging Face config before the trace)
     "hf-flavour": ("factories:tiny_hf_llama --kv-cache --flavour optimum".split(), ["flavour"]),
+    # the quality stage measures the staged artifact: a model with a tokenizer (the reference)
+    "hf-quality": (
+        [str(REFERENCE), "--quality-text", str(REFERENCE / "heldout.txt")],
+        ["quality"],
+    ),
 }
 
 

@@ -127,6 +127,9 @@ def test_shrinking_finds_a_minimal_config(tmp_path, monkeypatch):
     assert not (tmp_path / ".hypothesis").exists()
 
 
+# slow: 10 s; the fuzz command's path through the CLI stays in test_cli_replays_a_case and its
+# examples' checks in test_new_forms_pass_every_check
+@pytest.mark.slow
 def test_cli_fuzz_one_example(capsys):
     assert main(["fuzz", "--examples", "1", "--seed", "0"]) == 0
     out, err = capsys.readouterr()
