@@ -127,3 +127,32 @@ def test_readme_preset_table_is_current():
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert models_table(markdown=True) in readme, "regenerate: python -m tfgraph models --markdown"
+
+
+def test_weights_line_says_a_checkpoint_kept_its_own_integers(capsys):
+    """An AWQ/GPTQ checkpoint's int4 export names its shipped weights and the block size it
+    took, not just the export's --block-size and symmetry."""
+    from tfgraph.cli.output import print_weights
+
+    weights = {
+        "weights": "int4",
+        "block_size": 32,
+        "symmetric": True,
+        "accuracy_level": 4,
+        "weight_bytes_before": 1 << 20,
+        "weight_bytes_after": 1 << 18,
+        "quantized": [{"module": "m"}] * 15,
+        "unquantized": [],
+        "source_format": "awq checkpoint",
+        "shipped_weights": 14,
+        "block_size_note": "the checkpoint's group size: --block-size 128 overridden",
+    }
+    print_weights(weights, verbose=False)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == (
+        "  14 weights as the awq checkpoint ships them (its zero points; the checkpoint's group "
+        "size: --block-size 128 overridden); the rest as above"
+    )
+    del weights["source_format"]
+    print_weights(weights, verbose=False)
+    assert len(capsys.readouterr().out.splitlines()) == 1

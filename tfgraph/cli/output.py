@@ -188,6 +188,12 @@ def print_weights(weights: dict | None, *, verbose: bool) -> None:
         f"{len(weights['quantized']) - tables} MatMul weights in MatMulNBits, {gathered}"
         f"{before:.2f} -> {after:.2f} MiB"
     )
+    if weights.get("source_format"):  # an AWQ/GPTQ checkpoint's own integers, zero points kept
+        note = weights.get("block_size_note")
+        print(
+            f"  {weights['shipped_weights']} weights as the {weights['source_format']} ships them "
+            f"(its zero points; {note or 'its group size'}); the rest as above"
+        )
     mixed = weights.get("mixed")
     if mixed:
         eight = [row for row in mixed["sensitivity"] if row["bits"] == 8]
