@@ -185,6 +185,8 @@ def _export(row: Row, model_dir: Path, out: Path) -> Path:
         raise LookupError(f"this tfgraph's ExportOptions has no {', '.join(missing)}")
     if not (out / "report.json").is_file():
         tfgraph.export(str(model_dir), out, kv_cache=True, **row.fields)
+    if not json.loads((out / "report.json").read_text())["parity"]["passed"]:
+        raise RuntimeError(f"{row.name}: the export failed parity ({out}); no quality row for it")
     return out
 
 
