@@ -686,3 +686,18 @@ def test_an_eager_pass_reads_each_tensor_once(checkpoints):
         assert torch.equal(checkpoint.tensor(name, torch.float32), whole)
     finally:
         checkpoint_module.READ_CHUNK = small
+
+
+def test_an_int4_export_of_a_cached_streamed_trace_finds_its_weights(checkpoints, tmp_path):
+    """A TraceCache keyed by origin hands the second export a copy of the streamed trace; its
+    weights are still the checkpoint's lazy reads, so int4 finds each weight's parameter (the
+    copy lost that before: 'cannot tell which checkpoint tensor …')."""
+    from tfgraph.sources.trace import TraceCache
+
+    path = checkpoints["llama", "bf16"]
+    cache = TraceCache(by_origin=True)
+    plain = tfgraph.export(str(path), tmp_path / "plain", trace_cache=cache)
+    quantized = tfgraph.export(str(path), tmp_path / "q", weights="int4", trace_cache=cache)
+    assert cache.hits == 1
+    assert plain.passed and quantized.passed, quantized.report["parity"]
+    assert quantized.report["weights"]["parameters"]

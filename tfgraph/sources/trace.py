@@ -291,6 +291,23 @@ class TraceCache:
         else:
             model = (trace_fn or trace)(source, opset)
             # the source is held so that its id stays its own
-            self._protos[key] = (source, ir.serde.serialize_model(model))
+            self._protos[key] = (source, ir.serde.serialize_model(model), _lazy_weights(model))
             return model
-        return ir.serde.deserialize_model(self._protos[key][1])
+        _, proto, lazy = self._protos[key]
+        copy = ir.serde.deserialize_model(proto)
+        for name, tensor in lazy.items():  # a streamed checkpoint's weights: the lazy reads back
+            copy.graph.initializers[name].const_value = tensor
+        return copy
+
+
+def _lazy_weights(model: ir.Model) -> dict:
+    """The initializers read lazily from a streamed checkpoint, by name. A serialized copy
+    holds their bytes but not what the weights stage reads off them (which checkpoint tensor
+    each is: ``tfgraph.passes.lazy_weights``' metadata), so a copy gets them back: an int4
+    export of a cached streamed trace found its weights' parameters again. The lazy tensors
+    are read-only views of the checkpoint, safe to share between exports."""
+    return {
+        name: value.const_value
+        for name, value in model.graph.initializers.items()
+        if isinstance(value.const_value, ir.LazyTensor)
+    }
