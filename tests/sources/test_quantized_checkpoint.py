@@ -27,6 +27,7 @@ import torch
 
 from tests.sources.quantized_checkpoints import tiny_llama, write
 from tfgraph.errors import TfgraphError
+from tfgraph.exporters.ort.weights.methods import pack, padded
 from tfgraph.sources import quantized_checkpoint as qc
 
 pytest.importorskip("transformers")
@@ -84,7 +85,7 @@ def test_builder_reads_the_written_checkpoints(written):
                 zeros = module.qzeros.numpy()
                 k = expected[f"{prefix}.weight"].shape[1]
                 q, s, z, groups = checkpoint.unpacked(prefix)
-                mine = qc.repack(q, s, z, 32)
+                mine = pack(padded(q.T, 32), s, z, 4, 32)
                 assert np.array_equal(packed, mine[0]), prefix
                 assert np.array_equal(scales.reshape(mine[1].shape), mine[1]), prefix
                 assert np.array_equal(zeros.reshape(mine[2].shape), mine[2]), prefix
@@ -199,6 +200,7 @@ def test_shipped_rows(written):
     assert qc.shipped_label(weight) == f"{CASES[name][0]} checkpoint"
     full = np.concatenate([expected[n] for n in names])  # (N, K) rows of the fused weight
     parts = [rows(full[:48]), rows(full[48:])]  # two chunks, across the Q/K boundary
+    parts = [pack(padded(q, 32), s, z, 4, 32) for q, s, z in parts]  # as the weights stage
     packed, scales, zeros = (np.concatenate(p) for p in zip(*parts, strict=True))
     got = _ort_dequantized(packed, scales, zeros, full.shape[1])
     np.testing.assert_array_equal(got, full)

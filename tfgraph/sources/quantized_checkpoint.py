@@ -165,22 +165,6 @@ def dequantize(q: np.ndarray, scales: np.ndarray, zeros: np.ndarray, groups=None
     return ((q.T.astype(np.float32) - z) * scales[:, groups]).astype(np.float32)
 
 
-def repack(q: np.ndarray, scales: np.ndarray, zeros: np.ndarray, block_size: int) -> tuple:
-    """``MatMulNBits``' 4-bit layout of unpacked integers: ``(B (N, blocks, block/2) uint8,
-    scales (N, blocks) float32, zero points (N, ceil(blocks/2)) uint8)``, two values a byte,
-    the even one in the low nibble; each row's zero points packed on their own."""
-    k, n = q.shape
-    blocks = -(-k // block_size)
-    padded = np.zeros((blocks * block_size, n), dtype=np.uint8)
-    padded[:k] = q
-    cols = padded.T.reshape(n, blocks, block_size // 2, 2)  # (N, blocks, blob, pair)
-    packed = (cols[..., 0] | (cols[..., 1] << 4)).astype(np.uint8)
-    zp = np.zeros((n, blocks + blocks % 2), dtype=np.uint8)
-    zp[:, :blocks] = zeros
-    zp = (zp[:, 0::2] | (zp[:, 1::2] << 4)).astype(np.uint8)
-    return np.ascontiguousarray(packed), np.ascontiguousarray(scales, np.float32), zp
-
-
 def _numpy(value) -> np.ndarray:
     return value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
 
@@ -285,14 +269,14 @@ class QuantizedCheckpoint(Checkpoint):
 
 def shipped_blocks(tensor, block_size: int):
     """For a (K, N) MatMul weight made of shipped-quantized Linears (the lazy transpose of one,
-    or columns of several concatenated, possibly cast): ``rows(chunk)``, which returns
-    ``MatMulNBits``' ``(B, scales, zero_points)`` of the shipped integers of the next output
-    rows of the weight, ``chunk`` being those rows' values (n, K) as the weights stage reads
-    them, in order; each chunk is checked to be exactly what the shipped integers dequantize
-    to (else the error says so: a weight is never silently replaced). ``None`` for any other
-    weight, or one whose shipped integers ``MatMulNBits`` cannot hold at ``block_size``
-    (another group size; rows that ``desc_act`` reorders: logged, quantized again from the
-    dequantized weight)."""
+    or columns of several concatenated, possibly cast): ``rows(chunk)``, which returns the
+    shipped ``(q (n, K) uint8, scales (n, groups), zero points (n, groups) uint8)`` of the next
+    output rows of the weight (the weights stage packs them for its kernel), ``chunk`` being
+    those rows' values (n, K) as the weights stage reads them, in order; each chunk is checked
+    to be exactly what the shipped integers dequantize to (else the error says so: a weight is
+    never silently replaced). ``None`` for any other weight, or one whose shipped integers
+    cannot be kept at ``block_size`` (another group size; rows that ``desc_act`` reorders:
+    logged, quantized again from the dequantized weight)."""
     parts = _shipped_parts(tensor)
     if not parts:
         return None
@@ -355,10 +339,10 @@ class _ShippedRows:
                         "integers dequantize to: the weights stage read it out of order; "
                         "report this with the checkpoint's config.json"
                     )
-                made.append(repack(q, scales, zeros, self.block_size))
+                made.append((q.T, scales, zeros))
             offset += width
-        packed, scales, zeros = (np.concatenate(pieces) for pieces in zip(*made, strict=True))
-        return packed, scales.astype(chunk.dtype), zeros  # the scales in the graph's type
+        q, scales, zeros = (np.concatenate(pieces) for pieces in zip(*made, strict=True))
+        return q, scales.astype(chunk.dtype), zeros  # the scales in the graph's type
 
 
 def _shipped_parts(tensor) -> list[Shipped] | None:

@@ -113,7 +113,7 @@ def pack(q: np.ndarray, scales: np.ndarray, zero_points, bits: int, block: int) 
     return packed, scales, np.ascontiguousarray(zp)
 
 
-def _padded(rows: np.ndarray, block: int) -> np.ndarray:
+def padded(rows: np.ndarray, block: int) -> np.ndarray:
     """(N, K) → (N, K padded with zeros to a multiple of ``block``), as ``pad_tensor`` does."""
     pad = -rows.shape[1] % block
     return np.pad(rows, ((0, 0), (0, pad))) if pad else rows
@@ -123,7 +123,7 @@ def k_quant(rows: np.ndarray, bits: int, block: int, dtype) -> tuple:
     from onnxruntime.quantization.neural_compressor.weight_only import quant_tensor_k_quant_cpu
 
     n = rows.shape[0]
-    q, scale, zp = quant_tensor_k_quant_cpu(_padded(rows, block), bits, block)
+    q, scale, zp = quant_tensor_k_quant_cpu(padded(rows, block), bits, block)
     return pack(q.reshape(n, -1), scale.reshape(n, -1).astype(dtype), zp, bits, block)
 
 
@@ -175,7 +175,7 @@ def gptq(
             perchannel=knobs.perchannel,
         )
     n = rows.shape[0]
-    fake = _padded(np.ascontiguousarray(fake.T), block)  # (N, K padded)
+    fake = padded(np.ascontiguousarray(fake.T), block)  # (N, K padded)
     q, scale, zp = _on_grid(fake, bits, block, symmetric)
     zp = None if symmetric else zp.reshape(n, -1).astype(np.uint8)
     return pack(q.reshape(n, -1), scale.reshape(n, -1).astype(dtype), zp, bits, block)

@@ -186,10 +186,17 @@ def _shipped(spec: NodeQuantizer | None, weight: ir.Value, block_size: int):
 
     if spec is None or spec.bits != 4:
         return spec
+    from tfgraph.exporters.ort.weights.methods import pack, padded
+
     rows = shipped_blocks(weight.const_value, block_size)
     if rows is None:
         return spec
-    return NodeQuantizer(4, "uint8", rows, shipped_label(weight.const_value))
+
+    def packed(chunk: np.ndarray) -> tuple:
+        q, scales, zeros = rows(chunk)
+        return pack(padded(q, block_size), scales, zeros, 4, block_size)
+
+    return NodeQuantizer(4, "uint8", packed, shipped_label(weight.const_value))
 
 
 def quantize_matmuls(
