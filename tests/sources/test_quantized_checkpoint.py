@@ -27,7 +27,7 @@ import torch
 
 from tests.sources.quantized_checkpoints import tiny_llama, write
 from tfgraph.errors import TfgraphError
-from tfgraph.exporters.ort.weights.methods import pack, padded
+from tfgraph.exporters.ort.weights.packing import pack, padded
 from tfgraph.sources import quantized_checkpoint as qc
 
 pytest.importorskip("transformers")

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tfgraph.errors import TfgraphError
+from tfgraph.exporters.ort.weights.packing import pack, padded
 
 METHODS = ("rtn", "hqq", "k_quant", "gptq")
 # what each costs, for the CLI's help and the refusals
@@ -90,33 +91,6 @@ def zero_point_kind(method: str, symmetric: bool) -> str | None:
     if method == "k_quant" or not symmetric:
         return "uint8"
     return None
-
-
-def pack(q: np.ndarray, scales: np.ndarray, zero_points, bits: int, block: int) -> tuple:
-    """``MatMulNBits``' (packed, scales, zero_points) from integer values ``q`` (N, K padded to
-    the block, in [0, 2^bits)), ``scales`` (N, blocks) and integer zero points (N, blocks;
-    packed per row) or float ones (returned as they are) or ``None``."""
-    n = q.shape[0]
-    blocks = q.shape[1] // block
-    q = q.astype(np.uint8)
-    if bits == 4:
-        q = q[:, 0::2] | (q[:, 1::2] << 4)
-    packed = np.ascontiguousarray(q.reshape(n, blocks, block * bits // 8))
-    scales = np.ascontiguousarray(scales.reshape(n, blocks))
-    if zero_points is None or np.issubdtype(np.asarray(zero_points).dtype, np.floating):
-        return packed, scales, zero_points
-    zp = np.asarray(zero_points).reshape(n, blocks).astype(np.uint8)
-    if bits == 4:
-        if blocks % 2:  # each row padded on its own (the pad is never read)
-            zp = np.concatenate([zp, np.full((n, 1), 8, np.uint8)], axis=1)
-        zp = zp[:, 0::2] | (zp[:, 1::2] << 4)
-    return packed, scales, np.ascontiguousarray(zp)
-
-
-def padded(rows: np.ndarray, block: int) -> np.ndarray:
-    """(N, K) → (N, K padded with zeros to a multiple of ``block``), as ``pad_tensor`` does."""
-    pad = -rows.shape[1] % block
-    return np.pad(rows, ((0, 0), (0, pad))) if pad else rows
 
 
 def k_quant(rows: np.ndarray, bits: int, block: int, dtype) -> tuple:

@@ -186,7 +186,7 @@ def _shipped(spec: NodeQuantizer | None, weight: ir.Value, block_size: int):
 
     if spec is None or spec.bits != 4:
         return spec
-    from tfgraph.exporters.ort.weights.methods import pack, padded
+    from tfgraph.exporters.ort.weights.packing import pack, padded
 
     rows = shipped_blocks(weight.const_value, block_size)
     if rows is None:

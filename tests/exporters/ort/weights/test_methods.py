@@ -14,7 +14,8 @@ from ort_run import ort_session
 import tfgraph
 from tfgraph.errors import TfgraphError
 from tfgraph.exporters.ort.weights.dequantize import dequantize, dequantize_parts
-from tfgraph.exporters.ort.weights.methods import node_quantizer, pack
+from tfgraph.exporters.ort.weights.methods import node_quantizer
+from tfgraph.exporters.ort.weights.packing import pack
 from tfgraph.exporters.targets import get_target
 
 
