@@ -29,6 +29,20 @@ def add_parser(sub):
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: all)")
     p.add_argument("--name", help="the model's name in the API (default: the directory's)")
     p.add_argument("--provider", action="append", default=None, help="cpu (default) or cuda")
+    p.add_argument(
+        "--replicas", type=int, default=1,
+        help="N servers on the N ports after --port, behind a load balancer on --port; "
+        "--threads is then each one's (default: the cores shared out); docs/scale-out.md",
+    )  # fmt: skip
+    p.add_argument(
+        "--balancer", default="haproxy", choices=["haproxy"],
+        help="the load balancer of --replicas, from your distribution (default haproxy)",
+    )  # fmt: skip
+    p.add_argument(
+        "--balancer-config",
+        help="where --replicas writes the balancer's configuration, kept for reuse "
+        "(default ./haproxy-tfgraph-PORT.cfg)",
+    )
     p.set_defaults(func=run)
 
 
@@ -47,6 +61,10 @@ def run(args) -> int:
     from pathlib import Path
 
     _needs_framework()
+    if args.replicas != 1:  # N servers behind a load balancer
+        from tfgraph.cli.scale_out import run_replicas
+
+        return run_replicas(args)
     from tfgraph.runtime.serving.openai_app import bound_socket, create_app, open_engine, server
 
     if args.max_batch < 1 or (args.slot_capacity is not None and args.slot_capacity < 2):
