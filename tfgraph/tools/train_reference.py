@@ -7,6 +7,8 @@ and real weight outliers, so the cost of a quantization method (perplexity, KL d
 agreement against fp32) means something (issue 48).
 
     python -m tfgraph.tools.train_reference OUT [--steps N] [--seed S]
+    python -m tfgraph.tools.train_reference OUT --tokenizer bench/reference_model --layers 2 \
+        --hidden 256 --heads 4 --kv-heads 2 --intermediate 640   # a draft model (issue 49)
 
 writes ``OUT/`` as a Hugging Face directory (``config.json``, ``model.safetensors`` in bf16, the
 tokenizer), ``OUT/heldout.txt``, text from files the model never trained on, and
@@ -53,6 +55,7 @@ class Plan:
     warmup: int = 40
     corpus_chars: int = 6_000_000
     seed: int = 0
+    tokenizer: str | None = None  # a directory whose tokenizer is reused (a draft's target)
 
 
 def corpus_files(root: Path | None = None) -> tuple[list[Path], list[Path]]:
@@ -97,6 +100,14 @@ def train_tokenizer(text: str, vocab: int):
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     )
+
+
+def load_tokenizer(directory: str):
+    """The fast tokenizer saved in ``directory`` (a speculative draft must share its target's
+    tokenizer, so it is reused rather than retrained)."""
+    import transformers
+
+    return transformers.PreTrainedTokenizerFast.from_pretrained(directory)
 
 
 def build_model(plan: Plan, tokenizer):
@@ -171,7 +182,10 @@ def make_reference(out: Path, plan: Plan, root: Path | None = None, progress=Non
     train_files, held_files = corpus_files(root)
     text = read_text(train_files, plan.corpus_chars)
     heldout = read_text(held_files, HELDOUT_CHARS)
-    tokenizer = train_tokenizer(text, plan.vocab)
+    if plan.tokenizer:
+        tokenizer = load_tokenizer(plan.tokenizer)
+    else:
+        tokenizer = train_tokenizer(text, plan.vocab)
     ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
     model = build_model(plan, tokenizer)
     start = time.monotonic()
@@ -209,6 +223,10 @@ def main(argv=None) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=Plan.steps)
     parser.add_argument("--seed", type=int, default=Plan.seed)
+    parser.add_argument("--tokenizer", default=None, help="reuse this directory's tokenizer")
+    for name in ("layers", "hidden", "heads", "kv_heads", "intermediate"):
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, type=int, default=getattr(Plan, name))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -216,7 +234,9 @@ def main(argv=None) -> int:
         eta = seconds / step * (steps - step)
         logger.info("step %d/%d  loss %.3f  %.0f s, %.0f s left", step, steps, loss, seconds, eta)
 
-    figures = make_reference(args.out, Plan(steps=args.steps, seed=args.seed), progress=progress)
+    shape = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "intermediate")}
+    plan = Plan(steps=args.steps, seed=args.seed, tokenizer=args.tokenizer, **shape)
+    figures = make_reference(args.out, plan, progress=progress)
     for key, value in figures.items():
         logger.info("%s: %s", key, value)
     return 0
