@@ -60,4 +60,25 @@ def serving_section(d: dict) -> list[str]:
                     f"{t['int8'] / t['fp32']:.2f}× |"
                 )
         lines.append("")
-    return lines
+    return lines + _shared_prefix(d.get("shared_prefix"))
+
+
+def _shared_prefix(p: dict | None) -> list[str]:
+    """The shared-prefix run: TTFT with and without prefix caching."""
+    if not p:
+        return []
+    m = p["model"]
+    lines = [
+        f"### {p['clients']} clients sharing a {p['prefix']}-token prefix (random Llama-shaped, "
+        f"{m['d_model']} wide, {m['n_layers']} layers, {m['max_seq_len']} positions; each its "
+        f"own 8–64-token tail and {p['new_tokens']} new tokens; prefill in chunks of "
+        f"{p['prefill_chunk']}; medians of {len(p['rounds']['prefix_cache'])} rounds)",
+        "",
+        "| prefix cache | TTFT p50 | TTFT p99 | tokens/s |",
+        "|---|---|---|---|",
+    ]
+    for mode in ("no_prefix_cache", "prefix_cache"):
+        r = p[mode]
+        lines.append(f"| {mode} | {r['ttft_ms_p50']:.0f} ms | {r['ttft_ms_p99']:.0f} ms | "
+                     f"{r['tokens_per_s']:.0f} |")  # fmt: skip
+    return [*lines, "", f"TTFT p50 with / without: {p['ttft_p50_ratio']:.2f}×.", ""]

@@ -9,7 +9,10 @@ server and one run:
   request ends (what the generation model did before in-flight batching);
 - ``inflight``: cache slots (``--slots`` = the largest concurrency, ``--slot-capacity`` = the
   longest request); a request joins at the next step in a free slot and leaves it when done;
-- ``inflight_int8``: the same over the export with an int8 KV cache (``--kv-dtype int8``).
+- ``inflight_int8``: the same over the export with an int8 KV cache (``--kv-dtype int8``);
+- ``inflight_chunked``: ``inflight`` with chunked prefill (``--prefill-chunk 64``: a new
+  request's prompt enters 64 tokens a step between the running requests' steps), where the
+  other in-flight modes prefill each prompt whole (``--prefill-chunk 0``, as before).
 
 Besides, the **decode step** of 1 and 16 rows at past 512 with the fp32 and the int8 cache
 (in-flight slots, each in a fresh process without torch, alternated, medians of 3 rounds).
@@ -23,7 +26,14 @@ the same sequences in both modes. Measured per mode and C: **generated tokens/s*
 cache memory of a slot. **Local** is ``tfgraph.runtime.stream`` on the same artifact in a
 fresh process without torch, one request at a time over client 0's sequence.
 
-    python -m tfgraph.bench.serving [--quick] [--out serving.json] [--only gpt2-small]
+The modes of one model are interleaved at each level of C. **Shared prefix** (its own run):
+16 clients at once, each prompt a 1,000-token prefix (new each round) and its own 8-64-token
+tail, on a random Llama-shaped model sized like GPT-2-small with 2,048 positions (gpt2 holds
+1,024), served with and without prefix caching (``--prefix-cache-mb 256`` / ``0``, both in
+chunks of 64), alternated over two rounds: time to first token p50 / p99.
+
+    python -m tfgraph.bench.serving [--quick] [--out serving.json] [--only gpt2-small
+        shared-prefix] [--modes inflight inflight_chunked] [--levels 1 4 16]
     (or as the ``serving`` section of ``python -m tfgraph bench``)
 """
 
@@ -44,9 +54,13 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 CONCURRENCY = (1, 4, 16, 32)
-# the generation model's modes, same server and run: (batching, the cache's dtype)
-BATCHING = {"static": ("static", "fp32"), "inflight": ("inflight", "fp32"),
-            "inflight_int8": ("inflight", "int8")}  # fmt: skip
+CHUNK = 64  # chunked prefill's prompt tokens per step (tfgraph serve's and triton's default)
+# the generation model's modes, same server and run: (batching, the cache's dtype, prompt
+# tokens prefilled per step: 0 whole, as before chunked prefill); no prefix cache (the mixed
+# load's prompts share nothing)
+BATCHING = {"static": ("static", "fp32", 0), "inflight": ("inflight", "fp32", 0),
+            "inflight_int8": ("inflight", "int8", 0),
+            "inflight_chunked": ("inflight", "fp32", CHUNK)}  # fmt: skip
 STEP_PAST, STEP_BATCHES, STEP_ROUNDS = 512, (1, 16), 3  # the decode-step comparison
 PROMPTS = (8, 256)  # prompt lengths, uniform (inclusive)
 NEW_TOKENS = (16, 256)  # max_new_tokens, uniform (inclusive)
@@ -149,11 +163,16 @@ def local(artifact: Path, requests: list) -> dict:
 
 
 def served(
-    server, model: str, concurrency: int, duration: float, shape=(PROMPTS, NEW_TOKENS)
-) -> dict:
+    server, model: str, concurrency: int, duration: float, shape=(PROMPTS, NEW_TOKENS),
+    requests=None,
+) -> dict:  # fmt: skip
     """C clients sending their workloads back to back until ``duration`` seconds have
-    passed (each finishes the request it is in)."""
+    passed (each finishes the request it is in); ``requests(i)``: client i's instead, each
+    sent once."""
     from tfgraph.runtime.serving.client import stream_tokens
+
+    if requests is not None:
+        duration = float("inf")  # each client's own requests, once
 
     firsts, gaps, counts, errors = [], [], [0] * concurrency, []
     lock = threading.Lock()
@@ -161,7 +180,8 @@ def served(
 
     def client(i: int) -> None:
         try:
-            for ids, new in workload(i, 10_000, *shape):
+            mine = requests(i) if requests is not None else workload(i, 10_000, *shape)
+            for ids, new in mine:
                 if time.perf_counter() - start >= duration:
                     return
                 sent = last = time.perf_counter()
@@ -193,28 +213,33 @@ def served(
     return {"concurrency": concurrency, **_summary(sum(counts), seconds, firsts, gaps)}
 
 
-def measure(name: str, preset: str, workdir: Path, duration: float, quick: bool, shape) -> dict:
+def measure(
+    name: str, preset: str, workdir: Path, duration: float, quick: bool, shape,
+    modes=tuple(BATCHING), levels=CONCURRENCY,
+) -> dict:  # fmt: skip
     from tfgraph.bench import shared
     from tfgraph.runtime.serving import write_repository
     from tfgraph.runtime.serving.launcher import TritonServer
 
     artifacts = {}
-    for dtype in ("fp32", "int8"):
+    for dtype in sorted({BATCHING[m][1] for m in modes} | {"fp32"}):
         artifacts[dtype] = workdir / f"{name}-{dtype}"
         result = shared.export(preset, artifacts[dtype], kv_cache=True, kv_dtype=dtype)
         if not result.passed:
             raise RuntimeError(f"{preset} ({dtype} cache): parity failed")
     artifact = artifacts["fp32"]
-    levels = CONCURRENCY if not quick else CONCURRENCY[:2]
+    levels = levels if not quick else levels[:2]
     prompts, new_tokens = shape
     capacity = prompts[1] + new_tokens[1]
     repo = workdir / f"{name}-repo"
     models = {}  # batching mode -> (the generation model serving with it, its notes)
-    for mode, (batching, dtype) in BATCHING.items():
+    for mode in modes:
+        batching, dtype, chunk = BATCHING[mode]
         part = workdir / f"{name}-{mode}"
         written = write_repository(
             artifacts[dtype], part, name=f"{name}_{mode}", batching=batching,
             concurrency=max(levels), slot_capacity=capacity if batching == "inflight" else None,
+            prefill_chunk=chunk, prefix_cache_mb=0,
         )  # fmt: skip
         model = f"{name}_{mode}_generate"
         repo.mkdir(exist_ok=True)
@@ -225,15 +250,84 @@ def measure(name: str, preset: str, workdir: Path, duration: float, quick: bool,
     row["kv_bytes_per_slot"] = {d: _kv_bytes_per_slot(a, capacity) for d, a in artifacts.items()}
     limit = result.manifest.get("max_positions") or STEP_PAST + 64
     past = min(STEP_PAST, limit - 64)  # gpt2-tiny holds 128 positions
-    row["decode_step"] = decode_steps(artifacts, 1 if quick else STEP_ROUNDS, past)
+    if len(artifacts) > 1:  # the fp32 and int8 caches' steps
+        row["decode_step"] = decode_steps(artifacts, 1 if quick else STEP_ROUNDS, past)
     row["local"] = local(artifact / "model.onnx", workload(0, 3 if quick else 6, *shape))
     row["batching"] = {}
     with TritonServer(repo, load=[m for m, _ in models.values()], startup_timeout=120) as server:
         for mode, (model, notes) in models.items():
             served(server, model, 1, 0.0, shape)  # warm-up: one request
-            runs = [served(server, model, c, duration, shape) for c in levels]
-            row["batching"][mode] = {"notes": notes, "served": runs}
+            row["batching"][mode] = {"notes": notes, "served": []}
+        for c in levels:  # the modes interleaved at each level
+            for mode, (model, _) in models.items():
+                row["batching"][mode]["served"].append(served(server, model, c, duration, shape))
     return row
+
+
+# the shared-prefix run: a Llama-shaped random model sized like GPT-2-small (768 wide, 12
+# layers; 4 KV heads) holding 2,048 positions; 16 clients at once, each prompt a 1,000-token
+# prefix (a new one each round) and its own 8-64-token tail
+PREFIX_MODEL = {"d_model": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 4, "d_ff": 2048,
+                "vocab_size": 32000, "max_seq_len": 2048}  # fmt: skip
+PREFIX_QUICK = {"d_model": 64, "n_layers": 2, "vocab_size": 256, "max_seq_len": 512}
+PREFIX, PREFIX_CLIENTS, PREFIX_NEW, PREFIX_MB = 1000, 16, 32, 256
+
+
+def prefix_requests(round_: int, prefix: int, vocab: int):
+    """Client i's request in round ``round_``: the round's prefix, then i's own tail."""
+    shared = np.random.default_rng(round_).integers(1, vocab, prefix).tolist()
+
+    def requests(i: int) -> list:
+        tail = np.random.default_rng(1000 * round_ + i + 1)
+        return [(shared + tail.integers(1, vocab, int(tail.integers(8, 65))).tolist(), PREFIX_NEW)]
+
+    return requests
+
+
+def shared_prefix(workdir: Path, quick: bool, rounds: int = 2) -> dict:
+    """TTFT of 16 clients sharing a prefix, with and without prefix caching (both with chunked
+    prefill), in one server, the two alternated over ``rounds`` rounds (fresh prefixes)."""
+    from dataclasses import replace
+
+    import tfgraph
+    from tfgraph.bench import shared
+    from tfgraph.models import PRESETS, build
+    from tfgraph.runtime.serving import write_repository
+    from tfgraph.runtime.serving.launcher import TritonServer
+
+    sizes = PREFIX_QUICK if quick else PREFIX_MODEL
+    prefix = 200 if quick else PREFIX
+    config = replace(PRESETS["llama-tiny"], **sizes)
+    artifact = workdir / "prefix-llama"
+    source = tfgraph.from_module(build(config), origin="llama-2k-random")
+    if not shared.export(source, artifact, kv_cache=True).passed:
+        raise RuntimeError("the shared-prefix model: parity failed")
+    repo, models = workdir / "prefix-repo", {}
+    for mode, mb in (("no_prefix_cache", 0), ("prefix_cache", PREFIX_MB)):
+        part = workdir / f"prefix-{mode}"
+        write_repository(
+            artifact, part, name=mode, batching="inflight", concurrency=PREFIX_CLIENTS,
+            slot_capacity=prefix + 64 + PREFIX_NEW, prefill_chunk=CHUNK, prefix_cache_mb=mb,
+        )  # fmt: skip
+        repo.mkdir(exist_ok=True)
+        (part / f"{mode}_generate").rename(repo / f"{mode}_generate")
+        models[mode] = f"{mode}_generate"
+    firsts = {mode: [] for mode in models}
+    with TritonServer(repo, load=list(models.values()), startup_timeout=300) as server:
+        for model in models.values():  # warm-up: one request sharing nothing
+            served(server, model, 1, 0.0, requests=prefix_requests(99, 16, sizes["vocab_size"]))
+        for r in range(1 if quick else rounds):
+            for mode, model in models.items():
+                requests = prefix_requests(r + 1, prefix, sizes["vocab_size"])
+                firsts[mode].append(served(server, model, PREFIX_CLIENTS, 0.0, requests=requests))
+    out = {"model": sizes, "prefix": prefix, "clients": PREFIX_CLIENTS, "new_tokens": PREFIX_NEW,
+           "prefill_chunk": CHUNK, "prefix_cache_mb": PREFIX_MB, "rounds": firsts}  # fmt: skip
+    for mode, runs in firsts.items():  # medians of the rounds' figures
+        out[mode] = {k: float(np.median([r[k] for r in runs])) for k in ("ttft_ms_p50",
+                     "ttft_ms_p99", "tokens_per_s")}  # fmt: skip
+    ttft = {mode: out[mode]["ttft_ms_p50"] for mode in firsts}
+    out["ttft_p50_ratio"] = ttft["prefix_cache"] / ttft["no_prefix_cache"]
+    return out
 
 
 def _kv_bytes_per_slot(artifact: Path, capacity: int) -> int:
@@ -243,7 +337,11 @@ def _kv_bytes_per_slot(artifact: Path, capacity: int) -> int:
     return batcher.kv_bytes_per_slot()
 
 
-def run(quick: bool, workdir: Path, progress=lambda step: None, only=None) -> dict:
+def run(
+    quick: bool, workdir: Path, progress=lambda step: None, only=None, modes=None, levels=None
+) -> dict:
+    """The plan's models (``only``: some of gpt2-tiny, gpt2-small, shared-prefix), each in
+    ``modes`` (default all of :data:`BATCHING`) at ``levels`` of concurrency."""
     from tfgraph.errors import TfgraphError
     from tfgraph.runtime.serving.launcher import find_tritonserver
 
@@ -262,24 +360,36 @@ def run(quick: bool, workdir: Path, progress=lambda step: None, only=None) -> di
         if only and name not in only:
             continue
         progress(f"serving: {name}")
-        models[name] = measure(name, preset, workdir, duration, quick, shape)
-    return {
+        models[name] = measure(
+            name, preset, workdir, duration, quick, shape, tuple(modes or BATCHING),
+            tuple(levels or CONCURRENCY),
+        )  # fmt: skip
+    out = {
         "date": time.strftime("%Y-%m-%d"),
         "commit": _commit(),
-        "concurrency": list(CONCURRENCY if not quick else CONCURRENCY[:2]),
+        "concurrency": list(levels or CONCURRENCY)[: 2 if quick else None],
         "models": models,
     }
+    if not only or "shared-prefix" in only:
+        progress("serving: shared-prefix")
+        out["shared_prefix"] = shared_prefix(workdir, quick)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="serving.json")
-    parser.add_argument("--only", nargs="+", help="models to run (gpt2-tiny, gpt2-small)")
+    parser.add_argument(
+        "--only", nargs="+", help="runs to do (gpt2-tiny, gpt2-small, shared-prefix)"
+    )
+    parser.add_argument("--modes", nargs="+", choices=list(BATCHING), help="default: all")
+    parser.add_argument("--levels", nargs="+", type=int, help="clients (default 1 4 16 32)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="tfgraph-serving-") as tmp:
-        data = run(args.quick, Path(tmp), lambda s: print(s, file=sys.stderr), args.only)
+        progress = lambda s: print(s, file=sys.stderr)  # noqa: E731
+        data = run(args.quick, Path(tmp), progress, args.only, args.modes, args.levels)
     Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
     print(json.dumps(data, indent=1))
 

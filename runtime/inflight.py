@@ -13,13 +13,20 @@ is already in that form). Each slot holds ``capacity`` positions.
 - a request that ends (its limit, its EOS, or :meth:`~SlotBatcher.release` on a cancel) frees
   its slot at once; the next :meth:`admit` may take it.
 
+**Chunked prefill** (``prefill_chunk``: prompt tokens per step; None or 0: each prompt whole
+at its admit): :meth:`~SlotBatcher.admit` only takes the slot (:attr:`Request.prefilling`);
+each :meth:`~SlotBatcher.advance`, after the running requests' decoding step, runs up to that
+many prompt tokens in chunks over the waiting rows at their own past lengths, oldest first, so
+no decoding step waits for more; a request's first token comes with its last chunk.
+**Prefix caching** (``prefix_cache_bytes``; 0: off): a prompt starting with stored K/V blocks
+(:mod:`tfgraph.runtime.prefix_cache`) gets them copied into its slot and prefills the rest.
+
 Each request keeps its own decoding settings and random generator, so its tokens are those of
 :func:`tfgraph.runtime.generate` on its prompt alone (greedy and seeded sampling), up to the
 fp32 noise of a batched step against a batch of one (a near tie of two logits may break the
-other way; tests/runtime/test_inflight.py measures it). A step's batch spans the slots up to the
-highest
-active one; a free slot below it runs one dummy token at length 0 (it is overwritten by the
-next prefill), so no row of the cache ever moves.
+other way; tests/runtime/test_inflight.py measures it). A step's batch spans the slots up to
+the highest decoding one; a free slot below it runs one dummy token at length 0, a prefilling
+one at its length (overwritten by the next prefill), so no row of the cache ever moves.
 
 The runner must give rows of a cache (:meth:`tfgraph.runtime.runner.Runner.rows`): ONNX
 Runtime's over the ``ort`` target's shared buffer or the ``onnx`` target's static one.
@@ -52,6 +59,7 @@ import numpy as np
 from tfgraph import contract
 from tfgraph.errors import TfgraphError
 from tfgraph.runtime.generate import CachedDecoder, GenerationConfig, choose
+from tfgraph.runtime.prefix_cache import DEFAULT_BLOCK, PrefixCache, prefix_cache_support
 
 logger = logging.getLogger(__name__)
 
@@ -144,10 +152,16 @@ class Request:
     rng: np.random.Generator | None = None
     logits: list[np.ndarray] | None = None  # each chosen token's logits, when kept
     rows: dict = field(default_factory=dict)  # its per-prompt inputs fed at every step
+    looked_up: bool = False  # in the prefix cache (as its prefill started)
 
     @property
     def last(self) -> int:
         return self.tokens[-1]
+
+    @property
+    def prefilling(self) -> bool:
+        """Admitted, its first token still to come (chunked prefill)."""
+        return not self.tokens and not self.finished
 
 
 class SlotBatcher:
@@ -161,6 +175,9 @@ class SlotBatcher:
         *,
         encoder_capacity: int | None = None,
         keep_logits: bool = False,
+        prefill_chunk: int | None = None,
+        prefix_cache_bytes: int = 0,
+        prefix_block: int = DEFAULT_BLOCK,
     ) -> None:
         why = inflight_support(decoder)
         if why is not None:
@@ -184,6 +201,26 @@ class SlotBatcher:
         self.prompt_inputs = {
             p.name: p for p in signature.inputs if p.role in contract.PROMPT_ROLES
         }
+        self._options(prefill_chunk, prefix_cache_bytes, prefix_block)
+
+    def _options(self, chunk: int | None, prefix_bytes: int, block: int) -> None:
+        """Chunked prefill and prefix caching, each off where it cannot serve right."""
+        if (chunk or 0) < 0 or prefix_bytes < 0:
+            raise TfgraphError(
+                f"prefill_chunk, prefix_cache_bytes must be >= 0: {chunk}, {prefix_bytes}"
+            )
+        self.prefill_chunk = chunk or None
+        if self.prefill_chunk and (self.cross or self.prompt_inputs):
+            why = "an encoder-decoder" if self.cross else "image features merge at a whole prompt"
+            logger.info("chunked prefill is off: %s", why)
+            self.prefill_chunk = None
+        self.prefix = None
+        if prefix_bytes:
+            why = prefix_cache_support(self.cache.host, bool(self.cross), bool(self.prompt_inputs))
+            if why is None:
+                self.prefix = PrefixCache(prefix_bytes, block)
+            else:
+                logger.info("prefix caching is off: %s", why)
 
     def _allocate_cross(self, positions: int) -> None:
         signature = self.decoder.session.signature
@@ -236,7 +273,9 @@ class SlotBatcher:
         extra: dict[str, np.ndarray] | None = None,
     ) -> Request:
         """Prefill ``prompt`` into a free slot; the request with its first token chosen (it
-        may be finished already: one token asked for, or EOS). An encoder-decoder's prompt
+        may be finished already: one token asked for, or EOS), or, with chunked prefill, still
+        :attr:`~Request.prefilling` (its first token comes from :meth:`advance`; its slot is
+        taken, reused blocks copied in). An encoder-decoder's prompt
         feeds its encoder; its decoder starts from ``start_token``. ``extra``: a
         vision-language prompt's own inputs, one row (module doc)."""
         self.check(prompt, config)
@@ -252,30 +291,79 @@ class SlotBatcher:
             for n, v in prompt_extra.items()
             if self.prompt_inputs[n].role != contract.IMAGE_FEATURES
         }
-        tokens = np.asarray([request.prompt], np.int64)
-        extra = prompt_extra or None
-        if self.cross:
-            self._encode(slot, tokens)
-            extra = self._cross_rows(slot, slot + 1)
-            tokens = np.asarray([[start_token]], np.int64)
-        cache = self.decoder.session.rows(self.cache, slot, slot + 1, [0])
-        mask = np.ones_like(tokens) if self.decoder.mask_input is not None else None
-        logits, _ = self.decoder.step(tokens, cache, mask, extra)
-        request.length = tokens.shape[1]
         self.active[slot] = request
-        self._choose(request, logits[0, -1])
+        try:
+            if self.cross:
+                self._encode(slot, np.asarray([request.prompt], np.int64))
+                tokens = np.asarray([[start_token]], np.int64)
+                self._choose(request, self._run(request, tokens, self._cross_rows(slot, slot + 1)))
+                return request
+            if self.prefill_chunk is None:  # the whole prompt now
+                self._lookup(request)
+                self._prefill(request, len(request.prompt), prompt_extra or None)
+        except Exception:
+            self.active.pop(slot, None)
+            raise
         return request
 
+    def _run(self, request: Request, tokens: np.ndarray, extra=None) -> np.ndarray:
+        """``tokens`` (1, T) over ``request``'s slot row at its length; the last logits."""
+        slot = request.slot
+        cache = self.decoder.session.rows(self.cache, slot, slot + 1, [request.length])
+        n = request.length + tokens.shape[1]
+        mask = np.ones((1, n), np.int64) if self.decoder.mask_input is not None else None
+        logits, _ = self.decoder.step(tokens, cache, mask, extra)
+        request.length = n
+        return logits[0, -1]
+
+    def _lookup(self, request: Request) -> None:
+        """Prefix caching: the stored blocks its prompt starts with, copied into its slot as
+        its prefill starts (not at its admission: a request admitted beside the one that
+        stores them finds them once that one's chunks ran)."""
+        if self.prefix is not None and not request.looked_up:
+            request.length = self.prefix.load(request.prompt, self.cache.host, request.slot)
+        request.looked_up = True
+
+    def _prefill(self, request: Request, stop: int, extra=None) -> int | None:
+        """The prompt up to ``stop`` into its slot, its full blocks so far stored; at the
+        prompt's end, its first token chosen (returned)."""
+        logits = self._run(request, np.asarray([request.prompt[request.length : stop]]), extra)
+        if self.prefix is not None:
+            self.prefix.store(request.prompt[:stop], self.cache.host, request.slot)
+        return self._choose(request, logits) if stop == len(request.prompt) else None
+
     def step(self) -> dict[int, int]:
-        """One token for every active request: ``{slot: token}``; finished requests have
-        left their slots when this returns."""
-        if not self.active:
-            return {}
-        width = max(self.active) + 1
+        """One token for every active request: ``{slot: token}`` (:meth:`advance`'s last
+        token of each); finished requests have left their slots when this returns."""
+        return {slot: tokens[-1] for slot, tokens in self.advance().items()}
+
+    def advance(self) -> dict[int, list[int]]:
+        """One decoding step for every request past its prefill, then up to
+        ``prefill_chunk`` prompt tokens of those still prefilling (oldest first): each
+        request's new tokens, ``{slot: [token, ...]}`` (a request that finished its prefill:
+        its first). Finished requests have left their slots when this returns."""
+        out = self._decode() if any(r.tokens for r in self.active.values()) else {}
+        budget = self.prefill_chunk or 0
+        for request in [r for r in self.active.values() if r.prefilling]:
+            if budget <= 0:
+                break
+            self._lookup(request)
+            stop = min(len(request.prompt), request.length + budget)
+            budget -= stop - request.length
+            token = self._prefill(request, stop)
+            if token is not None:
+                out[request.slot] = [token]
+        return out
+
+    def _decode(self) -> dict[int, list[int]]:
+        decoding = {slot: r for slot, r in self.active.items() if r.tokens}
+        width = max(decoding) + 1
         lengths = np.zeros(width, np.int64)
         tokens = np.full((width, 1), 0, np.int64)
         for slot, request in self.active.items():
-            lengths[slot], tokens[slot, 0] = request.length, request.last
+            if slot < width:  # a prefilling row's dummy token lands where its next chunk goes
+                lengths[slot] = request.length
+                tokens[slot, 0] = request.last if request.tokens else 0
         cache = self.decoder.session.rows(self.cache, 0, width, lengths)
         mask = None
         if self.decoder.mask_input is not None:  # right-padded: a row's own positions
@@ -285,9 +373,9 @@ class SlotBatcher:
             extra = {**(extra or {}), **self._step_extra(width)}
         logits, _ = self.decoder.step(tokens, cache, mask, extra)
         out = {}
-        for slot, request in list(self.active.items()):
+        for slot, request in decoding.items():
             request.length += 1
-            out[slot] = self._choose(request, logits[slot, -1])
+            out[slot] = [self._choose(request, logits[slot, -1])]
         return out
 
     def _prompt_extra(self, extra: dict | None) -> dict[str, np.ndarray]:
@@ -378,12 +466,14 @@ def generate_inflight(
     start_token: int = 0,
     keep_logits: bool = False,
     extras: Sequence[dict | None] | None = None,
+    **options,
 ) -> list[Request]:
     """Every prompt decoded through a :class:`SlotBatcher`: request i arrives before step
     ``arrivals[i]`` (default: all at once) and waits for a free slot in arrival order. The
     finished requests, in prompt order: ``tokens`` are what :func:`tfgraph.runtime.generate`
     gives each prompt alone. ``extras[i]``: prompt i's own inputs (a vision-language
-    prompt's, one row)."""
+    prompt's, one row). ``options``: :class:`SlotBatcher`'s (``prefill_chunk``,
+    ``prefix_cache_bytes``, ``prefix_block``)."""
     n = len(prompts)
     if not isinstance(configs, Sequence):
         configs = [configs or GenerationConfig()] * n
@@ -393,8 +483,9 @@ def generate_inflight(
     if capacity is None:
         capacity = max(len(p) + c.max_new_tokens for p, c in zip(prompts, configs, strict=True))
     batcher = SlotBatcher(
-        decoder, slots, capacity, encoder_capacity=encoder_capacity, keep_logits=keep_logits
-    )
+        decoder, slots, capacity, encoder_capacity=encoder_capacity, keep_logits=keep_logits,
+        **options,
+    )  # fmt: skip
     for prompt, config in zip(prompts, configs, strict=True):
         batcher.check(prompt, config)
     order = sorted(range(n), key=lambda i: arrivals[i])

@@ -3,9 +3,12 @@
 One scheduler thread owns a :class:`tfgraph.runtime.SlotBatcher` (``slots`` cache rows of
 ``capacity`` positions). Handlers, on the server's event loop, :meth:`Engine.submit` a checked
 request and read its tokens from the :class:`Job` they get back; the thread, before every
-decoding step, admits waiting jobs into free slots (each prefilled alone, its first token sent
-at once), then runs one step for every active slot together and sends each job its token
-through the event loop (``call_soon_threadsafe``). A job leaves its slot at its
+decoding step, admits waiting jobs into free slots, then runs one step for every active slot
+together (:meth:`SlotBatcher.step`: a decoding step and, chunked prefill, up to
+``prefill_chunk`` prompt tokens of the jobs still prefilling) and sends each job its new
+tokens through the event loop (``call_soon_threadsafe``); a job's first token comes with its
+prompt's last chunk. Prompts sharing a prefix reuse its K/V blocks (``prefix_cache_mb``,
+:mod:`tfgraph.runtime.prefix_cache`). A job leaves its slot at its
 ``max_new_tokens`` or EOS, or when its handler cancels it (a stop string matched, the client
 went away): checked after every step. The loop is the one the Triton generation model runs
 (:mod:`.triton_generate`), without Triton: each request's tokens are those of
@@ -36,6 +39,12 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SLOTS = 16
 DEFAULT_CAPACITY = 1024  # positions per slot when the model allows more
+# prompt tokens prefilled per step (chunked prefill, SlotBatcher's prefill_chunk; 0: each
+# prompt whole at once): a decode step waits for at most this many (docs/serving.md measures)
+DEFAULT_PREFILL_CHUNK = 64
+# prefix caching's store (0: off): 256 MiB holds ~3,600 tokens of GPT-2-small's fp32 K/V
+# (72 KiB a token), ~14,000 of an int8 cache; blocks past it are evicted least recently used
+DEFAULT_PREFIX_CACHE_MB = 256
 
 
 @dataclass
@@ -60,6 +69,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     request: Request | None = None  # its slot's request, once admitted
+    sent: int = 0  # its request's tokens sent so far
 
     def send(self, event: Event) -> None:
         """From the scheduler thread: ``event`` onto the job's queue, on its event loop."""
@@ -81,6 +91,8 @@ class Engine:
         capacity: int | None = None,
         threads: int | None = None,
         providers: Sequence[str] | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
     ) -> None:
         from tfgraph.exporters.manifest import read_manifest
         from tfgraph.runtime import open_runner
@@ -100,7 +112,10 @@ class Engine:
             raise TfgraphError(f"tfgraph serve batches in flight, which '{path}' cannot: {why}")
         limit = self.decoder.max_positions
         capacity = capacity or min(limit or DEFAULT_CAPACITY, DEFAULT_CAPACITY)
-        self.batcher = SlotBatcher(self.decoder, slots, capacity)
+        self.batcher = SlotBatcher(
+            self.decoder, slots, capacity, prefill_chunk=prefill_chunk,
+            prefix_cache_bytes=int(prefix_cache_mb * 2**20),
+        )  # fmt: skip
         self.images = None  # a vision-language artifact's prompts (processor, vision graph)
         if vision_language(read_manifest(Path(path))) is not None:
             self.images = ImagePrompts(path, providers=providers)
@@ -181,8 +196,8 @@ class Engine:
                     self.ended["failed"] += len(jobs)
                     jobs.clear()
                     continue
-                for slot, token in tokens.items():
-                    self._deliver(jobs, slot, token)
+                for slot in tokens:
+                    self._deliver(jobs, slot)
             for slot, job in list(jobs.items()):  # cancelled: its slot is free now
                 if job.cancelled.is_set():
                     batcher.release(slot)
@@ -207,13 +222,18 @@ class Engine:
             return
         jobs[request.slot] = job
         job.request = request
-        self._deliver(jobs, request.slot, request.tokens[-1])
+        if request.tokens:  # else its first token comes from a step (chunked prefill)
+            self._deliver(jobs, request.slot)
 
-    def _deliver(self, jobs: dict, slot: int, token: int) -> None:
+    def _deliver(self, jobs: dict, slot: int) -> None:
+        """The tokens the job in ``slot`` has not been sent yet, in order (a step may give
+        several); the last may end it."""
         job = jobs[slot]
-        finished = job.request.finished
+        finished, tokens = job.request.finished, job.request.tokens
         try:
-            job.send(Event(token, finished))
+            while job.sent < len(tokens):
+                job.sent += 1
+                job.send(Event(tokens[job.sent - 1], finished and job.sent == len(tokens)))
         except RuntimeError:  # its event loop is closed: nobody reads it any more
             job.cancel()
         if finished:

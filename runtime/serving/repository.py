@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tfgraph import contract
@@ -47,6 +47,9 @@ DEFAULT_MAX_BATCH_SIZE = 8
 DEFAULT_CONCURRENCY = 16  # generation requests one batch of the generation model holds
 DEFAULT_SLOT_CAPACITY = 1024  # positions per cache slot (in-flight batching), at most the model's
 BATCH_WAIT_MS = 2  # how long the first request of a batch waits for others
+# in-flight batching's chunked prefill (prompt tokens per step; 0: whole prompts) and prefix
+# cache (MiB; 0: off): tfgraph serve's defaults, for the same reasons (docs/serving.md)
+DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_MB = 64, 256
 
 TRITON_TYPES = {
     "float": "TYPE_FP32",
@@ -126,6 +129,8 @@ def write_repository(
     slots: int | None = None,
     slot_capacity: int | None = None,
     batching: str | None = None,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
 ) -> list[RepositoryModel]:
     """Write the repository for ``artifact`` into ``out`` (atomically); the models written.
 
@@ -137,11 +142,15 @@ def write_repository(
     1024), where the artifact takes per-row past lengths; else it batches the requests that
     arrive together (the reason is in the model's notes). ``batching``: ``static`` asks for
     the latter anyway, ``inflight`` refuses an artifact that cannot (default: the best it can).
+    ``prefill_chunk`` / ``prefix_cache_mb``: in-flight batching's prompt tokens per step (0:
+    each prompt whole) and prefix cache (0: off).
     """
     artifact = Path(artifact)
     manifest = read_artifact(artifact)
     name = name or _model_name(artifact)
     _check_arguments(manifest, max_batch_size, concurrency, slots, slot_capacity, batching)
+    if prefill_chunk < 0 or prefix_cache_mb < 0:
+        raise TfgraphError("--prefill-chunk and --prefix-cache-mb must be >= 0 (0: off)")
     capacity = max_sequence or manifest.get("max_positions") or 2048
     images = bool(manifest.get("vision_language"))  # the generation model only (module doc)
     with staged_directory(Path(out), MARKER, "Triton repository") as stage:
@@ -151,6 +160,7 @@ def write_repository(
         if manifest.get("kv_cache"):
             decoder = read_artifact(artifact / "decoder") if images else manifest
             mode = _batching(decoder, concurrency, slots, slot_capacity)
+            mode = replace(mode, prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb)
             if batching == "inflight" and mode.mode != "inflight":
                 raise TfgraphError(f"in-flight batching is not available: {mode.reason}")
             if batching == "static":
@@ -354,11 +364,15 @@ class Batching:
     capacity: int = 0
     kv_bytes_per_position: int = 0
     reason: str = ""
+    prefill_chunk: int = 0  # prompt tokens per step (0: each prompt whole)
+    prefix_cache_mb: float = 0  # the prefix cache's store (0: off)
 
     def parameters(self) -> dict[str, str]:
         out = {"concurrency": str(self.concurrency), "batching": self.mode}
         if self.mode == "inflight":
             out.update(slots=str(self.slots), slot_capacity=str(self.capacity))
+            out.update(prefill_chunk=str(self.prefill_chunk))
+            out.update(prefix_cache_mb=f"{self.prefix_cache_mb:g}")
         return out
 
     def notes(self) -> list[str]:
@@ -366,9 +380,11 @@ class Batching:
             return [f"batches up to {self.concurrency} requests that arrive together "
                     f"({self.reason})"]  # fmt: skip
         kv = self.slots * self.capacity * self.kv_bytes_per_position / 2**20
+        chunk = f"{self.prefill_chunk} tokens a step" if self.prefill_chunk else "whole"
+        prefix = f"{self.prefix_cache_mb:g} MiB" if self.prefix_cache_mb else "off"
         return [
             f"in-flight batching: {self.slots} slots x {self.capacity} positions "
-            f"({kv:.1f} MiB of KV cache)"
+            f"({kv:.1f} MiB of KV cache); prompts prefilled {chunk}; prefix cache {prefix}"
         ]
 
 

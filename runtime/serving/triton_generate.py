@@ -22,12 +22,13 @@ Anything else is refused with one error response naming what was wrong; the serv
 takes per-row past lengths): ``execute`` checks each request (a request that cannot fit a
 slot is refused at once, naming the slot's capacity) and queues it; one scheduler thread owns
 a :class:`tfgraph.runtime.SlotBatcher` of ``slots`` cache slots of ``slot_capacity``
-positions. Before every decoding step it admits waiting requests into free slots (each is
-prefilled alone into its slot and streams its first token at once), then runs one step for
-every active slot together, each at its own length, position and sampling state. A request
-leaves its slot the moment it ends (its ``max_new_tokens``, its EOS), or when its client
-cancels or disconnects (checked every step; a response that cannot be sent frees the slot
-too), and the next waiting request takes it. Its tokens are those of ``tfgraph generate`` on
+positions. Before every step it admits waiting requests into free slots, then steps every
+active slot together, each at its own length, position and sampling state, and prefills up to
+``prefill_chunk`` prompt tokens in chunks (0: each whole at its admission); with
+``prefix_cache_mb`` prompts reuse stored prefixes' K/V (:mod:`tfgraph.runtime.prefix_cache`).
+A request leaves its slot the moment it ends (its ``max_new_tokens``, its EOS), or when its
+client cancels or disconnects (checked every step; a response that cannot be sent frees the
+slot too), and the next waiting request takes it. Its tokens are those of ``tfgraph generate`` on
 that prompt alone, up to the fp32 noise of a batched step (tests/runtime/test_inflight.py).
 
 An encoder-decoder's slot also holds its request's cross-attention K/V (the encoder runs
@@ -205,7 +206,11 @@ class TritonPythonModel:
             slots = int(params.get("slots", str(self.max_rows)))
             capacity = int(params.get("slot_capacity", "1024"))
             encoder = int(params.get("encoder_capacity", str(capacity)))
-            self.batcher = SlotBatcher(self.decoder, slots, capacity, encoder_capacity=encoder)
+            self.batcher = SlotBatcher(
+                self.decoder, slots, capacity, encoder_capacity=encoder,
+                prefill_chunk=int(params.get("prefill_chunk", "0")),
+                prefix_cache_bytes=int(float(params.get("prefix_cache_mb", "0")) * 2**20),
+            )  # fmt: skip
             schedule = self._schedule_inflight
         self.metrics = Metrics(pb_utils, args["model_name"], self.batcher)
         self.worker = threading.Thread(target=schedule, daemon=True)
@@ -371,14 +376,8 @@ class TritonPythonModel:
                 prompts, extra = seq2seq_prompts(
                     self.decoder, prompts, first.pad_token_id, batch[0].start
                 )
-            steps = stream(
-                self.decoder,
-                prompts,
-                first,
-                extra=extra,
-                limits=[job.limit for job in batch],
-                seeds=[job.seed for job in batch],
-            )
+            limits, seeds = [job.limit for job in batch], [job.seed for job in batch]
+            steps = stream(self.decoder, prompts, first, extra=extra, limits=limits, seeds=seeds)
             for step in steps:
                 if self.stopping.is_set():
                     for row, job in enumerate(batch):
@@ -422,7 +421,8 @@ class TritonPythonModel:
                     continue
                 jobs[request.slot] = job
                 job.request = request
-                self._deliver(jobs, request.slot, request.tokens[-1])
+                if request.tokens:  # else its first token comes from a step: chunked prefill
+                    self._deliver(jobs, request.slot)
             if batcher.active:
                 try:
                     tokens = batcher.step()
@@ -433,8 +433,8 @@ class TritonPythonModel:
                         self._fail(job.sender, message, FAILED)
                     jobs.clear()
                     continue
-                for slot, token in tokens.items():
-                    self._deliver(jobs, slot, token)
+                for slot in tokens:
+                    self._deliver(jobs, slot)
             for slot, job in list(jobs.items()):  # a client gone: its slot is free now
                 if self._cancelled(job):
                     batcher.release(slot)
@@ -444,12 +444,14 @@ class TritonPythonModel:
         for job in jobs.values():
             self._fail(job.sender, "model unloaded while generating", UNLOADED)
 
-    def _deliver(self, jobs, slot, token):
-        """Send ``token`` to the request in ``slot``; close its stream when it has ended; free
-        the slot when its client cannot be reached."""
+    def _deliver(self, jobs, slot):
+        """Send the request in ``slot`` its tokens not sent yet (a step may give several);
+        close its stream when it has ended; free the slot when its client cannot be reached."""
         job = jobs[slot]
+        tokens, finished = job.request.tokens, job.request.finished
         try:
-            self._emit(job, token, job.request.finished)
+            while job.sent < len(tokens):
+                self._emit(job, tokens[job.sent], finished and job.sent + 1 == len(tokens))
         except Exception:  # noqa: BLE001 - the client went away mid-stream
             self.batcher.release(slot)
             jobs.pop(slot)
@@ -494,7 +496,5 @@ class TritonPythonModel:
         error = self.pb.TritonError
         code = getattr(error, code, None)
         failure = error(message) if code is None else error(message, code)
-        sender.send(
-            self.pb.InferenceResponse(error=failure),
-            flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-        )
+        final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        sender.send(self.pb.InferenceResponse(error=failure), flags=final)

@@ -373,3 +373,76 @@ def test_every_row_length_artifact_proves_rows_at_their_own_lengths(artifacts, m
     decoder = CachedDecoder(Session(path, checking=True))
     broken = check_row_parity(load_source("llama-tiny"), decoder, FP32)
     assert not broken["passed"] and broken["max_abs_err"] > 100 * ATOL
+
+
+# -- chunked prefill ------------------------------------------------------------------------
+
+
+# slow: 17 s, an int8 export of its own; the fp32 case stays in the default tier
+KV_DTYPES = ["fp32", pytest.param("int8", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_a_chunk_over_a_past_gives_the_whole_prompts_logits(kv_dtype, artifacts, tmp_path):
+    """GroupQueryAttention over the shared buffer: a prompt run as chunks of 5, 11, 1 and 4
+    tokens, each at its row's past length, gives the logits of the prompt run whole (the
+    int8 cache too: the kernel quantizes each appended key the same way)."""
+    path = artifacts("llama-tiny")
+    if kv_dtype == "int8":
+        path = tmp_path / "int8"
+        tfgraph.export(load_source("llama-tiny"), path, kv_cache=True, kv_dtype="int8")
+    decoder = CachedDecoder(Session(path))
+    prompt = np.random.default_rng(0).integers(1, _vocab(decoder), (1, 21))
+    session = decoder.session
+    whole, _ = decoder.step(prompt, session.rows(session.new_cache(1, 32), 0, 1, [0]))
+    cache, parts = session.new_cache(1, 32), []
+    for start, stop in [(0, 5), (5, 16), (16, 17), (17, 21)]:
+        rows = session.rows(cache, 0, 1, [start])
+        logits, _ = decoder.step(prompt[:, start:stop], rows, np.ones((1, stop), np.int64))
+        parts.append(logits)
+    np.testing.assert_allclose(np.concatenate(parts, axis=1), whole, atol=ATOL, rtol=0)
+    # the control: the last chunk read at a past length one short attends to one key fewer
+    rows = session.rows(cache, 0, 1, [16])
+    short, _ = decoder.step(prompt[:, 17:21], rows, np.ones((1, 20), np.int64))
+    assert np.abs(short - parts[-1]).max() > 100 * ATOL
+
+
+CHUNKED = [("llama-tiny", "ort"), ("gpt-tiny", "ort"), ("hf:llama", "ort"), ("llama-tiny", "onnx")]
+
+
+@pytest.mark.parametrize("case, target", CHUNKED)
+def test_chunked_prefill_gives_the_tokens_of_whole_prefill(case, target, artifacts):
+    """Prompts entering 4 tokens a step, interleaved with the running decodes: every
+    request's tokens and logits are those of ``generate`` on its prompt alone."""
+    decoder = CachedDecoder(Session(artifacts(case, target)))
+    prompts, configs = _prompts(_vocab(decoder)), _configs()
+    got = generate_inflight(
+        decoder, prompts, configs, arrivals=ARRIVALS, slots=SLOTS, keep_logits=True,
+        prefill_chunk=4,
+    )  # fmt: skip
+    for prompt, config, request in zip(prompts, configs, got, strict=True):
+        alone = generate(decoder, [prompt], config, keep_logits=True)
+        assert request.tokens == alone.tokens[0]
+        for mine, theirs in zip(request.logits, alone.step_logits, strict=True):
+            np.testing.assert_allclose(mine, theirs[0], atol=ATOL, rtol=0)
+
+
+def test_a_long_prompt_enters_in_chunks_between_the_decodes(artifacts):
+    """With a budget of 4 prompt tokens a step, a 14-token prompt takes its slot at once and
+    its first token comes at the fourth step; the running request gets a token at every
+    step meanwhile."""
+    decoder = CachedDecoder(Session(artifacts("llama-tiny")))
+    batcher = SlotBatcher(decoder, slots=2, capacity=32, prefill_chunk=4)
+    a = batcher.admit([1, 2, 3], GenerationConfig(max_new_tokens=10))
+    assert a.prefilling and batcher.advance() == {0: [a.tokens[0]]}
+    b = batcher.admit(list(range(1, 15)), GenerationConfig(max_new_tokens=3))
+    assert b.prefilling and b.slot == 1 and batcher.free == 0
+    seen = [batcher.advance() for _ in range(4)]
+    assert [sorted(s) for s in seen] == [[0], [0], [0], [0, 1]]
+    assert b.length == 14 and not b.prefilling and seen[-1][1] == b.tokens
+    alone = generate(decoder, [list(range(1, 15))], GenerationConfig(max_new_tokens=3))
+    while batcher.active:
+        batcher.advance()
+    assert b.tokens == alone.tokens[0]
+    with pytest.raises(TfgraphError, match="must be >= 0"):
+        SlotBatcher(decoder, slots=2, capacity=32, prefill_chunk=-1)

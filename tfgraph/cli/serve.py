@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from tfgraph.errors import TfgraphError
 
+# the engine's and the Triton model's defaults (openai_engine.py, repository.py; a test holds
+# them equal): imported without the framework
+DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_MB = 64, 256
+
 
 def add_parser(sub):
     p = sub.add_parser(
@@ -27,6 +31,16 @@ def add_parser(sub):
         "max positions, at most 1024)",
     )
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: all)")
+    p.add_argument(
+        "--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
+        help="prompt tokens prefilled per step, in chunks between the running requests' "
+        f"steps; 0: each prompt whole at once (default {DEFAULT_PREFILL_CHUNK})",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefix-cache-mb", type=float, default=DEFAULT_PREFIX_CACHE_MB, metavar="M",
+        help="prefix caching: K/V blocks of prompts kept for prompts that start the same, at "
+        f"most M MiB (least recently used evicted); 0: off (default {DEFAULT_PREFIX_CACHE_MB})",
+    )  # fmt: skip
     p.add_argument("--name", help="the model's name in the API (default: the directory's)")
     p.add_argument("--provider", action="append", default=None, help="cpu (default) or cuda")
     p.add_argument(
@@ -69,6 +83,8 @@ def run(args) -> int:
 
     if args.max_batch < 1 or (args.slot_capacity is not None and args.slot_capacity < 2):
         raise TfgraphError("--max-batch must be >= 1 and --slot-capacity >= 2")
+    if args.prefill_chunk < 0 or args.prefix_cache_mb < 0:
+        raise TfgraphError("--prefill-chunk and --prefix-cache-mb must be >= 0 (0: off)")
     sock = bound_socket(args.host, args.port)  # before the model loads: a busy port fails fast
     engine, tokenizer = open_engine(
         args.path,
@@ -76,6 +92,8 @@ def run(args) -> int:
         capacity=args.slot_capacity,
         threads=args.threads,
         providers=args.provider,
+        prefill_chunk=args.prefill_chunk,
+        prefix_cache_mb=args.prefix_cache_mb,
     )
     name = args.name or Path(args.path).resolve().name
     host = f"[{args.host}]" if ":" in args.host else args.host

@@ -7,6 +7,7 @@ from __future__ import annotations
 import shlex
 
 from tfgraph.cli.output import table
+from tfgraph.cli.serve import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_MB
 from tfgraph.errors import TfgraphError
 
 INSTALL_COMMAND = "python -m tfgraph.serving.install"
@@ -50,6 +51,16 @@ def add_parser(sub):
         "max positions, at most 1024)",
     )
     p.add_argument(
+        "--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
+        help="in-flight batching: prompt tokens prefilled per step, in chunks between the "
+        f"running requests' steps; 0: each prompt whole (default {DEFAULT_PREFILL_CHUNK})",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefix-cache-mb", type=float, default=DEFAULT_PREFIX_CACHE_MB, metavar="M",
+        help="in-flight batching: K/V blocks of prompts kept for prompts that start the same, "
+        f"at most M MiB; 0: off (default {DEFAULT_PREFIX_CACHE_MB})",
+    )  # fmt: skip
+    p.add_argument(
         "--batching",
         choices=("inflight", "static"),
         help="the generation model's batching (default: in flight where the artifact allows, "
@@ -88,6 +99,8 @@ def run(args) -> int:
         slots=args.slots,
         slot_capacity=args.slot_capacity,
         batching=args.batching,
+        prefill_chunk=args.prefill_chunk,
+        prefix_cache_mb=args.prefix_cache_mb,
     )
     print(f"wrote Triton model repository {args.output}/")
     rows = [[m.name, m.backend, m.kind, "; ".join(m.notes)] for m in models]
