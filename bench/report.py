@@ -76,6 +76,7 @@ SECTIONS = {
     "scale": lambda d: scale_section(d),
     "norm_folding": lambda d: norm_section(d),
     "quality": lambda d: quality_section(d),
+    "decode_peers": lambda d: decode_peers_section(d),
 }
 
 
@@ -91,6 +92,7 @@ FILES = {  # section → JSON file in OUT/bench/ (the older scripts' names kept)
     "scale": "scale.json",
     "norm_folding": "norm_folding.json",
     "quality": "quality.json",
+    "decode_peers": "decode_peers.json",
 }
 
 
@@ -99,6 +101,13 @@ def quality_section(d: dict) -> list[str]:
     from tfgraph.bench.quality import markdown
 
     return ["## Quality on the trained reference model", "", markdown(d), ""]
+
+
+def decode_peers_section(d: dict) -> list[str]:
+    """The int4 decode step against the peers (:func:`tfgraph.bench.decode_peers.markdown`)."""
+    from tfgraph.bench.decode_peers import markdown
+
+    return ["## Decode step against the peers (1.1B int4)", "", markdown(d), ""]
 
 
 def render(out: Path) -> Path:

@@ -54,6 +54,7 @@ SECTIONS = {  # name → module; the order they run in
     "scale": "scale",
     "norm_folding": "norm_folding",
     "quality": "quality",  # the formats' cost on the trained reference model (issue 48)
+    "decode_peers": "decode_peers",  # the 1.1B int4 step through the loops users call (issue 49)
 }
 
 

@@ -36,6 +36,7 @@ SECTIONS = {
     "scale",
     "norm_folding",
     "quality",
+    "decode_peers",
 }
 TITLES = (
     "## Prefill",
