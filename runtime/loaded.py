@@ -23,8 +23,11 @@ from pathlib import Path
 
 from tfgraph.errors import TfgraphError
 from tfgraph.exporters.manifest import read_manifest
+from tfgraph.runtime.drafters import DraftModel, PromptLookup
 from tfgraph.runtime.generate import CachedDecoder, GenerationConfig, generate, seq2seq_prompts
 from tfgraph.runtime.runner import Runner, open_runner
+from tfgraph.runtime.speculative import DraftLength, SpeculativeStats
+from tfgraph.runtime.speculative_loop import speculative_generate
 from tfgraph.runtime.tokenizer import load_tokenizer
 from tfgraph.runtime.vision_language import ImagePrompts, vision_language
 
@@ -51,6 +54,7 @@ class LoadedModel:
         self._providers, self._images = providers, None  # a vision-language artifact's prompts
         self.tokenizer = load_tokenizer(self.path) if (self.path / "tokenizer").is_dir() else None
         self._decoder: CachedDecoder | None = None
+        self.speculative_stats = None  # the last speculative generate's counters
 
     def __repr__(self) -> str:
         origin = self.manifest.get("model", "?")
@@ -80,6 +84,10 @@ class LoadedModel:
         pad_token_id: int | None = None,
         decoder_start_token_id: int = 0,
         image=None,
+        draft=None,
+        prompt_lookup: int | None = None,
+        speculative_k: int = 4,
+        adaptive_k: bool = False,
     ):
         """Generate after ``prompt``: a text (→ the new text), token ids (→ the new ids; a
         list, an array, a tensor or the tokenizer's output), or a list of either (a batch → a
@@ -88,7 +96,13 @@ class LoadedModel:
         tokenizer's; ``ignore_eos``: never). Padding uses ``pad_token_id`` (default: the
         tokenizer's, else its EOS, else 0); an encoder-decoder's decoder starts from
         ``decoder_start_token_id``. ``image``: a vision-language artifact's image (a PIL image
-        or a file; one per text of a batch), through the model's own processor."""
+        or a file; one per text of a batch), through the model's own processor.
+
+        Speculative decoding (one prompt, docs/speculative.md): ``draft`` (a smaller artifact's
+        directory or :class:`LoadedModel` with the same tokenizer) or ``prompt_lookup`` (the
+        n-gram length looked up in the prompt + output) drafts ``speculative_k`` tokens that
+        one step verifies (``adaptive_k``: k adapted); the same greedy tokens, sampled ones
+        distributed alike. Its counters are left in :attr:`speculative_stats`."""
         texts, prompts, single = self._prompts(prompt)
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
@@ -107,12 +121,39 @@ class LoadedModel:
             prompts, extra = seq2seq_prompts(
                 decoder, prompts, config.pad_token_id, decoder_start_token_id
             )
-        tokens = generate(decoder, prompts, config, extra=extra).tokens
+        if draft is not None or prompt_lookup is not None:
+            tokens = self._speculative(
+                prompts,
+                config,
+                extra,
+                draft,
+                prompt_lookup,
+                DraftLength(k=speculative_k, adaptive=adaptive_k),
+            )
+        else:
+            tokens = generate(decoder, prompts, config, extra=extra).tokens
         if texts:
             out = [self.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
         else:
             out = tokens
         return out[0] if single else out
+
+    def _speculative(self, prompts, config, extra, draft, lookup, length) -> list[list[int]]:
+        """One prompt through :func:`speculative_generate` (a draft model or prompt lookup)."""
+        if draft is not None and lookup is not None:
+            raise TfgraphError("give draft= or prompt_lookup=, not both")
+        if len(prompts) != 1 or extra:
+            raise TfgraphError("speculative decoding takes one text or token-id prompt")
+        if lookup is not None:
+            drafter = PromptLookup(max_ngram=lookup)
+        else:
+            model = draft if isinstance(draft, LoadedModel) else LoadedModel(draft)
+            drafter = DraftModel(model.decoder, self.decoder, seed=config.seed)
+        self.speculative_stats = SpeculativeStats()
+        tokens = speculative_generate(
+            self.decoder, prompts[0], drafter, config, length=length, stats=self.speculative_stats
+        )
+        return [tokens]
 
     def _image_prompts(self, prompt, ids: list, texts: bool, image) -> tuple[list, dict]:
         """A vision-language artifact's prompts: texts through its processor (with ``image``),

@@ -45,6 +45,28 @@ def add_parser(sub):
         help="encoder-decoder models: the first decoder token",
     )
     p.add_argument("--provider", action="append", default=None, help="cpu (default) or cuda")
+    spec = p.add_argument_group("speculative decoding (one prompt; docs/speculative.md)")
+    spec.add_argument(
+        "--draft",
+        metavar="DRAFT_DIR",
+        help="a smaller KV-cached artifact (same tokenizer) drafts the tokens the model verifies",
+    )
+    spec.add_argument(
+        "--prompt-lookup",
+        nargs="?",
+        const=3,
+        type=int,
+        metavar="N",
+        help="draft by looking up the last N tokens (default 3) earlier in the prompt + output",
+    )
+    spec.add_argument(
+        "--speculative-k", type=int, default=4, metavar="K", help="tokens drafted per step"
+    )
+    spec.add_argument(
+        "--adaptive-k",
+        action="store_true",
+        help="adapt k: +1 after a step that accepts all, -1 after one that accepts under half",
+    )
     p.set_defaults(func=run)
 
 
@@ -102,7 +124,10 @@ def run(args) -> int:
         if done % 16 == 0 or done == args.max_new_tokens:
             print(f"[{done}/{args.max_new_tokens}] tokens …", file=sys.stderr, flush=True)
 
-    result = generate(decoder, prompts, config, extra=extra, progress=progress)
+    if args.draft is not None or args.prompt_lookup is not None:
+        result = _speculative(args, decoder, prompts, config, extra)
+    else:
+        result = generate(decoder, prompts, config, extra=extra, progress=progress)
     seconds = time.perf_counter() - start
     for row, tokens in enumerate(result.tokens):
         text = " ".join(map(str, tokens))
@@ -112,3 +137,27 @@ def run(args) -> int:
     total = sum(len(t) for t in result.tokens)
     print(f"{total} tokens in {seconds:.2f} s ({total / seconds:.1f} tokens/s)", file=sys.stderr)
     return 0
+
+
+def _speculative(args, decoder, prompts, config, extra):
+    """``--draft`` / ``--prompt-lookup``: one prompt through the speculative loop; prints the
+    acceptance rate and the tokens per verify step."""
+    from tfgraph.runtime import CachedDecoder, Generation, open_runner
+    from tfgraph.runtime.drafters import DraftModel, PromptLookup
+    from tfgraph.runtime.speculative import DraftLength, SpeculativeStats
+    from tfgraph.runtime.speculative_loop import speculative_generate
+
+    if args.draft is not None and args.prompt_lookup is not None:
+        raise TfgraphError("give --draft DRAFT_DIR or --prompt-lookup, not both")
+    if len(prompts) != 1 or extra:
+        raise TfgraphError("speculative decoding takes one text prompt; give a single --text")
+    if args.draft is not None:
+        draft = CachedDecoder(open_runner(args.draft, providers=args.provider))
+        drafter = DraftModel(draft, decoder, seed=args.seed)
+    else:
+        drafter = PromptLookup(max_ngram=args.prompt_lookup)
+    length = DraftLength(k=args.speculative_k, adaptive=args.adaptive_k)
+    stats = SpeculativeStats()
+    tokens = speculative_generate(decoder, prompts[0], drafter, config, length=length, stats=stats)
+    print(stats.summary(), file=sys.stderr)
+    return Generation([tokens], prompt_lengths=[len(prompts[0])])
