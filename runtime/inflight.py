@@ -355,8 +355,8 @@ class SlotBatcher:
                 out[request.slot] = [token]
         return out
 
-    def _decode(self) -> dict[int, list[int]]:
-        decoding = {slot: r for slot, r in self.active.items() if r.tokens}
+    def _decode(self, decoding: dict | None = None) -> dict[int, list[int]]:
+        decoding = decoding or {slot: r for slot, r in self.active.items() if r.tokens}
         width = max(decoding) + 1
         lengths = np.zeros(width, np.int64)
         tokens = np.full((width, 1), 0, np.int64)

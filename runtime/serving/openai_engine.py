@@ -8,7 +8,9 @@ together (:meth:`SlotBatcher.step`: a decoding step and, chunked prefill, up to
 ``prefill_chunk`` prompt tokens of the jobs still prefilling) and sends each job its new
 tokens through the event loop (``call_soon_threadsafe``); a job's first token comes with its
 prompt's last chunk. Prompts sharing a prefix reuse its K/V blocks (``prefix_cache_mb``,
-:mod:`tfgraph.runtime.prefix_cache`). A job leaves its slot at its
+:mod:`tfgraph.runtime.prefix_cache`); with ``speculative`` each step verifies every slot's
+drafts and may give a job several tokens (:mod:`tfgraph.runtime.inflight_speculative`), sent
+in order. A job leaves its slot at its
 ``max_new_tokens`` or EOS, or when its handler cancels it (a stop string matched, the client
 went away): checked after every step. The loop is the one the Triton generation model runs
 (:mod:`.triton_generate`), without Triton: each request's tokens are those of
@@ -33,7 +35,8 @@ from pathlib import Path
 
 from tfgraph.errors import TfgraphError
 from tfgraph.runtime.generate import CachedDecoder, GenerationConfig
-from tfgraph.runtime.inflight import Request, SlotBatcher, inflight_support
+from tfgraph.runtime.inflight import Request, inflight_support
+from tfgraph.runtime.inflight_speculative import make_batcher
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +96,8 @@ class Engine:
         providers: Sequence[str] | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+        speculative: str | None = None,
+        speculative_k: int = 4,
     ) -> None:
         from tfgraph.exporters.manifest import read_manifest
         from tfgraph.runtime import open_runner
@@ -112,9 +117,10 @@ class Engine:
             raise TfgraphError(f"tfgraph serve batches in flight, which '{path}' cannot: {why}")
         limit = self.decoder.max_positions
         capacity = capacity or min(limit or DEFAULT_CAPACITY, DEFAULT_CAPACITY)
-        self.batcher = SlotBatcher(
+        self.batcher = make_batcher(
             self.decoder, slots, capacity, prefill_chunk=prefill_chunk,
-            prefix_cache_bytes=int(prefix_cache_mb * 2**20),
+            prefix_cache_bytes=int(prefix_cache_mb * 2**20), speculative=speculative,
+            speculative_k=speculative_k, threads=threads,
         )  # fmt: skip
         self.images = None  # a vision-language artifact's prompts (processor, vision graph)
         if vision_language(read_manifest(Path(path))) is not None:

@@ -50,6 +50,7 @@ BATCH_WAIT_MS = 2  # how long the first request of a batch waits for others
 # in-flight batching's chunked prefill (prompt tokens per step; 0: whole prompts) and prefix
 # cache (MiB; 0: off): tfgraph serve's defaults, for the same reasons (docs/serving.md)
 DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_MB = 64, 256
+DRAFT_DIR = "speculative-draft"  # a draft artifact's copy in the artifact's (make_batcher)
 
 TRITON_TYPES = {
     "float": "TYPE_FP32",
@@ -131,6 +132,8 @@ def write_repository(
     batching: str | None = None,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+    speculative: str | None = None,
+    speculative_k: int = 4,
 ) -> list[RepositoryModel]:
     """Write the repository for ``artifact`` into ``out`` (atomically); the models written.
 
@@ -142,8 +145,8 @@ def write_repository(
     1024), where the artifact takes per-row past lengths; else it batches the requests that
     arrive together (the reason is in the model's notes). ``batching``: ``static`` asks for
     the latter anyway, ``inflight`` refuses an artifact that cannot (default: the best it can).
-    ``prefill_chunk`` / ``prefix_cache_mb``: in-flight batching's prompt tokens per step (0:
-    each prompt whole) and prefix cache (0: off).
+    ``prefill_chunk``, ``prefix_cache_mb``, ``speculative`` (``prompt-lookup`` or a draft
+    artifact, copied beside it), ``speculative_k``: in-flight batching's (tfgraph serve's flags).
     """
     artifact = Path(artifact)
     manifest = read_artifact(artifact)
@@ -151,6 +154,9 @@ def write_repository(
     _check_arguments(manifest, max_batch_size, concurrency, slots, slot_capacity, batching)
     if prefill_chunk < 0 or prefix_cache_mb < 0:
         raise TfgraphError("--prefill-chunk and --prefix-cache-mb must be >= 0 (0: off)")
+    from tfgraph.runtime.inflight_speculative import draft_artifact  # numpy: not at import
+
+    draft = draft_artifact(speculative, speculative_k)
     capacity = max_sequence or manifest.get("max_positions") or 2048
     images = bool(manifest.get("vision_language"))  # the generation model only (module doc)
     with staged_directory(Path(out), MARKER, "Triton repository") as stage:
@@ -161,6 +167,9 @@ def write_repository(
             decoder = read_artifact(artifact / "decoder") if images else manifest
             mode = _batching(decoder, concurrency, slots, slot_capacity)
             mode = replace(mode, prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb)
+            if speculative and mode.mode == "inflight":
+                mode = replace(mode, speculative=DRAFT_DIR if draft else speculative,
+                               speculative_k=speculative_k, draft=draft)  # fmt: skip
             if batching == "inflight" and mode.mode != "inflight":
                 raise TfgraphError(f"in-flight batching is not available: {mode.reason}")
             if batching == "static":
@@ -366,6 +375,9 @@ class Batching:
     reason: str = ""
     prefill_chunk: int = 0  # prompt tokens per step (0: each prompt whole)
     prefix_cache_mb: float = 0  # the prefix cache's store (0: off)
+    speculative: str = ""  # prompt-lookup or DRAFT_DIR (the draft artifact's copy)
+    speculative_k: int = 4
+    draft: Path | None = None  # the draft artifact copied into DRAFT_DIR
 
     def parameters(self) -> dict[str, str]:
         out = {"concurrency": str(self.concurrency), "batching": self.mode}
@@ -373,6 +385,8 @@ class Batching:
             out.update(slots=str(self.slots), slot_capacity=str(self.capacity))
             out.update(prefill_chunk=str(self.prefill_chunk))
             out.update(prefix_cache_mb=f"{self.prefix_cache_mb:g}")
+            if self.speculative:
+                out.update(speculative=self.speculative, speculative_k=str(self.speculative_k))
         return out
 
     def notes(self) -> list[str]:
@@ -382,9 +396,10 @@ class Batching:
         kv = self.slots * self.capacity * self.kv_bytes_per_position / 2**20
         chunk = f"{self.prefill_chunk} tokens a step" if self.prefill_chunk else "whole"
         prefix = f"{self.prefix_cache_mb:g} MiB" if self.prefix_cache_mb else "off"
+        spec = f"; speculative {self.speculative}, k {self.speculative_k}" * bool(self.speculative)
         return [
             f"in-flight batching: {self.slots} slots x {self.capacity} positions "
-            f"({kv:.1f} MiB of KV cache); prompts prefilled {chunk}; prefix cache {prefix}"
+            f"({kv:.1f} MiB of KV cache); prompts prefilled {chunk}; prefix cache {prefix}{spec}"
         ]
 
 
@@ -463,6 +478,9 @@ def _write_generate(
             target.mkdir(exist_ok=True)
         elif path.is_file():
             _link(path, target)
+    if batching.draft is not None:  # beside the artifact: the model resolves it there
+        for path in sorted(p for p in batching.draft.rglob("*") if p.is_file()):
+            _link(path, copy / DRAFT_DIR / path.relative_to(batching.draft))
     tokenizer = (artifact / "tokenizer").is_dir()
     config = generate_config(name, tokenizer, batching, python_site_paths(), images)
     (stage / name / "config.pbtxt").write_text(config)

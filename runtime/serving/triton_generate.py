@@ -19,20 +19,20 @@ parameters: ``stream``, ``max_new_tokens``, ``do_sample``, ``temperature``, ``to
 Anything else is refused with one error response naming what was wrong; the server goes on.
 
 **In-flight batching** (``batching: inflight``, written by ``tfgraph triton`` when the artifact
-takes per-row past lengths): ``execute`` checks each request (a request that cannot fit a
-slot is refused at once, naming the slot's capacity) and queues it; one scheduler thread owns
-a :class:`tfgraph.runtime.SlotBatcher` of ``slots`` cache slots of ``slot_capacity``
-positions. Before every step it admits waiting requests into free slots, then steps every
-active slot together, each at its own length, position and sampling state, and prefills up to
-``prefill_chunk`` prompt tokens in chunks (0: each whole at its admission); with
-``prefix_cache_mb`` prompts reuse stored prefixes' K/V (:mod:`tfgraph.runtime.prefix_cache`).
+takes per-row past lengths): ``execute`` checks each request (refused at once when it
+cannot fit a slot) and queues it; one scheduler thread owns a :class:`SlotBatcher` of
+``slots`` cache slots of ``slot_capacity`` positions. Before every step it admits waiting
+requests into free slots, then steps every active slot together, each at its own length,
+position and sampling state, and prefills up to ``prefill_chunk`` prompt tokens in chunks
+(0: each whole at its admission); with
+``prefix_cache_mb`` prompts reuse stored prefixes' K/V (:mod:`tfgraph.runtime.prefix_cache`);
+with ``speculative`` a step verifies each slot's drafts (several tokens a step, sent in order).
 A request leaves its slot the moment it ends (its ``max_new_tokens``, its EOS), or when its
 client cancels or disconnects (checked every step; a response that cannot be sent frees the
 slot too), and the next waiting request takes it. Its tokens are those of ``tfgraph generate`` on
 that prompt alone, up to the fp32 noise of a batched step (tests/runtime/test_inflight.py).
 
-An encoder-decoder's slot also holds its request's cross-attention K/V (the encoder runs
-once per request, on its prompt alone) for up to ``slot_capacity`` prompt tokens.
+An encoder-decoder's slot also holds its request's cross K/V (up to ``slot_capacity`` tokens).
 
 **Static batching** (``batching: static``: a cache without per-row lengths, a step graph that
 takes more per request, or asked for): ``execute`` checks each request and queues it; one
@@ -98,12 +98,12 @@ class Job:
 
 
 class Metrics:
-    """The generation model's own gauges and counters on Triton's metrics endpoint (``/metrics``,
-    Prometheus text; labelled by model): ``tfgraph_slots`` (slots in all),
-    ``tfgraph_slots_active``, ``tfgraph_requests_waiting``, ``tfgraph_requests_ended_total``
-    by ``reason`` (``finished``, ``cancelled``: the client cancelled, ``unreachable``: a
-    response could not be sent) and ``tfgraph_model_rss_bytes`` (this model's process). A
-    server started without metrics, or a backend without custom metrics, records nothing."""
+    """The generation model's own gauges and counters on Triton's metrics endpoint
+    (``/metrics``, Prometheus text; labelled by model): ``tfgraph_slots`` (slots in all),
+    ``tfgraph_slots_active``, ``tfgraph_requests_waiting``, ``tfgraph_requests_ended_total`` by
+    ``reason`` (``finished``, ``cancelled``: the client cancelled, ``unreachable``: a response
+    could not be sent) and ``tfgraph_model_rss_bytes`` (this model's process). A server started
+    without metrics, or a backend without custom metrics, records nothing."""
 
     REASONS = ("finished", "cancelled", "unreachable")
 
@@ -201,15 +201,15 @@ class TritonPythonModel:
         self.batcher = None
         schedule = self._schedule
         if params.get("batching") == "inflight":
-            from tfgraph.runtime.inflight import SlotBatcher
+            from tfgraph.runtime.inflight_speculative import make_batcher
 
-            slots = int(params.get("slots", str(self.max_rows)))
-            capacity = int(params.get("slot_capacity", "1024"))
-            encoder = int(params.get("encoder_capacity", str(capacity)))
-            self.batcher = SlotBatcher(
-                self.decoder, slots, capacity, encoder_capacity=encoder,
-                prefill_chunk=int(params.get("prefill_chunk", "0")),
-                prefix_cache_bytes=int(float(params.get("prefix_cache_mb", "0")) * 2**20),
+            get, capacity = params.get, int(params.get("slot_capacity", "1024"))
+            self.batcher = make_batcher(
+                self.decoder, int(get("slots", str(self.max_rows))), capacity,
+                encoder_capacity=int(get("encoder_capacity", str(capacity))),
+                prefill_chunk=int(get("prefill_chunk", "0")),
+                prefix_cache_bytes=int(float(get("prefix_cache_mb", "0")) * 2**20),
+                speculative=get("speculative"), speculative_k=int(get("speculative_k", "4")),
             )  # fmt: skip
             schedule = self._schedule_inflight
         self.metrics = Metrics(pb_utils, args["model_name"], self.batcher)

@@ -41,6 +41,15 @@ def add_parser(sub):
         help="prefix caching: K/V blocks of prompts kept for prompts that start the same, at "
         f"most M MiB (least recently used evicted); 0: off (default {DEFAULT_PREFIX_CACHE_MB})",
     )  # fmt: skip
+    p.add_argument(
+        "--speculative", metavar="prompt-lookup|DRAFT_DIR",
+        help="speculative decoding while at most 2 requests decode: each step verifies a "
+        "request's drafts, from prompt lookup or a smaller artifact with the same tokenizer "
+        "(default: off)",
+    )  # fmt: skip
+    p.add_argument(
+        "--speculative-k", type=int, default=4, metavar="K", help="drafts per step (default 4)"
+    )
     p.add_argument("--name", help="the model's name in the API (default: the directory's)")
     p.add_argument("--provider", action="append", default=None, help="cpu (default) or cuda")
     p.add_argument(
@@ -94,6 +103,8 @@ def run(args) -> int:
         providers=args.provider,
         prefill_chunk=args.prefill_chunk,
         prefix_cache_mb=args.prefix_cache_mb,
+        speculative=args.speculative,
+        speculative_k=args.speculative_k,
     )
     name = args.name or Path(args.path).resolve().name
     host = f"[{args.host}]" if ":" in args.host else args.host

@@ -61,6 +61,15 @@ def add_parser(sub):
         f"at most M MiB; 0: off (default {DEFAULT_PREFIX_CACHE_MB})",
     )  # fmt: skip
     p.add_argument(
+        "--speculative", metavar="prompt-lookup|DRAFT_DIR",
+        help="in-flight batching, while at most 2 requests decode: each step verifies a "
+        "request's drafts, from prompt lookup or a smaller artifact with the same tokenizer "
+        "(copied in; default: off)",
+    )  # fmt: skip
+    p.add_argument(
+        "--speculative-k", type=int, default=4, metavar="K", help="drafts per step (default 4)"
+    )
+    p.add_argument(
         "--batching",
         choices=("inflight", "static"),
         help="the generation model's batching (default: in flight where the artifact allows, "
@@ -101,6 +110,8 @@ def run(args) -> int:
         batching=args.batching,
         prefill_chunk=args.prefill_chunk,
         prefix_cache_mb=args.prefix_cache_mb,
+        speculative=args.speculative,
+        speculative_k=args.speculative_k,
     )
     print(f"wrote Triton model repository {args.output}/")
     rows = [[m.name, m.backend, m.kind, "; ".join(m.notes)] for m in models]
