@@ -182,7 +182,9 @@ class CachedDecoder:
     ) -> tuple[np.ndarray, KVCache]:
         """Run the new ``tokens`` (batch, T) on ``cache``; returns (logits, next cache).
         ``mask``: the padding mask over past + new positions, when the model takes one;
-        ``None`` means nothing is padded."""
+        ``None`` means nothing is padded. The logits are the step's own array (ONNX Runtime
+        writes them into a fresh one: a later step never overwrites them). A cache rolled
+        back by a smaller ``length`` (rejected drafts) is stepped on like any other."""
         new = tokens.shape[1]
         self.check_positions(cache.length + new, f"past {cache.length} + {new} new tokens")
         if cache.capacity is not None and cache.length + new > cache.capacity:
@@ -357,24 +359,32 @@ def stream(
 
 
 def _steps(decoder, ids, mask, config: GenerationConfig, extra, limits, rng) -> Iterator[Step]:
-    batch = ids.shape[0]
+    """The loop: one step per token, the mask a view of one array allocated for the whole
+    generation (past + new columns of ones filled in advance), the tokens chosen from the last
+    position's logits, which the step returns in a fresh array (kept without a copy)."""
+    batch, width = ids.shape
+    longest = int(limits.max())
     if decoder.encoder is not None:  # once per prompt, not per step
         extra = {**(extra or {}), **decoder.encode(extra or {})}
-    cache = decoder.empty_cache(batch, capacity=ids.shape[1] + int(limits.max()))
+    cache = decoder.empty_cache(batch, capacity=width + longest)
+    full_mask = np.ones((batch, width + longest - 1), np.int64)
+    full_mask[:, :width] = mask
     done = np.zeros(batch, bool)
     tokens = ids
-    for t in range(int(limits.max())):
-        logits, cache = decoder.step(tokens, cache, mask, extra)
-        last = logits[:, -1, :]
+    for t in range(longest):
+        step_mask = full_mask[:, : width + t]
+        logits, cache = decoder.step(tokens, cache, step_mask, extra)
+        # one new token: the (batch, 1, vocab) array is the last position's; a prompt's
+        # last position is copied out of its (batch, T, vocab) so the rest can go
+        last = logits[:, -1, :] if logits.shape[1] == 1 else logits[:, -1, :].copy()
         chosen = np.where(done, config.pad_token_id, choose(last, config, rng))
-        yield Step({int(row): int(chosen[row]) for row in np.flatnonzero(~done)}, last.copy())
+        yield Step({int(row): int(chosen[row]) for row in np.flatnonzero(~done)}, last)
         if config.eos_token_id is not None:
             done |= chosen == config.eos_token_id
         done |= limits <= t + 1
         if done.all():
             return
         tokens = chosen[:, None].astype(np.int64)
-        mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
 
 
 def seq2seq_prompts(

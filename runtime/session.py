@@ -165,6 +165,9 @@ class Session:
         self.output_names = [o.name for o in self._session.get_outputs()]
         self._input_types = {i.name: i.type for i in self._session.get_inputs()}
         self._input_shapes = {i.name: i.shape for i in self._session.get_inputs()}
+        self._output_types = {o.name: o.type for o in self._session.get_outputs()}
+        self._output_shapes = {o.name: o.shape for o in self._session.get_outputs()}
+        self._kept_binding = None  # (batch, weak refs to the cache values, binding): _binding
         self.signature = self._read_signature()
         self._device = "cuda" if chosen[0] == PROVIDERS["cuda"] else "cpu"
         self._optimize = optimize
@@ -266,14 +269,15 @@ class Session:
         self, feeds: Mapping[RoleKey, object], cache: KVCache, new_tokens: int
     ) -> tuple[dict[RoleKey, object], KVCache]:
         """One step with IO binding: the cache never travels through numpy. A shared buffer is
-        bound as both past and present (the kernel appends in place); otherwise the presents
-        become the next step's pasts."""
+        bound as both past and present (the kernel appends in place), and the binding is
+        kept for the next step over the same buffer (:meth:`_binding`); otherwise the
+        presents become the next step's pasts. The logits come back in a fresh numpy array
+        ONNX Runtime writes into (no copy)."""
         shared = self.signature.shared_buffer
-        binding = self._session.io_binding()
+        binding = self._binding(cache, _batch_of(feeds))
         for port in self.signature.inputs:
             if port.role in _PAST_ROLES:
-                binding.bind_ortvalue_input(port.name, cache.values[port.key])
-                continue
+                continue  # bound by _binding
             if port.role == contract.PAST_LENGTH:
                 binding.bind_cpu_input(port.name, np.array([cache.length], np.int64))
                 continue
@@ -287,15 +291,12 @@ class Session:
                 binding.bind_cpu_input(port.name, np.ascontiguousarray(value))
             else:  # an OrtValue (an encoder's cross-attention K/V): bound without a copy
                 binding.bind_ortvalue_input(port.name, value)
-        for port in self.signature.outputs:
-            past = (_PRESENT_PAST.get(port.role), port.layer)
-            if shared and past in cache.values and port.role not in _STATE_PAST:
-                binding.bind_ortvalue_output(port.name, cache.values[past])  # appended in place
-            else:
-                binding.bind_output(port.name, "cpu")
+        outputs, fetched = self._bind_outputs(binding, cache, feeds, new_tokens)
         self._run(lambda: self._session.run_with_iobinding(binding))
-        values = binding.get_outputs()
-        outputs = {p.key: v for p, v in zip(self.signature.outputs, values, strict=True)}
+        if fetched:
+            values = binding.get_outputs()
+            for port, value in zip(self.signature.outputs, values, strict=True):
+                outputs.setdefault(port.key, value)
         if shared:
             lengths = None if cache.lengths is None else np.asarray(cache.lengths) + new_tokens
             values = dict(cache.values)
@@ -306,13 +307,67 @@ class Session:
                     if p.role in _STATE_PAST
                 }
             )
-            return outputs, KVCache(values, cache.length + new_tokens, cache.capacity, lengths)
+            length = cache.length + new_tokens
+            return outputs, KVCache(values, length, cache.capacity, lengths, cache.host)
         next_values = {
             (_PRESENT_PAST[p.role], p.layer): outputs[p.key]
             for p in self.signature.outputs
             if p.role in _PRESENT_PAST
         }
         return outputs, KVCache(next_values, cache.length + new_tokens)
+
+    def _binding(self, cache: KVCache, batch: int):
+        """An IO binding with ``cache``'s buffers bound as past (and, for a shared buffer, as
+        present). The last shared-buffer binding is kept (weak references to the buffers it
+        binds) and reused while a step runs over the very same buffers: a generation loop
+        binds its cache once, not 2 × layers values per token."""
+        import weakref
+
+        shared = self.signature.shared_buffer
+        pasts = [cache.values[p.key] for p in self.signature.inputs if p.role in _PAST_ROLES]
+        kept = self._kept_binding
+        if shared and kept is not None and kept[0] == batch and len(kept[1]) == len(pasts):
+            if all(ref() is value for ref, value in zip(kept[1], pasts, strict=True)):
+                return kept[2]
+        binding = self._session.io_binding()
+        for port in self.signature.inputs:
+            if port.role in _PAST_ROLES:
+                binding.bind_ortvalue_input(port.name, cache.values[port.key])
+        for port in self.signature.outputs:
+            past = (_PRESENT_PAST.get(port.role), port.layer)
+            if shared and past in cache.values and port.role not in _STATE_PAST:
+                binding.bind_ortvalue_output(port.name, cache.values[past])  # appended in place
+        self._kept_binding = None
+        if shared and self._device == "cpu":
+            try:
+                self._kept_binding = (batch, [weakref.ref(v) for v in pasts], binding)
+            except TypeError:  # a runner value without weak references: not kept
+                pass
+        return binding
+
+    def _bind_outputs(self, binding, cache: KVCache, feeds, new_tokens: int) -> tuple[dict, bool]:
+        """Binds the outputs a step does not alias to its cache: the logits to a fresh
+        numpy array where their shape is known (→ {key: array}), the others to the CPU,
+        allocated by ONNX Runtime (→ fetched: True)."""
+        shared, outputs, fetched = self.signature.shared_buffer, {}, False
+        for port in self.signature.outputs:
+            past = (_PRESENT_PAST.get(port.role), port.layer)
+            if shared and past in cache.values and port.role not in _STATE_PAST:
+                outputs[port.key] = cache.values[past]  # bound by _binding
+                continue
+            shape = self._output_shapes.get(port.name)
+            dtype = _ORT_DTYPES.get(self._output_types.get(port.name))
+            if port.role == contract.LOGITS and self._device == "cpu" and dtype is not None:
+                if shape is not None and len(shape) == 3 and isinstance(shape[2], int):
+                    import onnxruntime as ort
+
+                    array = np.empty((_batch_of(feeds), new_tokens, shape[2]), dtype)
+                    binding.bind_ortvalue_output(port.name, ort.OrtValue.ortvalue_from_numpy(array))
+                    outputs[port.key] = array
+                    continue
+            binding.bind_output(port.name, "cpu")  # a new value each run, never the last one
+            fetched = True
+        return outputs, fetched
 
     def run(self, inputs: Mapping[str, object], *, native: bool = False) -> dict[str, object]:
         """Run on numpy arrays or torch tensors; returns ``{output name: numpy array}`` (with
