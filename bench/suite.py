@@ -55,6 +55,7 @@ SECTIONS = {  # name → module; the order they run in
     "norm_folding": "norm_folding",
     "quality": "quality",  # the formats' cost on the trained reference model (issue 48)
     "decode_peers": "decode_peers",  # the 1.1B int4 step through the loops users call (issue 49)
+    "speculative": "speculative",  # batch 1: a draft model and prompt lookup (issue 49)
 }
 
 

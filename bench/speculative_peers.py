@@ -1,0 +1,115 @@
+"""The speculative bench's peers (:mod:`tfgraph.bench.speculative`): llama.cpp's
+``llama-speculative`` (a draft GGUF, or ``--spec-type none`` for plain decoding) and
+``llama-lookup`` (n-gram prompt lookup) on GGUFs of the same two checkpoints, made by the
+quality bench's converter (:func:`tfgraph.bench.quality_peers.build_gguf`).
+
+Each run is a fresh process with 2 threads, greedy (``--temp 0``), the prompt given as text (the
+token ids decoded by the model's tokenizer: llama.cpp re-tokenizes it with the same vocabulary),
+``MAX_NEW`` tokens; its figure is llama.cpp's own ``decoded N tokens in T seconds`` (decode
+only, as the tfgraph rows) and ``accept``. Modes are interleaved in rounds; medians.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import subprocess
+from pathlib import Path
+
+THREADS = 2
+DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+ACCEPT = re.compile(r"accept\s+=\s+([\d.]+)%")
+
+
+def _modes(target: Path, draft: Path) -> dict[str, list[str]]:
+    common = ["-m", str(target), "-t", str(THREADS), "--temp", "0", "-c", "1024", "--seed", "0"]
+    return {
+        "plain": ["llama-speculative", *common, "--spec-type", "none"],
+        "draft k=4": [
+            "llama-speculative", *common, "-md", str(draft), "-td", str(THREADS),
+            "--spec-draft-n-max", "4",
+        ],
+        "lookup k=4": ["llama-lookup", *common, "--spec-draft-n-max", "4"],
+    }  # fmt: skip
+
+
+def run_one(root: Path, argv: list[str], prompt: str, max_new: int) -> dict:
+    """One llama.cpp run: decoded tokens, seconds and acceptance (or the error)."""
+    tool = root / "build" / "bin" / argv[0]
+    cmd = [str(tool), *argv[1:], "-p", prompt, "-n", str(max_new)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        return {"error": "timed out after 600 s"}
+    text = done.stdout + done.stderr
+    found = DECODED.search(text)
+    if done.returncode or found is None:
+        lines = [line for line in text.splitlines() if line.strip()]
+        return {"error": (lines or ["no output"])[-1][:200]}
+    accept = ACCEPT.search(text)
+    return {
+        "tokens": int(found.group(1)),
+        "seconds": float(found.group(2)),
+        "acceptance": float(accept.group(1)) / 100 if accept else None,
+    }
+
+
+def bench_llama(
+    root: Path, work: Path, task_prompts: dict, rounds: int, progress, draft_dir: Path
+) -> list[dict]:
+    """Rows of (precision, task, mode) for llama.cpp: f32 and Q4_0 GGUFs of both models."""
+    import transformers
+
+    from tfgraph.bench.quality_peers import build_gguf
+    from tfgraph.bench.speculative import MAX_NEW, MODEL
+
+    target = build_gguf(root, MODEL, work / "gguf-target")
+    draft = build_gguf(root, draft_dir, work / "gguf-draft")
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(MODEL)
+    rows = []
+    for precision, kind in (("fp32", "f32"), ("int4", "Q4_0")):
+        modes = _modes(target[kind], draft[kind])
+        for task, prompts in task_prompts.items():
+            texts = [tokenizer.decode(p) for p in prompts]
+            runs = {name: [] for name in modes}
+            for r in range(rounds):
+                names = list(modes)[r % len(modes) :] + list(modes)[: r % len(modes)]
+                for name in names:
+                    results = [run_one(root, modes[name], t, MAX_NEW) for t in texts]
+                    runs[name].append(results)
+                    progress(f"llama.cpp {precision} {task} {name} round {r + 1}: {results[0]}")
+            rows += _summarize(runs, precision, task)
+    return rows
+
+
+def _rate(results: list[dict]) -> float | None:
+    if any("error" in r for r in results):
+        return None
+    return sum(r["tokens"] for r in results) / sum(r["seconds"] for r in results)
+
+
+def _summarize(runs: dict, precision: str, task: str) -> list[dict]:
+    rows = []
+    plain = [_rate(results) for results in runs["plain"]]
+    for name, rounds in runs.items():
+        rates = [_rate(results) for results in rounds]
+        errors = [r["error"] for results in rounds for r in results if "error" in r]
+        ok = [x for x in rates if x is not None]
+        ratios = [a / b for a, b in zip(rates, plain, strict=True) if a is not None and b]
+        accepts = [
+            r["acceptance"] for res in rounds for r in res if r.get("acceptance") is not None
+        ]
+        rows.append(
+            {
+                "engine": "llama.cpp",
+                "precision": precision,
+                "task": task,
+                "mode": name,
+                "tokens_per_s": statistics.median(ok) if ok else None,
+                "speedup": statistics.median(ratios) if ratios else None,
+                "acceptance": statistics.median(accepts) if accepts else None,
+                "error": errors[0] if errors else None,
+                "rounds": len(rounds),
+            }
+        )
+    return rows
