@@ -77,6 +77,7 @@ SECTIONS = {
     "norm_folding": lambda d: norm_section(d),
     "quality": lambda d: quality_section(d),
     "decode_peers": lambda d: decode_peers_section(d),
+    "speculative": lambda d: speculative_section(d),
 }
 
 
@@ -93,6 +94,7 @@ FILES = {  # section → JSON file in OUT/bench/ (the older scripts' names kept)
     "norm_folding": "norm_folding.json",
     "quality": "quality.json",
     "decode_peers": "decode_peers.json",
+    "speculative": "speculative.json",
 }
 
 
@@ -108,6 +110,13 @@ def decode_peers_section(d: dict) -> list[str]:
     from tfgraph.bench.decode_peers import markdown
 
     return ["## Decode step against the peers (1.1B int4)", "", markdown(d), ""]
+
+
+def speculative_section(d: dict) -> list[str]:
+    """Speculative decoding at batch 1 (:func:`tfgraph.bench.speculative.markdown`)."""
+    from tfgraph.bench.speculative import markdown
+
+    return ["## Speculative decoding (batch 1, the reference model)", "", markdown(d), ""]
 
 
 def render(out: Path) -> Path:

@@ -159,6 +159,9 @@ def summarize(table: dict, precision: str, task: str) -> list[dict]:
         ratios = [
             tokens_per_second(a) / tokens_per_second(b) for a, b in zip(runs, plain, strict=True)
         ]
+        draftless = name == "plain"
+        accepted = [r["acceptance"] for r in runs]
+        per_step = [r["tokens_per_step"] for r in runs]
         rows.append(
             {
                 "engine": "tfgraph",
@@ -167,8 +170,8 @@ def summarize(table: dict, precision: str, task: str) -> list[dict]:
                 "mode": name,
                 "tokens_per_s": statistics.median(tokens_per_second(r) for r in runs),
                 "speedup": statistics.median(ratios),
-                "acceptance": statistics.median(r["acceptance"] for r in runs),
-                "tokens_per_step": statistics.median(r["tokens_per_step"] for r in runs),
+                "acceptance": None if draftless else statistics.median(accepted),
+                "tokens_per_step": 1.0 if draftless else statistics.median(per_step),
                 "tokens_equal": equal,
                 "rounds": len(runs),
             }
@@ -209,6 +212,23 @@ def bench(
         first = {task: ids[:1] for task, ids in task_prompts.items()}
         result["peers"] = speculative_peers.bench_llama(llama, work, first, 1, progress, draft_dir)
     return result
+
+
+def markdown(result: dict) -> str:
+    """The table: one line per (engine, precision, task, mode)."""
+    head = "| engine | precision | task | mode | decode tok/s | × plain | accepted | tok/step |"
+    lines = [head, "|---|---|---|---|---:|---:|---:|---:|"]
+    for r in result["rows"] + result.get("peers", []):
+        cells = [
+            format(r[key], fmt) if r.get(key) is not None else "—"
+            for key, fmt in (
+                ("tokens_per_s", ".1f"), ("speedup", ".2f"),
+                ("acceptance", ".0%"), ("tokens_per_step", ".2f"),
+            )
+        ]  # fmt: skip
+        lines.append(f"| {r['engine']} | {r['precision']} | {r['task']} | {r['mode']} | "
+                     + " | ".join(cells) + " |")  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 def plot(result: dict, out: Path) -> None:

@@ -37,6 +37,7 @@ SECTIONS = {
     "norm_folding",
     "quality",
     "decode_peers",
+    "speculative",
 }
 TITLES = (
     "## Prefill",

@@ -52,3 +52,21 @@ def test_llama_cpp_summary_lines_are_read(tmp_path, monkeypatch):
     assert got == {"tokens": 66, "seconds": 2.5, "acceptance": 0.625}
     Done.stdout = "error: unknown argument --spec-type\n"
     assert "unknown argument" in speculative_peers.run_one(tmp_path, ["x"], "t", 4)["error"]
+
+
+def test_the_report_renders_the_section(tmp_path):
+    import json
+
+    from tfgraph.bench import report
+
+    row = {"engine": "tfgraph", "precision": "fp32", "task": "copy", "mode": "lookup k=4",
+           "tokens_per_s": 40.0, "speedup": 1.61, "acceptance": 0.5,
+           "tokens_per_step": 2.5}  # fmt: skip
+    peer = {**row, "engine": "llama.cpp", "tokens_per_step": None, "speedup": None}
+    (tmp_path / "bench").mkdir()
+    data = {"rows": [row], "peers": [peer]}
+    (tmp_path / "bench" / "speculative.json").write_text(json.dumps(data))
+    text = report.render(tmp_path).read_text()
+    assert "## Speculative decoding" in text
+    assert "| tfgraph | fp32 | copy | lookup k=4 | 40.0 | 1.61 | 50% | 2.50 |" in text
+    assert "| llama.cpp | fp32 | copy | lookup k=4 | 40.0 | — | 50% | — |" in text
