@@ -18,11 +18,14 @@ What the generated configuration (:func:`haproxy_config`) promises, and why:
   nothing and a rerun of the generation is indistinguishable from the first try (greedy or
   seeded: the same tokens). Once the response has started (a stream's headers, its first
   token) it is never retried: the client already holds part of one generation, and a second
-  one would not continue it.
+  one would not continue it. ``option http-buffer-request`` (the whole body read before a
+  replica is picked) is needed for those retries: without it haproxy 2.6.12 retried nothing
+  here (measured: a non-streamed request whose replica was SIGKILLed got a 502, ``SH--``,
+  0 retries; with it, a 200 from the other replica).
 - **A dead replica is taken out** by the health check (every ``CHECK_INTERVAL_MS``, down after
   ``FALL`` failures) and at once by ``observe layer4`` (a refused connection on live traffic
   marks it down). Its in-flight streams end as a truncated response: the client sees an error,
-  never a hang.
+  never a hang. Each answer carries ``X-Tfgraph-Replica`` (``r0``, ``r1``…): who served it.
 
 :class:`ReplicaSet` starts the replicas, waits until each answers ``/health`` (progress through
 :mod:`tfgraph.progress`), starts haproxy in the foreground (``-db``) and always stops all of them
@@ -108,6 +111,7 @@ def haproxy_config(
             "    retries 2",
             "    option redispatch 1",
             "    retry-on conn-failure empty-response",
+            "    option http-buffer-request  # the whole body first: else no retry (measured)",
             "",
             "frontend tfgraph",
             f"    bind {bind}",

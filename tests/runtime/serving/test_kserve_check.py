@@ -30,6 +30,27 @@ spec:
       storageUri: pvc://models/repo
       args: ["--model-control-mode=poll"]
 """
+DEPLOYMENT = """\
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: serve
+spec:
+  selector:
+    matchLabels:
+      app: serve
+  template:
+    metadata:
+      labels:
+        app: serve
+    spec:
+      containers:
+      - name: serve
+        readinessProbe:
+          httpGet:
+            path: /health
+            port: 8000
+"""
 BROKEN = {  # a manifest with one mistake → a word its problem must hold
     "a misspelt field": (GOOD_ISVC.replace("minReplicas", "minReplica"), "minReplica"),
     "a wrong type": (GOOD_ISVC.replace("maxReplicas: 4", "maxReplicas: four"), "maxReplicas"),
@@ -43,6 +64,10 @@ BROKEN = {  # a manifest with one mistake → a word its problem must hold
         "containers[0].name",
     ),
     "an unknown metadata key": (GOOD_ISVC.replace("  name: llama", "  nmae: llama"), "nmae"),
+    "a Deployment's misspelt probe": (
+        DEPLOYMENT.replace("readinessProbe", "readinesProbe"),
+        "readinesProbe",
+    ),
     "another kind": (GOOD_ISVC.replace("InferenceService", "InferenceServise"), "kind"),
 }
 
@@ -70,9 +95,9 @@ def checked():
     _env_or_skip()
     docs = [(f.name, t) for f in (DOCS / "serving.md", DOCS / "scale-out.md") if f.exists()
             for t in kc.yaml_blocks(f.read_text())]  # fmt: skip
-    texts = [t for _, t in docs] + [GOOD_ISVC] + [t for t, _ in BROKEN.values()]
+    texts = [t for _, t in docs] + [GOOD_ISVC, DEPLOYMENT] + [t for t, _ in BROKEN.values()]
     results = kc.check_manifests(texts)
-    named = dict(zip(["good", *BROKEN], results[len(docs) :], strict=True))
+    named = dict(zip(["good", "deployment", *BROKEN], results[len(docs) :], strict=True))
     return docs, results[: len(docs)], named
 
 
@@ -81,7 +106,7 @@ def test_the_docs_manifests_pass_the_schemas(checked):
     assert any("kind: InferenceService" in t for _, t in docs), "no InferenceService in the docs"
     for (name, text), problems in zip(docs, results, strict=True):
         assert problems == [], (name, text, problems)
-    assert named["good"] == []
+    assert named["good"] == [] and named["deployment"] == []
 
 
 @pytest.mark.parametrize("mistake", list(BROKEN))
