@@ -211,6 +211,11 @@ def bench(
 
         first = {task: ids[:1] for task, ids in task_prompts.items()}
         result["peers"] = speculative_peers.bench_llama(llama, work, first, 1, progress, draft_dir)
+    if not quick:
+        from tfgraph.bench import speculative_peers
+
+        peers = speculative_peers.bench_genai(work, task_prompts, rounds, progress)
+        result["peers"] = result.get("peers", []) + peers
     return result
 
 

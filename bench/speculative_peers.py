@@ -11,9 +11,11 @@ only, as the tfgraph rows) and ``accept``. Modes are interleaved in rounds; medi
 
 from __future__ import annotations
 
+import json
 import re
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 
 THREADS = 2
@@ -113,3 +115,68 @@ def _summarize(runs: dict, precision: str, task: str) -> list[dict]:
             }
         )
     return rows
+
+
+# ------------------------------------------------------------------ onnxruntime-genai
+def bench_genai(work: Path, task_prompts: dict, rounds: int, progress) -> list[dict]:
+    """onnxruntime-genai on its builder's int4 (RTN, block 32) of the target: plain and its
+    n-gram speculative options (``ngram_size`` 3, ``max_draft_tokens`` 4), token ids fed
+    directly, in fresh processes; a draft model is not tried (configured in genai_config)."""
+    from tfgraph.bench.quality_peers import build_genai
+    from tfgraph.bench.speculative import MODEL
+
+    path = build_genai(MODEL, work / "genai" / "rtn-b32", "rtn", 32)
+    modes = {"plain": 0, "lookup k=4": 3}
+    rows = []
+    for task, prompts in task_prompts.items():
+        runs = {name: [] for name in modes}
+        for r in range(rounds):
+            names = list(modes)[r % len(modes) :] + list(modes)[: r % len(modes)]
+            for name in names:
+                cmd = [sys.executable, "-m", "tfgraph.bench.speculative_peers", str(path)]
+                cmd += [str(modes[name]), json.dumps(prompts)]
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+                if done.returncode:
+                    result = {"error": (done.stderr or done.stdout)[-200:]}
+                else:
+                    result = json.loads(done.stdout.strip().splitlines()[-1])
+                runs[name].append([result])
+                progress(f"onnxruntime-genai int4 {task} {name} round {r + 1}: {result}")
+        for row in _summarize(runs, "int4", task):
+            rows.append({**row, "engine": "onnxruntime-genai"})
+    return rows
+
+
+def _genai_child(path: str, ngram: int, prompts: list[list[int]]) -> dict:
+    """Decode tokens and seconds (after each prompt's first token) over ``prompts``."""
+    import time
+
+    import onnxruntime_genai as og
+
+    from tfgraph.bench.speculative import MAX_NEW
+
+    model = og.Model(path)
+    tokens, seconds, accepted, proposed = 0, 0.0, 0, 0
+    for i, prompt in enumerate([prompts[0], *prompts]):  # the first: a warm-up
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(prompt) + MAX_NEW, do_sample=False)
+        if ngram:
+            params.set_speculative_options(ngram_size=ngram, max_draft_tokens=4)
+        generator = og.Generator(model, params)
+        generator.append_tokens(prompt)
+        generator.generate_next_token()
+        start = time.perf_counter()
+        while not generator.is_done():
+            generator.generate_next_token()
+        if i:
+            seconds += time.perf_counter() - start
+            tokens += len(generator.get_sequence(0)) - len(prompt) - 1
+            stats = generator.get_speculative_stats() if ngram else {}
+            accepted += stats.get("draft_tokens_accepted", 0)
+            proposed += stats.get("draft_tokens_proposed", 0)
+    acceptance = accepted / proposed if proposed else None
+    return {"tokens": tokens, "seconds": seconds, "acceptance": acceptance}
+
+
+if __name__ == "__main__":
+    print(json.dumps(_genai_child(sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]))))

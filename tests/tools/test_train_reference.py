@@ -41,3 +41,24 @@ def test_micro_model_learns_and_reloads(tmp_path):
     # the bf16 checkpoint against the fp32 model it was written from: close, not equal
     assert again == pytest.approx(figures["heldout_ppl_before_bf16"], rel=0.05)
     assert again == pytest.approx(figures["heldout_ppl"], rel=1e-3)  # the figure written
+
+
+# slow: two micro trainings of 5 steps (~15 s with the corpus's tokenization)
+@pytest.mark.slow
+def test_a_draft_reuses_its_targets_tokenizer(tmp_path):
+    """``--tokenizer DIR`` (a speculative draft, issue 49): the same tokenizer.json, its own
+    shape."""
+    import dataclasses
+
+    torch.set_num_threads(1)
+    tr.make_reference(tmp_path / "ref", dataclasses.replace(MICRO, steps=5))
+    small = dataclasses.replace(
+        MICRO, steps=5, hidden=32, intermediate=64, tokenizer=str(tmp_path / "ref")
+    )
+    tr.make_reference(tmp_path / "draft", small)
+    files = [tmp_path / name / "tokenizer.json" for name in ("ref", "draft")]
+    assert files[0].read_bytes() == files[1].read_bytes()
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "draft")
+    assert config.hidden_size == 32 and config.vocab_size == len(
+        transformers.AutoTokenizer.from_pretrained(tmp_path / "ref")
+    )
