@@ -138,6 +138,12 @@ def _scale(plt, d: dict, bench: Path) -> list[str]:
     return ["scale.png"]
 
 
+def _scale_out_plot(plt, d: dict, bench: Path) -> list[str]:
+    from tfgraph.bench.scale_out import plot
+
+    return plot(plt, d, bench)
+
+
 def draw(results: dict, bench: Path) -> list[str]:
     """``results``: section name → its result dict (sections with errors already left out)."""
     plt = _pyplot()
@@ -148,6 +154,7 @@ def draw(results: dict, bench: Path) -> list[str]:
         ("compile_cost", _compile),
         ("serving", _serving),
         ("scale", _scale),
+        ("scale_out", lambda plt, d, bench: _scale_out_plot(plt, d, bench)),
     ):
         if name in results:
             written += fn(plt, results[name], bench)

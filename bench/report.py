@@ -78,6 +78,7 @@ SECTIONS = {
     "quality": lambda d: quality_section(d),
     "decode_peers": lambda d: decode_peers_section(d),
     "speculative": lambda d: speculative_section(d),
+    "scale_out": lambda d: scale_out_section(d),
 }
 
 
@@ -95,6 +96,7 @@ FILES = {  # section → JSON file in OUT/bench/ (the older scripts' names kept)
     "quality": "quality.json",
     "decode_peers": "decode_peers.json",
     "speculative": "speculative.json",
+    "scale_out": "scale_out.json",
 }
 
 
@@ -117,6 +119,13 @@ def speculative_section(d: dict) -> list[str]:
     from tfgraph.bench.speculative import markdown
 
     return ["## Speculative decoding (batch 1, the reference model)", "", markdown(d), ""]
+
+
+def scale_out_section(d: dict) -> list[str]:
+    """Replicas behind haproxy (:func:`tfgraph.bench.scale_out.markdown`)."""
+    from tfgraph.bench.scale_out import markdown
+
+    return ["## Scale-out (replicas behind haproxy)", "", markdown(d), ""]
 
 
 def render(out: Path) -> Path:

@@ -56,6 +56,7 @@ SECTIONS = {  # name → module; the order they run in
     "quality": "quality",  # the formats' cost on the trained reference model (issue 48)
     "decode_peers": "decode_peers",  # the 1.1B int4 step through the loops users call (issue 49)
     "speculative": "speculative",  # batch 1: a draft model and prompt lookup (issue 49)
+    "scale_out": "scale_out",  # replicas behind haproxy, 1 against 3, one killed (issue 49)
 }
 
 

@@ -38,6 +38,7 @@ SECTIONS = {
     "quality",
     "decode_peers",
     "speculative",
+    "scale_out",
 }
 TITLES = (
     "## Prefill",
