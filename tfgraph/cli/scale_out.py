@@ -12,14 +12,27 @@ def model_name(args) -> str:
     return args.name or Path(args.path).resolve().name  # one name for every replica
 
 
+_OWN = {"help", "host", "port", "threads", "replicas", "balancer", "balancer_config", "verbose"}
+
+
 def serve_args(args) -> list[str]:
-    """The ``tfgraph serve`` flags each replica gets from this command's own."""
-    name = model_name(args)
-    out = ["--max-batch", str(args.max_batch), "--name", name]
-    if args.slot_capacity is not None:
-        out += ["--slot-capacity", str(args.slot_capacity)]
-    for provider in args.provider or ():
-        out += ["--provider", provider]
+    """The ``tfgraph serve`` flags each replica gets: every one of this command's own that is
+    not the default (read from the serve parser, so a flag added there is passed on), but the
+    address, threads and replica flags; and one model name for every replica."""
+    from tfgraph.cli import build_parser
+
+    out = ["--name", model_name(args)]
+    for action in build_parser().commands["serve"]._actions:
+        value = getattr(args, action.dest, None)
+        if not action.option_strings or action.dest in _OWN | {"name"} or value is None:
+            continue
+        flag = action.option_strings[-1]
+        if isinstance(value, bool):
+            out += [flag] if value and value != action.default else []
+        elif isinstance(value, list):  # action="append"
+            out += [a for v in value for a in (flag, str(v))]
+        elif value != action.default:
+            out += [flag, str(value)]
     return out
 
 

@@ -278,3 +278,18 @@ def test_the_cli_serves_through_haproxy_and_sigterm_leaves_nothing(artifact, tmp
     assert "Traceback" not in err, err
     assert [c for c in children if os.path.exists(f"/proc/{c}")] == []
     assert config.is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["balancer.cfg"]
+
+
+def test_each_replica_gets_the_serve_flags_given_but_address_threads_and_replicas():
+    from tfgraph.cli import build_parser
+    from tfgraph.cli.scale_out import serve_args
+
+    argv = ["serve", "/models/llama", "--replicas", "3", "--port", "9000", "--threads", "1",
+            "--max-batch", "4", "--slot-capacity", "128", "--provider", "cpu"]  # fmt: skip
+    flags = serve_args(build_parser().parse_args(argv))
+    assert flags[:2] == ["--name", "llama"]  # one name for every replica
+    pairs = dict(zip(flags[::2], flags[1::2], strict=True))
+    assert pairs == {"--name": "llama", "--max-batch": "4", "--slot-capacity": "128",
+                     "--provider": "cpu"}  # fmt: skip
+    defaults = serve_args(build_parser().parse_args(["serve", "/m/x", "--replicas", "2"]))
+    assert defaults == ["--name", "x"]  # defaults are the replica's own defaults
