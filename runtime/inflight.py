@@ -339,11 +339,11 @@ class SlotBatcher:
 
     def advance(self) -> dict[int, list[int]]:
         """One decoding step for every request past its prefill, then up to
-        ``prefill_chunk`` prompt tokens of those still prefilling (oldest first): each
-        request's new tokens, ``{slot: [token, ...]}`` (a request that finished its prefill:
-        its first). Finished requests have left their slots when this returns."""
+        ``prefill_chunk`` prompt tokens of those still prefilling (oldest first; all of them
+        when none decodes: nobody waits); each request's new tokens, ``{slot: [token, ...]}``
+        (a request that finished its prefill: its first). Finished requests have left."""
         out = self._decode() if any(r.tokens for r in self.active.values()) else {}
-        budget = self.prefill_chunk or 0
+        budget = (self.prefill_chunk or 0) if out else self.slots * self.capacity
         for request in [r for r in self.active.values() if r.prefilling]:
             if budget <= 0:
                 break
