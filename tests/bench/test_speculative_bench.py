@@ -22,7 +22,9 @@ def test_the_copy_prompts_end_with_their_snippets_head():
     for prompt in got["copy"]:
         head = prompt[: speculative.COPY_HEAD]
         assert prompt[-speculative.COPY_HEAD :] == head
-        assert len(prompt) == speculative.SNIPPET + speculative.COPY_HEAD
+        assert len(prompt) == 2 * speculative.SNIPPET + speculative.COPY_HEAD
+        n = speculative.SNIPPET
+        assert prompt[:n] == prompt[n : 2 * n]
 
 
 def test_tokens_per_second_counts_the_tokens_after_the_first():
