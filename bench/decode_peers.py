@@ -18,9 +18,9 @@ median over its steps, the section's the median over rounds:
 - ``llama.cpp Q4_0``: llama-cpp-python's ``Llama.eval`` (its generation loop's step) after
   an argmax over the last scores, as ``Llama.generate`` does;
 - ``verify``: the tfgraph artifact's :meth:`CachedDecoder.step` of ``k + 1`` new tokens (the
-  last token and ``k`` drafted ones, speculative decoding's verification) over the past, the
-  cache rolled back to the past by its length after each, alternating with a one-token step:
-  the ratio of the two medians.
+  last token and ``k`` drafted ones: speculative decoding's verification) and of one new token
+  (and of each count in :data:`NEW_TOKENS`: the cost curve) over the same past, in turn, the
+  cache rolled back to the past by its length after each: the ratio of the medians.
 
 The llama.cpp vocabulary: its converter needs a tokenizer it knows; token ids are fed
 directly, so the GGUF gets a synthetic byte-level BPE of the checkpoint's vocabulary size
@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 THREADS = 2
 K = 4  # drafted tokens a verification step checks (with the last one: K + 1 new tokens)
+NEW_TOKENS = (1, 2, 4, 5, 8)  # the new tokens of the verify engine's steps (its cost curve)
 FULL = {"shape": "tinyllama-1.1b", "past": 512, "steps": 32, "rounds": 5}
 QUICK = {"shape": None, "past": 32, "steps": 6, "rounds": 1}
 OUT = Path(__file__).resolve().parents[1] / "docs" / "bench" / "decode_peers.json"
@@ -193,23 +194,25 @@ def _vocab(decoder) -> int:
 
 
 def time_verify(path: Path, past: int, steps: int, k: int = K) -> dict:
-    """A step of ``k + 1`` new tokens and a step of one over the same past, alternating, the
-    cache rolled back to ``past`` by its length after each (speculative decoding's use)."""
+    """Steps of each count of :data:`NEW_TOKENS` new tokens (``k + 1``: the last token and
+    ``k`` drafted ones, speculative decoding's verification) over the same past, in turn,
+    the cache rolled back to ``past`` by its length after each (speculative decoding's use)."""
     from tfgraph.runtime import CachedDecoder, open_runner
 
     decoder = CachedDecoder(open_runner(path, threads=THREADS))
     prompt = np.asarray([_prompt(past, _vocab(decoder))], np.int64)
-    cache = decoder.empty_cache(1, capacity=past + k + 1)
+    counts = sorted({*NEW_TOKENS, k + 1})
+    cache = decoder.empty_cache(1, capacity=past + max(counts))
     _, cache = decoder.step(prompt, cache)
-    drafted = prompt[:, : k + 1]
-    times: dict[int, list[float]] = {1: [], k + 1: []}
+    times: dict[int, list[float]] = {new: [] for new in counts}
     for _ in range(steps):
-        for new in (1, k + 1):
+        for new in counts:
             start = time.perf_counter()
-            logits, _ = decoder.step(drafted[:, :new], cache)
+            logits, _ = decoder.step(prompt[:, :new], cache)
             logits[0, -1].argmax()
             times[new].append(time.perf_counter() - start)
-    return {"times": times[1], "verify_times": times[k + 1], "k": k}
+    by_new = {str(new): times[new] for new in counts}
+    return {"times": times[1], "verify_times": times[k + 1], "k": k, "by_new": by_new}
 
 
 def time_builder(path: Path, past: int, steps: int) -> dict:
@@ -262,6 +265,10 @@ def _child(engine: str, path: Path, past: int, steps: int, llama: Path | None) -
     if "verify_times" in result:
         figures["verify_ms"] = round(1000 * statistics.median(result["verify_times"]), 3)
         figures["ratio"] = round(figures["verify_ms"] / figures["ms"], 3)
+        figures["by_new_ms"] = {
+            new: round(1000 * statistics.median(times), 3)
+            for new, times in result["by_new"].items()
+        }
     return figures
 
 
@@ -333,6 +340,10 @@ def summary(plan: dict, found: dict, per_round: dict, load: list[float]) -> dict
         if "verify_ms" in rounds[0]:
             entry["verify_ms"] = round(statistics.median(r["verify_ms"] for r in rounds), 3)
             entry["ratio"] = round(statistics.median(r["ratio"] for r in rounds), 3)
+            entry["by_new_ms"] = {
+                new: round(statistics.median(r["by_new_ms"][new] for r in rounds), 3)
+                for new in rounds[0]["by_new_ms"]
+            }
         result["engines"][name] = entry
     ms = {name: entry["ms"] for name, entry in result["engines"].items()}
     result["ratios"] = {
@@ -358,8 +369,8 @@ def markdown(result: dict) -> str:
     for name, entry in result["engines"].items():
         rounds = ", ".join(f"{ms:.1f}" for ms in entry["rounds_ms"])
         lines.append(f"| {name} | {entry['ms']:.2f} | {rounds} |")
-        if "verify_ms" in entry:
-            lines.append(f"| verify: {result['k'] + 1} new tokens | {entry['verify_ms']:.2f} | |")
+        for new, ms in entry.get("by_new_ms", {}).items():
+            lines.append(f"| {name}: a step of {new} new tokens | {ms:.2f} | |")
     lines += ["", "| ratio | median over rounds |", "|---|---|"]
     lines += [f"| {name} | {ratio:.3f} |" for name, ratio in result["ratios"].items()]
     for name, why in result.get("skipped_engines", {}).items():

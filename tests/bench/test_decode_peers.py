@@ -19,8 +19,8 @@ def test_summary_takes_medians_over_rounds_and_ratios_within_rounds():
     per_round = {
         "tfgraph": [{"ms": 10.0}, {"ms": 30.0}, {"ms": 12.0}],
         "builder": [{"ms": 11.0}, {"ms": 20.0}, {"ms": 12.0}],
-        "verify": [{"ms": 10.0, "verify_ms": 13.0, "ratio": 1.3}] * 2
-        + [{"ms": 20.0, "verify_ms": 22.0, "ratio": 1.1}],
+        "verify": [{"ms": 10.0, "verify_ms": 13.0, "ratio": 1.3, "by_new_ms": {"1": 10.0}}] * 2
+        + [{"ms": 20.0, "verify_ms": 22.0, "ratio": 1.1, "by_new_ms": {"1": 20.0}}],
     }
     result = decode_peers.summary(plan, found, per_round, [1.0, 1.0, 1.0])
     assert result["engines"]["tfgraph"]["ms"] == 12.0
@@ -34,6 +34,7 @@ def test_summary_takes_medians_over_rounds_and_ratios_within_rounds():
     table = decode_peers.markdown(result)
     assert "| tfgraph | 12.00 | 10.0, 30.0, 12.0 |" in table
     assert "| tfgraph / builder | 1.000 |" in table
+    assert "| verify: a step of 1 new tokens | 10.00 | |" in table
     assert "llama.cpp Q4_0: skipped (no llama.cpp build)" in table
 
 
@@ -62,6 +63,7 @@ def test_quick_run_times_every_engine_it_has(tmp_path):
     assert {"tfgraph", "verify"} <= set(engines)
     assert all(entry["ms"] > 0 for entry in engines.values())
     assert engines["verify"]["verify_ms"] > 0 and engines["verify"]["ratio"] > 0
+    assert set(engines["verify"]["by_new_ms"]) == {"1", "2", "4", "5", "8"}
     assert result["past"] == decode_peers.QUICK["past"]
     if "builder" in engines:
         assert result["ratios"]["tfgraph / builder"] > 0
