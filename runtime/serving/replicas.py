@@ -22,6 +22,10 @@ What the generated configuration (:func:`haproxy_config`) promises, and why:
   replica is picked) is needed for those retries: without it haproxy 2.6.12 retried nothing
   here (measured: a non-streamed request whose replica was SIGKILLed got a 502, ``SH--``,
   0 retries; with it, a 200 from the other replica).
+- **Tokens as they come**: ``option http-no-delay``. A token stream is the interactive
+  payload haproxy's default delays to send full packets: measured here through haproxy
+  without it, the first token came at a median 207 ms and the rest in bursts ~200 ms apart;
+  with it, 31 ms and a token every ~20 ms, as from the replica directly (27 ms, 20 ms).
 - **A dead replica is taken out** by the health check (every ``CHECK_INTERVAL_MS``, down after
   ``FALL`` failures) and at once by ``observe layer4`` (a refused connection on live traffic
   marks it down). Its in-flight streams end as a truncated response: the client sees an error,
@@ -112,6 +116,9 @@ def haproxy_config(
             "    option redispatch 1",
             "    retry-on conn-failure empty-response",
             "    option http-buffer-request  # the whole body first: else no retry (measured)",
+            "    # tokens as they come: without it haproxy held SSE chunks to fill packets,",
+            "    # 207 ms to the first token instead of 31 ms (direct: 27 ms), measured",
+            "    option http-no-delay",
             "",
             "frontend tfgraph",
             f"    bind {bind}",
