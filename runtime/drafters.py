@@ -94,9 +94,14 @@ def vocab_of(decoder) -> int:
 
 class DraftModel:
     """A smaller artifact's decoder as a drafter (module doc). ``target``: the target's decoder
-    (checked: the same vocabulary and tokenizer.json). ``seed``: the draft's own sampling."""
+    (checked: the same vocabulary and tokenizer.json). ``seed``: the draft's own sampling.
+    ``min_probability``: greedy drafting stops early (after at least one token) where the
+    draft's own top probability falls below it (llama.cpp's ``--draft-p-min``): an unsure
+    draft is likely rejected, and each draft step costs time."""
 
-    def __init__(self, decoder, target=None, *, seed: int | None = None) -> None:
+    def __init__(
+        self, decoder, target=None, *, seed: int | None = None, min_probability: float = 0.0
+    ) -> None:
         check_speculative(decoder, "the draft")
         if target is not None:
             check_same_tokenizer(
@@ -106,6 +111,7 @@ class DraftModel:
         self.cache: TrackedCache | None = None
         self.config = None  # the request's GenerationConfig (set by the loop)
         self.rng = np.random.default_rng(seed)
+        self.min_probability = min_probability
 
     def start(self, prompt: Sequence[int], capacity: int) -> None:
         """A new request: a fresh cache with room for ``capacity`` positions."""
@@ -124,10 +130,18 @@ class DraftModel:
                 probs.append(q)
             else:
                 token = int(np.argmax(logits))
+                if i and self.min_probability and _top_probability(logits) < self.min_probability:
+                    break
             tokens.append(token)
             if i + 1 < k:  # the last draft is not run: the target's verdict decides what stays
                 logits = self.cache.feed([token])[-1]
         return tokens, (np.stack(probs) if sample else None)
+
+
+def _top_probability(logits: np.ndarray) -> float:
+    """The softmax's largest probability of one row of logits."""
+    shifted = np.asarray(logits, np.float64) - np.max(logits)
+    return float(1.0 / np.exp(shifted).sum())
 
 
 def _artifact(decoder) -> Path:

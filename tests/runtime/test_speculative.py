@@ -219,3 +219,18 @@ def test_sampled_tokens_are_distributed_as_the_targets(monkeypatch):
 
     monkeypatch.setattr(speculative_loop, "accept_sampled", accept_all)
     assert not _within(_empirical(target, draft, prompt, k=2), exact)
+
+
+def test_an_unsure_greedy_draft_stops_early():
+    target = SharedFake(*tables(VOCAB, seed=1))
+    w, u = tables(VOCAB, seed=2)
+    flat = SharedFake(w * 0.01, u * 0.01)  # near-uniform: every draft unsure
+    sure = DraftModel(flat)
+    sure.start([1, 2], 32)
+    assert len(sure.propose([1, 2], 4)[0]) == 4
+    unsure = DraftModel(flat, min_probability=0.5)
+    unsure.start([1, 2], 32)
+    assert len(unsure.propose([1, 2], 4)[0]) == 1  # at least one, then it stops
+    config = GenerationConfig(max_new_tokens=20)
+    drafter = DraftModel(flat, min_probability=0.5)
+    assert speculative_generate(target, [1, 2], drafter, config) == target.reference([1, 2], 20)

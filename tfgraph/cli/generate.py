@@ -63,6 +63,13 @@ def add_parser(sub):
         "--speculative-k", type=int, default=4, metavar="K", help="tokens drafted per step"
     )
     spec.add_argument(
+        "--draft-min-p",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="stop drafting where the draft's top probability is below P (greedy)",
+    )
+    spec.add_argument(
         "--adaptive-k",
         action="store_true",
         help="adapt k: +1 after a step that accepts all, -1 after one that accepts under half",
@@ -153,7 +160,7 @@ def _speculative(args, decoder, prompts, config, extra):
         raise TfgraphError("speculative decoding takes one text prompt; give a single --text")
     if args.draft is not None:
         draft = CachedDecoder(open_runner(args.draft, providers=args.provider))
-        drafter = DraftModel(draft, decoder, seed=args.seed)
+        drafter = DraftModel(draft, decoder, seed=args.seed, min_probability=args.draft_min_p)
     else:
         drafter = PromptLookup(max_ngram=args.prompt_lookup)
     length = DraftLength(k=args.speculative_k, adaptive=args.adaptive_k)
