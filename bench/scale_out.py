@@ -273,7 +273,8 @@ def run(quick: bool, workdir: Path, progress=lambda step: None) -> dict:
         "cores": os.cpu_count(),
         "modes": modes,
         "median_tokens_per_s": {
-            n: float(np.median([m["tokens_per_s"] for m in ms])) for n, ms in modes.items()
+            n: round(float(np.median([m["tokens_per_s"] for m in ms])), 1)
+            for n, ms in modes.items()
         },
         "kill": kill,
         "tokens": check_tokens(runs, reference_tokens(artifact)),
@@ -301,7 +302,8 @@ def markdown(d: dict) -> str:
         f"{load['clients']} streaming clients, greedy, {load['seconds']:.0f} s per run, "
         f"{d['cores']} cores shared by the replicas, haproxy and the clients "
         f"({d['date']}, {d['commit']}). Median tokens/s: 1 replica "
-        f"{d['median_tokens_per_s']['1']}, 3 replicas {d['median_tokens_per_s']['3']}.", "",
+        f"{d['median_tokens_per_s']['1']:.1f}, 3 replicas {d['median_tokens_per_s']['3']:.1f}.",
+        "",
         *rows, "",
         f"Kill run: {k['killed_replica']} SIGKILLed {k['killed_at_s']} s in; haproxy marked it "
         f"DOWN {k['detect_s']} s later; {k['failed_on_killed']} requests failed on it, "
