@@ -215,11 +215,13 @@ def bench(
         from tfgraph.bench import speculative_peers
 
         first = {task: ids[:1] for task, ids in task_prompts.items()}
-        result["peers"] = speculative_peers.bench_llama(llama, work, first, 1, progress, draft_dir)
+        models = (MODEL, draft_dir)
+        peers = speculative_peers.bench_llama(llama, work, first, 1, progress, models, MAX_NEW)
+        result["peers"] = peers
     if not quick:
         from tfgraph.bench import speculative_peers
 
-        peers = speculative_peers.bench_genai(work, task_prompts, rounds, progress)
+        peers = speculative_peers.bench_genai(work, task_prompts, rounds, progress, MODEL, MAX_NEW)
         result["peers"] = result.get("peers", []) + peers
     return result
 

@@ -5,7 +5,7 @@ quality bench's converter (:func:`tfgraph.bench.quality_peers.build_gguf`).
 
 Each run is a fresh process with 2 threads, greedy (``--temp 0``), the prompt given as text (the
 token ids decoded by the model's tokenizer: llama.cpp re-tokenizes it with the same vocabulary),
-``MAX_NEW`` tokens; its figure is llama.cpp's own ``decoded N tokens in T seconds`` (decode
+``max_new`` tokens; its figure is llama.cpp's own ``decoded N tokens in T seconds`` (decode
 only, as the tfgraph rows) and ``accept``. Modes are interleaved in rounds; medians.
 """
 
@@ -57,17 +57,17 @@ def run_one(root: Path, argv: list[str], prompt: str, max_new: int) -> dict:
 
 
 def bench_llama(
-    root: Path, work: Path, task_prompts: dict, rounds: int, progress, draft_dir: Path
+    root: Path, work: Path, task_prompts: dict, rounds: int, progress, models: tuple, max_new: int
 ) -> list[dict]:
     """Rows of (precision, task, mode) for llama.cpp: f32 and Q4_0 GGUFs of both models."""
     import transformers
 
     from tfgraph.bench.quality_peers import build_gguf
-    from tfgraph.bench.speculative import MAX_NEW, MODEL
 
-    target = build_gguf(root, MODEL, work / "gguf-target")
+    model_dir, draft_dir = models  # the target's and the draft's Hugging Face directories
+    target = build_gguf(root, model_dir, work / "gguf-target")
     draft = build_gguf(root, draft_dir, work / "gguf-draft")
-    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(MODEL)
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(model_dir)
     rows = []
     for precision, kind in (("fp32", "f32"), ("int4", "Q4_0")):
         modes = _modes(target[kind], draft[kind])
@@ -77,7 +77,7 @@ def bench_llama(
             for r in range(rounds):
                 names = list(modes)[r % len(modes) :] + list(modes)[: r % len(modes)]
                 for name in names:
-                    results = [run_one(root, modes[name], t, MAX_NEW) for t in texts]
+                    results = [run_one(root, modes[name], t, max_new) for t in texts]
                     runs[name].append(results)
                     progress(f"llama.cpp {precision} {task} {name} round {r + 1}: {results[0]}")
             rows += _summarize(runs, precision, task)
@@ -118,14 +118,15 @@ def _summarize(runs: dict, precision: str, task: str) -> list[dict]:
 
 
 # ------------------------------------------------------------------ onnxruntime-genai
-def bench_genai(work: Path, task_prompts: dict, rounds: int, progress) -> list[dict]:
+def bench_genai(
+    work: Path, task_prompts: dict, rounds: int, progress, model_dir: Path, max_new: int
+) -> list[dict]:
     """onnxruntime-genai on its builder's int4 (RTN, block 32) of the target: plain and its
     n-gram speculative options (``ngram_size`` 3, ``max_draft_tokens`` 4), token ids fed
     directly, in fresh processes; a draft model is not tried (configured in genai_config)."""
     from tfgraph.bench.quality_peers import build_genai
-    from tfgraph.bench.speculative import MODEL
 
-    path = build_genai(MODEL, work / "genai" / "rtn-b32", "rtn", 32)
+    path = build_genai(model_dir, work / "genai" / "rtn-b32", "rtn", 32)
     modes = {"plain": 0, "lookup k=4": 3}
     rows = []
     for task, prompts in task_prompts.items():
@@ -134,7 +135,7 @@ def bench_genai(work: Path, task_prompts: dict, rounds: int, progress) -> list[d
             names = list(modes)[r % len(modes) :] + list(modes)[: r % len(modes)]
             for name in names:
                 cmd = [sys.executable, "-m", "tfgraph.bench.speculative_peers", str(path)]
-                cmd += [str(modes[name]), json.dumps(prompts)]
+                cmd += [str(modes[name]), str(max_new), json.dumps(prompts)]
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
                 if done.returncode:
                     result = {"error": (done.stderr or done.stdout)[-200:]}
@@ -147,19 +148,17 @@ def bench_genai(work: Path, task_prompts: dict, rounds: int, progress) -> list[d
     return rows
 
 
-def _genai_child(path: str, ngram: int, prompts: list[list[int]]) -> dict:
+def _genai_child(path: str, ngram: int, max_new: int, prompts: list[list[int]]) -> dict:
     """Decode tokens and seconds (after each prompt's first token) over ``prompts``."""
     import time
 
     import onnxruntime_genai as og
 
-    from tfgraph.bench.speculative import MAX_NEW
-
     model = og.Model(path)
     tokens, seconds, accepted, proposed = 0, 0.0, 0, 0
     for i, prompt in enumerate([prompts[0], *prompts]):  # the first: a warm-up
         params = og.GeneratorParams(model)
-        params.set_search_options(max_length=len(prompt) + MAX_NEW, do_sample=False)
+        params.set_search_options(max_length=len(prompt) + max_new, do_sample=False)
         if ngram:
             params.set_speculative_options(ngram_size=ngram, max_draft_tokens=4)
         generator = og.Generator(model, params)
@@ -179,4 +178,5 @@ def _genai_child(path: str, ngram: int, prompts: list[list[int]]) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_genai_child(sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]))))
+    path, ngram, max_new, prompts = sys.argv[1:5]
+    print(json.dumps(_genai_child(path, int(ngram), int(max_new), json.loads(prompts))))
