@@ -370,10 +370,13 @@ def main() -> None:
             data = run(args.quick, Path(tmp), say)
     out = Path(args.out)
     out.write_text(json.dumps(data, indent=1) + "\n")
-    if "skipped" not in data:
-        from tfgraph.bench.plots import _pyplot
+    if "skipped" not in data:  # matplotlib headless, as bench/plots.py has it (which imports us)
+        import matplotlib
 
-        plot(_pyplot(), data, out.parent)
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        plot(plt, data, out.parent)
     print(json.dumps({k: v for k, v in data.items() if k != "kill"}, indent=1))
     print(json.dumps({k: v for k, v in data.get("kill", {}).items() if k != "timeline"}))
 
