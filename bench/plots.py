@@ -80,7 +80,8 @@ def _compile(plt, d: dict, bench: Path) -> list[str]:
 
 def _serving(plt, d: dict, bench: Path) -> list[str]:
     fig, (left, mid, right) = plt.subplots(1, 3, figsize=(16, 4))
-    styles = {"static": ":", "inflight": "-", "inflight_int8": "--"}
+    styles = {"static": ":", "inflight": "-", "inflight_int8": "--", "inflight_chunked": "-.",
+              "inflight_chunk32": (0, (1, 1))}  # fmt: skip
     for name, m in d["models"].items():
         color = None
         for mode, b in m["batching"].items():

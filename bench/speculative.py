@@ -87,10 +87,12 @@ def child(spec: dict) -> dict:
     from tfgraph.runtime.speculative import DraftLength, SpeculativeStats
     from tfgraph.runtime.speculative_loop import speculative_stream
 
-    target = CachedDecoder(open_runner(spec["target"], threads=THREADS))
+    # a target and its draft take turns: neither session spin-waits (Session's spinning)
+    spinning = not spec.get("draft")
+    target = CachedDecoder(open_runner(spec["target"], threads=THREADS, spinning=spinning))
     draft = None
     if spec.get("draft"):
-        draft = CachedDecoder(open_runner(spec["draft_path"], threads=THREADS))
+        draft = CachedDecoder(open_runner(spec["draft_path"], threads=THREADS, spinning=False))
     config = GenerationConfig(max_new_tokens=MAX_NEW)
     stats = SpeculativeStats()
 

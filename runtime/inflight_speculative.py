@@ -66,7 +66,9 @@ def open_drafter(spec: str | Path, target, threads: int | None = None):
         raise TfgraphError(
             f"--speculative takes {PROMPT_LOOKUP} or a draft artifact's directory, not '{spec}'"
         )
-    draft = CachedDecoder(open_runner(path, **({"threads": threads} if threads else {})))
+    draft = CachedDecoder(
+        open_runner(path, spinning=False, **({"threads": threads} if threads else {}))
+    )
     DraftModel(draft, target)  # refuses a draft of another tokenizer now, not per request
     return lambda: DraftModel(draft, target)
 

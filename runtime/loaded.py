@@ -34,23 +34,30 @@ from tfgraph.runtime.vision_language import ImagePrompts, vision_language
 logger = logging.getLogger(__name__)
 
 
-def load(path: str | Path, *, provider: str | Sequence[str] = "cpu") -> LoadedModel:
+def load(
+    path: str | Path, *, provider: str | Sequence[str] = "cpu", spinning: bool = True
+) -> LoadedModel:
     """The artifact in ``path`` (exported with ``kv_cache=True`` to generate), opened with the
-    runner its target names; ``provider``: ``cpu`` (default) or ``cuda`` (ONNX Runtime)."""
-    return LoadedModel(path, provider=provider)
+    runner its target names; ``provider``: ``cpu`` (default) or ``cuda`` (ONNX Runtime).
+    ``spinning=False``: its session's threads sleep between runs (give it for a model that
+    will decode with a ``draft``: the two sessions take turns on the same cores)."""
+    return LoadedModel(path, provider=provider, spinning=spinning)
 
 
 class LoadedModel:
     """An opened artifact: :meth:`generate`, its :attr:`tokenizer` (``None`` when it carries
     none), its :attr:`manifest` and the :attr:`runner` it runs on."""
 
-    def __init__(self, path: str | Path, *, provider: str | Sequence[str] = "cpu") -> None:
+    def __init__(
+        self, path: str | Path, *, provider: str | Sequence[str] = "cpu", spinning: bool = True
+    ) -> None:
         self.path = Path(path)
         if not self.path.is_dir():
             raise TfgraphError(f"no artifact directory at '{self.path}': give an export's output")
         self.manifest: dict = read_manifest(self.path) or {}
         providers = [provider] if isinstance(provider, str) else list(provider)
-        self.runner: Runner = open_runner(self.path, providers=providers)
+        self.runner: Runner = open_runner(self.path, providers=providers, spinning=spinning)
+        self._spinning = spinning
         self._providers, self._images = providers, None  # a vision-language artifact's prompts
         self.tokenizer = load_tokenizer(self.path) if (self.path / "tokenizer").is_dir() else None
         self._decoder: CachedDecoder | None = None
@@ -147,7 +154,12 @@ class LoadedModel:
         if lookup is not None:
             drafter = PromptLookup(max_ngram=lookup)
         else:
-            model = draft if isinstance(draft, LoadedModel) else LoadedModel(draft)
+            if self._spinning:
+                logger.warning(
+                    "the model's session spin-waits between steps, slowing its draft's on "
+                    "the same cores: open it with tfgraph.load(..., spinning=False)"
+                )
+            model = draft if isinstance(draft, LoadedModel) else LoadedModel(draft, spinning=False)
             drafter = DraftModel(model.decoder, self.decoder, seed=config.seed)
         self.speculative_stats = SpeculativeStats()
         tokens = speculative_generate(

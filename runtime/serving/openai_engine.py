@@ -36,7 +36,7 @@ from pathlib import Path
 from tfgraph.errors import TfgraphError
 from tfgraph.runtime.generate import CachedDecoder, GenerationConfig
 from tfgraph.runtime.inflight import Request, inflight_support
-from tfgraph.runtime.inflight_speculative import make_batcher
+from tfgraph.runtime.inflight_speculative import draft_artifact, make_batcher
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,8 @@ class Engine:
         options = {"threads": threads} if threads else {}
         if providers:
             options["providers"] = list(providers)
+        if speculative and draft_artifact(speculative, speculative_k) is not None:
+            options["spinning"] = False  # it takes turns with the draft's session
         self.decoder = CachedDecoder(open_runner(path, **options))
         if self.decoder.seq2seq:
             raise TfgraphError(

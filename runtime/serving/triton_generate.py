@@ -175,7 +175,11 @@ class TritonPythonModel:
         self.pb = pb_utils
         here = os.path.join(args["model_repository"], args["model_version"], "artifact")
         graph = os.path.join(here, "model.onnx")  # a vision-language artifact's: decoder/
-        self.decoder = CachedDecoder(open_runner(graph if os.path.isfile(graph) else here))
+        # a draft's session takes turns with this one: neither spin-waits (Session's spinning)
+        drafting = params.get("speculative") not in (None, "", "prompt-lookup")
+        self.decoder = CachedDecoder(
+            open_runner(graph if os.path.isfile(graph) else here, spinning=not drafting)
+        )
         self.images = None if os.path.isfile(graph) else ImagePrompts(here)
         self.tokenizer = None
         if os.path.isdir(os.path.join(here, "tokenizer")):

@@ -122,3 +122,17 @@ def test_a_checking_session_keeps_prepacking_for_quantized_weights(tmp_path):
     # to the dequantized product, not equal to it
     got, want = checking.run({"x": x})["y"], x @ w
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.02
+
+
+def test_spinning_off_sets_the_session_entry(model_dir):
+    """spinning=False (a speculative target and its draft) tells ONNX Runtime's intra-op
+    threads not to spin-wait; the default leaves ONNX Runtime's own choice."""
+    key = "session.intra_op.allow_spinning"
+    quiet = Session(model_dir, spinning=False)._session.get_session_options()
+    assert quiet.get_session_config_entry(key) == "0"
+    default = Session(model_dir)._session.get_session_options()
+    with pytest.raises(RuntimeError, match="does not have configuration"):
+        default.get_session_config_entry(key)  # unset: ONNX Runtime's default (spinning)
+    x = np.ones((1, 3), np.float32)
+    got = Session(model_dir, spinning=False).run({"x": x, "k": np.array([4])})["y"]
+    np.testing.assert_array_equal(got, x * 4)

@@ -80,7 +80,9 @@ def add_parser(sub):
 def run(args) -> int:
     from tfgraph.runtime import CachedDecoder, GenerationConfig, generate, open_runner
 
-    decoder = CachedDecoder(open_runner(args.path, providers=args.provider))
+    # a draft's session and the model's take turns: neither spin-waits (Session's spinning)
+    spinning = args.draft is None
+    decoder = CachedDecoder(open_runner(args.path, providers=args.provider, spinning=spinning))
     tokenizer, extra = None, {}
     inputs = decoder._all_inputs()  # a cross-attention VLM's features feed its encoder
     if any(p.role == contract.IMAGE_FEATURES for p in inputs):  # a VLM: the model's processor
@@ -159,7 +161,7 @@ def _speculative(args, decoder, prompts, config, extra):
     if len(prompts) != 1 or extra:
         raise TfgraphError("speculative decoding takes one text prompt; give a single --text")
     if args.draft is not None:
-        draft = CachedDecoder(open_runner(args.draft, providers=args.provider))
+        draft = CachedDecoder(open_runner(args.draft, providers=args.provider, spinning=False))
         drafter = DraftModel(draft, decoder, seed=args.seed, min_probability=args.draft_min_p)
     else:
         drafter = PromptLookup(max_ngram=args.prompt_lookup)
