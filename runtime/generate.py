@@ -264,12 +264,11 @@ def left_pad(prompts: Sequence[Sequence[int]], pad: int) -> tuple[np.ndarray, np
     return ids, mask
 
 
-def choose(logits: np.ndarray, config: GenerationConfig, rng) -> np.ndarray:
-    """Next token per row from (batch, vocab) logits; ``rng``: one generator for the rows in
-    turn, or a list of one per row."""
-    if not config.do_sample:
-        return logits.argmax(-1)
-    scores = logits.astype(np.float64) / config.temperature
+def probabilities(logits: np.ndarray, config: GenerationConfig) -> np.ndarray:
+    """(n, vocab) float64 sampling distributions of (n, vocab) ``logits`` after ``config``'s
+    temperature, top-k and top-p: what :func:`choose` draws from (speculative decoding's
+    rejection rule reads the same distributions)."""
+    scores = np.asarray(logits, np.float64) / config.temperature
     if config.top_k:
         kth = np.sort(scores, axis=-1)[:, -min(config.top_k, scores.shape[-1])][:, None]
         scores = np.where(scores < kth, -np.inf, scores)
@@ -284,6 +283,15 @@ def choose(logits: np.ndarray, config: GenerationConfig, rng) -> np.ndarray:
         np.put_along_axis(drop, order, drop_sorted, -1)
         probs = np.where(drop, 0.0, probs)
         probs /= probs.sum(-1, keepdims=True)
+    return probs
+
+
+def choose(logits: np.ndarray, config: GenerationConfig, rng) -> np.ndarray:
+    """Next token per row from (batch, vocab) logits; ``rng``: one generator for the rows in
+    turn, or a list of one per row."""
+    if not config.do_sample:
+        return logits.argmax(-1)
+    probs = probabilities(logits, config)
     rngs = rng if isinstance(rng, list) else [rng] * len(probs)
     return np.array([g.choice(probs.shape[-1], p=row) for g, row in zip(rngs, probs, strict=True)])
 

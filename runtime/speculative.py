@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tfgraph.errors import TfgraphError
+from tfgraph.runtime.generate import probabilities
 
 __all__ = [
     "DraftLength",
@@ -44,28 +45,6 @@ __all__ = [
     "accept_sampled",
     "probabilities",
 ]
-
-
-def probabilities(logits: np.ndarray, config) -> np.ndarray:
-    """(n, vocab) float64 sampling distributions of (n, vocab) ``logits`` after ``config``'s
-    temperature, top-k and top-p, exactly as :func:`tfgraph.runtime.generate.choose` forms
-    them before it samples (so a draw from a row is a draw of ``choose``)."""
-    scores = np.asarray(logits, np.float64) / config.temperature
-    if config.top_k:
-        kth = np.sort(scores, axis=-1)[:, -min(config.top_k, scores.shape[-1])][:, None]
-        scores = np.where(scores < kth, -np.inf, scores)
-    probs = np.exp(scores - scores.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    if config.top_p < 1.0:
-        order = np.argsort(-probs, axis=-1)
-        sorted_probs = np.take_along_axis(probs, order, -1)
-        # keep the smallest prefix whose mass reaches top_p (the top token always stays)
-        drop_sorted = np.cumsum(sorted_probs, -1) - sorted_probs >= config.top_p
-        drop = np.zeros_like(drop_sorted)
-        np.put_along_axis(drop, order, drop_sorted, -1)
-        probs = np.where(drop, 0.0, probs)
-        probs /= probs.sum(-1, keepdims=True)
-    return probs
 
 
 def _check(draft: Sequence[int], target_logits: np.ndarray) -> np.ndarray:

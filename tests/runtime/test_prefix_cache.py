@@ -146,9 +146,9 @@ def test_models_it_cannot_serve_right_are_refused_with_the_reason(decoder, caplo
 
 def test_the_servers_defaults_agree():
     """tfgraph serve's and tfgraph triton's flags, the engine and the repository writer."""
-    from tfgraph.cli import serve
+    from tfgraph.cli import inflight_flags as flags
     from tfgraph.runtime.serving import openai_engine, repository
 
     for module in (openai_engine, repository):
-        assert module.DEFAULT_PREFILL_CHUNK == serve.DEFAULT_PREFILL_CHUNK > 0
-        assert module.DEFAULT_PREFIX_CACHE_MB == serve.DEFAULT_PREFIX_CACHE_MB > 0
+        assert module.DEFAULT_PREFILL_CHUNK == flags.DEFAULT_PREFILL_CHUNK > 0
+        assert module.DEFAULT_PREFIX_CACHE_MB == flags.DEFAULT_PREFIX_CACHE_MB > 0

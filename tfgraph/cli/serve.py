@@ -3,11 +3,8 @@
 
 from __future__ import annotations
 
+from tfgraph.cli.inflight_flags import add_inflight_flags
 from tfgraph.errors import TfgraphError
-
-# the engine's and the Triton model's defaults (openai_engine.py, repository.py; a test holds
-# them equal): imported without the framework
-DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_MB = 64, 256
 
 
 def add_parser(sub):
@@ -31,25 +28,7 @@ def add_parser(sub):
         "max positions, at most 1024)",
     )
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: all)")
-    p.add_argument(
-        "--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
-        help="prompt tokens prefilled per step, in chunks between the running requests' "
-        f"steps; 0: each prompt whole at once (default {DEFAULT_PREFILL_CHUNK})",
-    )  # fmt: skip
-    p.add_argument(
-        "--prefix-cache-mb", type=float, default=DEFAULT_PREFIX_CACHE_MB, metavar="M",
-        help="prefix caching: K/V blocks of prompts kept for prompts that start the same, at "
-        f"most M MiB (least recently used evicted); 0: off (default {DEFAULT_PREFIX_CACHE_MB})",
-    )  # fmt: skip
-    p.add_argument(
-        "--speculative", metavar="prompt-lookup|DRAFT_DIR",
-        help="speculative decoding while at most 2 requests decode: each step verifies a "
-        "request's drafts, from prompt lookup or a smaller artifact with the same tokenizer "
-        "(default: off)",
-    )  # fmt: skip
-    p.add_argument(
-        "--speculative-k", type=int, default=4, metavar="K", help="drafts per step (default 4)"
-    )
+    add_inflight_flags(p)
     p.add_argument("--name", help="the model's name in the API (default: the directory's)")
     p.add_argument("--provider", action="append", default=None, help="cpu (default) or cuda")
     p.add_argument(

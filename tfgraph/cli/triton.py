@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import shlex
 
+from tfgraph.cli.inflight_flags import add_inflight_flags
 from tfgraph.cli.output import table
-from tfgraph.cli.serve import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_MB
 from tfgraph.errors import TfgraphError
 
 INSTALL_COMMAND = "python -m tfgraph.serving.install"
@@ -50,25 +50,7 @@ def add_parser(sub):
         help="positions per slot: prompt + new tokens of one request (default: the model's "
         "max positions, at most 1024)",
     )
-    p.add_argument(
-        "--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
-        help="in-flight batching: prompt tokens prefilled per step, in chunks between the "
-        f"running requests' steps; 0: each prompt whole (default {DEFAULT_PREFILL_CHUNK})",
-    )  # fmt: skip
-    p.add_argument(
-        "--prefix-cache-mb", type=float, default=DEFAULT_PREFIX_CACHE_MB, metavar="M",
-        help="in-flight batching: K/V blocks of prompts kept for prompts that start the same, "
-        f"at most M MiB; 0: off (default {DEFAULT_PREFIX_CACHE_MB})",
-    )  # fmt: skip
-    p.add_argument(
-        "--speculative", metavar="prompt-lookup|DRAFT_DIR",
-        help="in-flight batching, while at most 2 requests decode: each step verifies a "
-        "request's drafts, from prompt lookup or a smaller artifact with the same tokenizer "
-        "(copied in; default: off)",
-    )  # fmt: skip
-    p.add_argument(
-        "--speculative-k", type=int, default=4, metavar="K", help="drafts per step (default 4)"
-    )
+    add_inflight_flags(p, scope="in-flight batching", copied=True)
     p.add_argument(
         "--batching",
         choices=("inflight", "static"),
