@@ -1,12 +1,15 @@
 """The speculative bench's peers (:mod:`tfgraph.bench.speculative`): llama.cpp's
-``llama-speculative`` (a draft GGUF, or ``--spec-type none`` for plain decoding) and
-``llama-lookup`` (n-gram prompt lookup) on GGUFs of the same two checkpoints, made by the
-quality bench's converter (:func:`tfgraph.bench.quality_peers.build_gguf`).
+``llama-speculative`` (a draft GGUF) and ``llama-lookup`` (n-gram prompt lookup) on GGUFs of
+the same two checkpoints, made by the quality bench's converter
+(:func:`tfgraph.bench.quality_peers.build_gguf`).
 
 Each run is a fresh process with 2 threads, greedy (``--temp 0``), the prompt given as text (the
 token ids decoded by the model's tokenizer: llama.cpp re-tokenizes it with the same vocabulary),
 ``max_new`` tokens; its figure is llama.cpp's own ``decoded N tokens in T seconds`` (decode
-only, as the tfgraph rows) and ``accept``. Modes are interleaved in rounds; medians.
+only, as the tfgraph rows) and ``accept``. No plain row: the vendored llama.cpp's
+``llama-speculative`` refuses to run without ``--model-draft`` even with ``--spec-type none``
+(llama-cpp-python 0.3.36), and ``llama-simple`` times the prompt with the decode. Modes are
+interleaved in rounds; medians.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ ACCEPT = re.compile(r"accept\s+=\s+([\d.]+)%")
 def _modes(target: Path, draft: Path) -> dict[str, list[str]]:
     common = ["-m", str(target), "-t", str(THREADS), "--temp", "0", "-c", "1024", "--seed", "0"]
     return {
-        "plain": ["llama-speculative", *common, "--spec-type", "none"],
         "draft k=4": [
             "llama-speculative", *common, "-md", str(draft), "-td", str(THREADS),
             "--spec-draft-n-max", "4",
@@ -92,12 +94,13 @@ def _rate(results: list[dict]) -> float | None:
 
 def _summarize(runs: dict, precision: str, task: str) -> list[dict]:
     rows = []
-    plain = [_rate(results) for results in runs["plain"]]
+    plain = [_rate(results) for results in runs["plain"]] if "plain" in runs else None
     for name, rounds in runs.items():
         rates = [_rate(results) for results in rounds]
         errors = [r["error"] for results in rounds for r in results if "error" in r]
         ok = [x for x in rates if x is not None]
-        ratios = [a / b for a, b in zip(rates, plain, strict=True) if a is not None and b]
+        pairs = zip(rates, plain, strict=True) if plain else ()
+        ratios = [a / b for a, b in pairs if a is not None and b]
         accepts = [
             r["acceptance"] for res in rounds for r in res if r.get("acceptance") is not None
         ]

@@ -62,3 +62,34 @@ def test_a_draft_reuses_its_targets_tokenizer(tmp_path):
     assert config.hidden_size == 32 and config.vocab_size == len(
         transformers.AutoTokenizer.from_pretrained(tmp_path / "ref")
     )
+
+
+def _tiny(seed: int):
+    config = transformers.LlamaConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_distillation_loss_and_agreement_against_the_teacher():
+    """--distill-from (issue 49's draft): the loss is KL(teacher || model), zero against itself
+    and falling as a student trains on it; agreement is the share of equal top-1 tokens."""
+    teacher, student = _tiny(0), _tiny(1)
+    batch = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(0))
+    assert float(tr._distilled(teacher, teacher, batch).detach()) == pytest.approx(0.0, abs=1e-6)
+    ids = batch.flatten()
+    assert tr.agreement(teacher, teacher, ids, 16) == 1.0
+    before_loss = float(tr._distilled(student, teacher, batch).detach())
+    before = tr.agreement(student, teacher, ids, 16)
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-2)
+    student.train()
+    for _ in range(60):
+        loss = tr._distilled(student, teacher, batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    student.eval()
+    assert float(tr._distilled(student, teacher, batch).detach()) < before_loss / 2
+    assert tr.agreement(student, teacher, ids, 16) > before

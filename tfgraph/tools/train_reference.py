@@ -9,6 +9,13 @@ agreement against fp32) means something (issue 48).
     python -m tfgraph.tools.train_reference OUT [--steps N] [--seed S]
     python -m tfgraph.tools.train_reference OUT --tokenizer bench/reference_model --layers 2 \
         --hidden 256 --heads 4 --kv-heads 2 --intermediate 640   # a draft model (issue 49)
+    ... --distill-from bench/reference_model   # the draft trained on the target's distributions
+
+``--distill-from DIR`` trains against the model in ``DIR`` instead of the text's next tokens:
+the loss is the KL divergence from that model's next-token distribution (its tokenizer is
+reused), as speculative drafts are trained (DistillSpec, Zhou et al. 2023), so the draft
+agrees with its target more often; figures then include the top-1 agreement with it on the
+held-out text.
 
 writes ``OUT/`` as a Hugging Face directory (``config.json``, ``model.safetensors`` in bf16, the
 tokenizer), ``OUT/heldout.txt``, text from files the model never trained on, and
@@ -56,6 +63,7 @@ class Plan:
     corpus_chars: int = 6_000_000
     seed: int = 0
     tokenizer: str | None = None  # a directory whose tokenizer is reused (a draft's target)
+    teacher: str | None = None  # a directory whose model's distributions are the targets
 
 
 def corpus_files(root: Path | None = None) -> tuple[list[Path], list[Path]]:
@@ -138,8 +146,18 @@ def _lr(plan: Plan, step: int) -> float:
     return plan.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train(model, ids: torch.Tensor, plan: Plan, progress=None) -> list[float]:
-    """``plan.steps`` AdamW steps on random windows of ``ids`` (seeded); the losses."""
+def _distilled(model, teacher, batch: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || model) of the next-token distributions, averaged over positions."""
+    with torch.no_grad():
+        target = torch.log_softmax(teacher(input_ids=batch).logits.float(), -1)
+    logits = torch.log_softmax(model(input_ids=batch).logits.float(), -1)
+    kl = torch.nn.functional.kl_div(logits, target, log_target=True, reduction="none")
+    return kl.sum(-1).mean()
+
+
+def train(model, ids: torch.Tensor, plan: Plan, progress=None, teacher=None) -> list[float]:
+    """``plan.steps`` AdamW steps on random windows of ``ids`` (seeded); the losses. With
+    ``teacher``: the KL divergence from its distributions instead of the next tokens."""
     generator = torch.Generator().manual_seed(plan.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=plan.lr, weight_decay=0.1)
     model.train()
@@ -149,7 +167,10 @@ def train(model, ids: torch.Tensor, plan: Plan, progress=None) -> list[float]:
         batch = torch.stack([ids[s : s + plan.context] for s in starts.tolist()])
         for group in optimizer.param_groups:
             group["lr"] = _lr(plan, step)
-        loss = model(input_ids=batch, labels=batch).loss  # transformers shifts the labels
+        if teacher is None:
+            loss = model(input_ids=batch, labels=batch).loss  # transformers shifts the labels
+        else:
+            loss = _distilled(model, teacher, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -176,20 +197,38 @@ def perplexity(model, ids: torch.Tensor, context: int) -> float:
     return math.exp(total / count)
 
 
+@torch.no_grad()
+def agreement(model, teacher, ids: torch.Tensor, context: int) -> float:
+    """The share of positions of ``ids`` (windows of ``context``) where the two models' most
+    likely next tokens are the same: what greedy speculative decoding accepts."""
+    same, count = 0, 0
+    for start in range(0, len(ids) - 1, context):
+        window = ids[start : start + context][None]
+        a = model(input_ids=window).logits.argmax(-1)
+        b = teacher(input_ids=window).logits.argmax(-1)
+        same, count = same + int((a == b).sum()), count + window.shape[1]
+    return same / count
+
+
 def make_reference(out: Path, plan: Plan, root: Path | None = None, progress=None) -> dict:
     """Train and write the reference directory (module doc); its figures."""
     out = Path(out)
     train_files, held_files = corpus_files(root)
     text = read_text(train_files, plan.corpus_chars)
     heldout = read_text(held_files, HELDOUT_CHARS)
-    if plan.tokenizer:
-        tokenizer = load_tokenizer(plan.tokenizer)
+    teacher = None
+    if plan.teacher:
+        import transformers
+
+        teacher = transformers.AutoModelForCausalLM.from_pretrained(plan.teacher).float().eval()
+    if plan.tokenizer or plan.teacher:
+        tokenizer = load_tokenizer(plan.tokenizer or plan.teacher)
     else:
         tokenizer = train_tokenizer(text, plan.vocab)
     ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
     model = build_model(plan, tokenizer)
     start = time.monotonic()
-    losses = train(model, ids, plan, progress)
+    losses = train(model, ids, plan, progress, teacher)
     seconds = time.monotonic() - start
     held_ids = torch.tensor(tokenizer(heldout)["input_ids"], dtype=torch.long)
     before = perplexity(model, held_ids, plan.context)
@@ -210,6 +249,11 @@ def make_reference(out: Path, plan: Plan, root: Path | None = None, progress=Non
         "heldout_ppl_before_bf16": before,
         "train_seconds": round(seconds, 1),
     }
+    if teacher is not None:
+        figures["distilled_from"] = str(plan.teacher)
+        figures["top1_agreement_with_teacher"] = agreement(
+            model.float(), teacher, held_ids, plan.context
+        )
     out.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
@@ -224,6 +268,10 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=Plan.steps)
     parser.add_argument("--seed", type=int, default=Plan.seed)
     parser.add_argument("--tokenizer", default=None, help="reuse this directory's tokenizer")
+    parser.add_argument(
+        "--distill-from", default=None, metavar="DIR",
+        help="train on this model's next-token distributions (a speculative draft's target)",
+    )  # fmt: skip
     for name in ("layers", "hidden", "heads", "kv_heads", "intermediate"):
         flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, type=int, default=getattr(Plan, name))
@@ -235,7 +283,10 @@ def main(argv=None) -> int:
         logger.info("step %d/%d  loss %.3f  %.0f s, %.0f s left", step, steps, loss, seconds, eta)
 
     shape = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "intermediate")}
-    plan = Plan(steps=args.steps, seed=args.seed, tokenizer=args.tokenizer, **shape)
+    plan = Plan(
+        steps=args.steps, seed=args.seed, tokenizer=args.tokenizer, teacher=args.distill_from,
+        **shape,
+    )  # fmt: skip
     figures = make_reference(args.out, plan, progress=progress)
     for key, value in figures.items():
         logger.info("%s: %s", key, value)
