@@ -91,19 +91,23 @@ def _run(cmd: list[str], what: str, timeout: float = 3600) -> subprocess.Complet
     return done
 
 
-def export_tfgraph(checkpoint: Path, out: Path) -> Path:
-    """``python -m tfgraph export CKPT --kv-cache --weights int4 -o OUT`` (parity included)."""
+def export_tfgraph(checkpoint: Path, out: Path, block: int | None = None) -> Path:
+    """``python -m tfgraph export CKPT --kv-cache --weights int4 -o OUT`` (parity included);
+    ``block``: ``--block-size`` (default: tfgraph's, 32)."""
     if not (out / "model.onnx").is_file():
         cmd = [sys.executable, "-m", "tfgraph", "export", str(checkpoint), "--kv-cache"]
+        cmd += ["--block-size", str(block)] if block else []
         _run([*cmd, "--weights", "int4", "-o", str(out)], "tfgraph export")
     return out
 
 
-def export_builder(checkpoint: Path, out: Path) -> Path:
-    """The builder's ``-p int4 -e cpu`` with its defaults, sessions on :data:`THREADS`."""
+def export_builder(checkpoint: Path, out: Path, block: int | None = None) -> Path:
+    """The builder's ``-p int4 -e cpu`` with its defaults (``block``: its
+    ``int4_block_size``, default 32), sessions on :data:`THREADS`."""
     if not (out / "model.onnx").is_file():
         cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint)]
         cmd += ["-o", str(out), "-p", "int4", "-e", "cpu", "-c", str(out.parent / "cache")]
+        cmd += ["--extra_options", f"int4_block_size={block}"] if block else []
         _run(cmd, "onnxruntime-genai builder")
     path = out / "genai_config.json"
     config = json.loads(path.read_text())
@@ -273,8 +277,11 @@ def _child(engine: str, path: Path, past: int, steps: int, llama: Path | None) -
 
 
 # ------------------------------------------------------------------ the section
-def artifacts(quick: bool, work: Path, checkpoint: Path | None, llama: Path | None) -> dict:
-    """{engine: (path, why skipped or None)} for the engines of :data:`ENGINES`."""
+def artifacts(
+    quick: bool, work: Path, checkpoint: Path | None, llama: Path | None, block: int | None = None
+) -> dict:
+    """{engine: (path, why skipped or None)} for the engines of :data:`ENGINES`; with
+    ``block``, also tfgraph and the builder at that block size (``tfgraph bN``, ``builder bN``)."""
     import importlib.util
 
     plan = QUICK if quick else FULL
@@ -285,6 +292,10 @@ def artifacts(quick: bool, work: Path, checkpoint: Path | None, llama: Path | No
         found["builder"] = (None, "onnxruntime-genai is not installed")
     else:
         found["builder"] = (export_builder(checkpoint, work / "builder-int4"), None)
+    if block and found["builder"][1] is None:
+        ours_b = export_tfgraph(checkpoint, work / f"tfgraph-int4-b{block}", block)
+        theirs_b = export_builder(checkpoint, work / f"builder-int4-b{block}", block)
+        found[f"tfgraph b{block}"], found[f"builder b{block}"] = (ours_b, None), (theirs_b, None)
     if llama is None:
         found["llama.cpp Q4_0"] = (None, "no llama.cpp build (--llama-cpp DIR)")
     else:
@@ -301,6 +312,7 @@ def run(
     llama: Path | None = None,
     rounds: int | None = None,
     extra: dict[str, Path] | None = None,
+    block: int | None = None,
 ) -> dict:
     """The section: engines interleaved in rounds (module docstring). ``extra``: more
     ``tfgraph`` artifacts to time beside (label → artifact; a before/after comparison)."""
@@ -308,9 +320,9 @@ def run(
 
     plan = {**(QUICK if quick else FULL), **({"rounds": rounds} if rounds else {})}
     llama = llama_cpp_dir(llama)
-    found = artifacts(quick, Path(workdir), checkpoint, llama)
+    found = artifacts(quick, Path(workdir), checkpoint, llama, block)
     timed = {name: path for name, (path, why) in found.items() if why is None}
-    engines = {name: name for name in timed}
+    engines = {name: name.split(" b")[0] for name in timed}  # "builder b128" runs the builder
     for label, path in (extra or {}).items():
         timed[label], engines[label] = path, "tfgraph"
     per_round: dict[str, list[dict]] = {name: [] for name in timed}
@@ -351,6 +363,10 @@ def summary(plan: dict, found: dict, per_round: dict, load: list[float]) -> dict
         for peer in ("builder", "llama.cpp Q4_0")
         if peer in ms and "tfgraph" in ms
     }
+    for name in [n for n in ms if n.startswith("tfgraph b")]:  # the other block size
+        for peer in (f"builder b{name.split(' b')[1]}", "builder", "llama.cpp Q4_0"):
+            if peer in ms:
+                result["ratios"][f"{name} / {peer}"] = _round_ratio(per_round, name, peer)
     if "verify" in result["engines"]:
         result["ratios"][f"verify k={K} / one-token step"] = result["engines"]["verify"]["ratio"]
     return result
@@ -420,6 +436,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--llama-cpp", type=Path)
     parser.add_argument("--rounds", type=int)
     parser.add_argument(
+        "--block-size", type=int, metavar="N",
+        help="also tfgraph and the builder at int4 block size N (an equal-format pair)",
+    )  # fmt: skip
+    parser.add_argument(
         "--also", action="append", default=[], metavar="LABEL=ARTIFACT",
         help="another tfgraph artifact to time beside (e.g. an older export)",
     )  # fmt: skip
@@ -433,7 +453,7 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     result = run(
         args.quick, work, print, checkpoint=args.checkpoint, llama=args.llama_cpp,
-        rounds=args.rounds, extra={k: Path(v) for k, v in extra.items()},
+        rounds=args.rounds, extra={k: Path(v) for k, v in extra.items()}, block=args.block_size,
     )  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -78,10 +78,10 @@ def _compile(plt, d: dict, bench: Path) -> list[str]:
     return ["compile_cost.png"]
 
 
-def _serving(plt, d: dict, bench: Path) -> list[str]:
+def _serving(plt, d: dict, bench: Path, file: str = "serving.png") -> list[str]:
     fig, (left, mid, right) = plt.subplots(1, 3, figsize=(16, 4))
     styles = {"static": ":", "inflight": "-", "inflight_int8": "--", "inflight_chunked": "-.",
-              "inflight_chunk32": (0, (1, 1))}  # fmt: skip
+              "inflight_chunk32": (0, (1, 1)), "inflight_chunk16": (0, (3, 1, 1, 1))}  # fmt: skip
     for name, m in d["models"].items():
         color = None
         for mode, b in m["batching"].items():
@@ -104,9 +104,9 @@ def _serving(plt, d: dict, bench: Path) -> list[str]:
     for ax in (left, mid, right):
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(bench / "serving.png", dpi=100)
+    fig.savefig(bench / file, dpi=100)
     plt.close(fig)
-    return ["serving.png"]
+    return [file]
 
 
 def _scale(plt, d: dict, bench: Path) -> list[str]:
@@ -154,6 +154,7 @@ def draw(results: dict, bench: Path) -> list[str]:
         ("decode", _decode),
         ("compile_cost", _compile),
         ("serving", _serving),
+        ("serving_chunked", lambda plt, d, bench: _serving(plt, d, bench, "serving_chunked.png")),
         ("scale", _scale),
         ("scale_out", lambda plt, d, bench: _scale_out_plot(plt, d, bench)),
     ):

@@ -73,6 +73,7 @@ SECTIONS = {
     "exporters": lambda d: exporters_section(d),
     "precision": lambda d: precision_section(d),
     "serving": lambda d: serving_section(d),
+    "serving_chunked": lambda d: serving_section(d),
     "scale": lambda d: scale_section(d),
     "norm_folding": lambda d: norm_section(d),
     "quality": lambda d: quality_section(d),
@@ -91,6 +92,7 @@ FILES = {  # section → JSON file in OUT/bench/ (the older scripts' names kept)
     "exporters": "exporters.json",
     "precision": "precision.json",
     "serving": "serving.json",
+    "serving_chunked": "serving_chunked.json",  # issue 49: chunked prefill, the shared prefix
     "scale": "scale.json",
     "norm_folding": "norm_folding.json",
     "quality": "quality.json",

@@ -13,7 +13,7 @@ server and one run:
 - ``inflight_chunked``: ``inflight`` with chunked prefill (``--prefill-chunk 64``: a new
   request's prompt enters 64 tokens a step between the running requests' steps), where the
   other in-flight modes prefill each prompt whole (``--prefill-chunk 0``, as before);
-  ``inflight_chunk32`` the same in chunks of 32.
+  ``inflight_chunk32`` and ``inflight_chunk16`` the same in chunks of 32 and 16.
 
 Besides, the **decode step** of 1 and 16 rows at past 512 with the fp32 and the int8 cache
 (in-flight slots, each in a fresh process without torch, alternated, medians of 3 rounds).
@@ -62,7 +62,8 @@ CHUNK = 64  # chunked prefill's prompt tokens per step (tfgraph serve's and trit
 BATCHING = {"static": ("static", "fp32", 0), "inflight": ("inflight", "fp32", 0),
             "inflight_int8": ("inflight", "int8", 0),
             "inflight_chunked": ("inflight", "fp32", CHUNK),
-            "inflight_chunk32": ("inflight", "fp32", CHUNK // 2)}  # fmt: skip
+            "inflight_chunk32": ("inflight", "fp32", CHUNK // 2),
+            "inflight_chunk16": ("inflight", "fp32", CHUNK // 4)}  # fmt: skip
 STEP_PAST, STEP_BATCHES, STEP_ROUNDS = 512, (1, 16), 3  # the decode-step comparison
 PROMPTS = (8, 256)  # prompt lengths, uniform (inclusive)
 NEW_TOKENS = (16, 256)  # max_new_tokens, uniform (inclusive)

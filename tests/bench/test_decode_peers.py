@@ -38,6 +38,21 @@ def test_summary_takes_medians_over_rounds_and_ratios_within_rounds():
     assert "llama.cpp Q4_0: skipped (no llama.cpp build)" in table
 
 
+def test_a_second_block_size_is_compared_with_the_builder_at_the_same_one():
+    plan = {**decode_peers.QUICK, "rounds": 2}
+    found = {name: ("x", None) for name in ("tfgraph", "builder", "tfgraph b128", "builder b128")}
+    per_round = {
+        "tfgraph": [{"ms": 10.0}, {"ms": 10.0}],
+        "builder": [{"ms": 10.0}, {"ms": 10.0}],
+        "tfgraph b128": [{"ms": 8.0}, {"ms": 9.0}],
+        "builder b128": [{"ms": 8.0}, {"ms": 10.0}],
+    }
+    ratios = decode_peers.summary(plan, found, per_round, [0.0] * 3)["ratios"]
+    assert ratios["tfgraph b128 / builder b128"] == 0.95  # (1.0 + 0.9) / 2 within rounds
+    assert ratios["tfgraph b128 / builder"] == 0.85
+    assert "tfgraph b128 / llama.cpp Q4_0" not in ratios  # not timed here
+
+
 def test_gguf_source_has_a_byte_level_bpe_of_the_checkpoint_vocabulary(tmp_path):
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
@@ -58,7 +73,7 @@ def test_gguf_source_has_a_byte_level_bpe_of_the_checkpoint_vocabulary(tmp_path)
 # (~1-2 min on 2 busy cores)
 @pytest.mark.slow
 def test_quick_run_times_every_engine_it_has(tmp_path):
-    result = decode_peers.run(True, tmp_path, llama=None)
+    result = decode_peers.run(True, tmp_path, llama=None, block=64)
     engines = result["engines"]
     assert {"tfgraph", "verify"} <= set(engines)
     assert all(entry["ms"] > 0 for entry in engines.values())
@@ -67,3 +82,4 @@ def test_quick_run_times_every_engine_it_has(tmp_path):
     assert result["past"] == decode_peers.QUICK["past"]
     if "builder" in engines:
         assert result["ratios"]["tfgraph / builder"] > 0
+        assert result["ratios"]["tfgraph b64 / builder b64"] > 0
