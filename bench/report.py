@@ -73,7 +73,10 @@ SECTIONS = {
     "exporters": lambda d: exporters_section(d),
     "precision": lambda d: precision_section(d),
     "serving": lambda d: serving_section(d),
-    "serving_chunked": lambda d: serving_section(d),
+    "serving_chunked": lambda d: [
+        "## Serving: chunked prefill and prefix caching",
+        *serving_section(d)[1:],
+    ],
     "scale": lambda d: scale_section(d),
     "norm_folding": lambda d: norm_section(d),
     "quality": lambda d: quality_section(d),
