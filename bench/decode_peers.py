@@ -103,18 +103,34 @@ def export_tfgraph(checkpoint: Path, out: Path, block: int | None = None) -> Pat
 
 def export_builder(checkpoint: Path, out: Path, block: int | None = None) -> Path:
     """The builder's ``-p int4 -e cpu`` with its defaults (``block``: its
-    ``int4_block_size``, default 32), sessions on :data:`THREADS`."""
+    ``block_size`` extra option, default 32; checked in the graph), sessions on
+    :data:`THREADS`."""
     if not (out / "model.onnx").is_file():
         cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint)]
         cmd += ["-o", str(out), "-p", "int4", "-e", "cpu", "-c", str(out.parent / "cache")]
-        cmd += ["--extra_options", f"int4_block_size={block}"] if block else []
+        cmd += ["--extra_options", f"block_size={block}"] if block else []
         _run(cmd, "onnxruntime-genai builder")
+    if block and _block_size(out / "model.onnx") != block:  # it ignores unknown options
+        raise RuntimeError(f"the builder's export in {out} is not at block size {block}")
     path = out / "genai_config.json"
     config = json.loads(path.read_text())
     options = config["model"]["decoder"].setdefault("session_options", {})
     options.update({"intra_op_num_threads": THREADS, "inter_op_num_threads": 1})
     path.write_text(json.dumps(config, indent=2))
     return out
+
+
+def _block_size(graph: Path) -> int:
+    """The block size of the first block-quantized node in ``graph`` (its weights not
+    loaded): the first node with both ``bits`` and ``block_size`` attributes."""
+    import onnx
+
+    model = onnx.load(str(graph), load_external_data=False)
+    for node in model.graph.node:
+        attrs = {a.name: a for a in node.attribute}
+        if "bits" in attrs and "block_size" in attrs:
+            return attrs["block_size"].i
+    raise RuntimeError(f"no block-quantized node in {graph}")
 
 
 def gguf_source(checkpoint: Path, out: Path) -> Path:

@@ -283,7 +283,7 @@ class Session:
         presents become the next step's pasts. The logits come back in a fresh numpy array
         ONNX Runtime writes into (no copy)."""
         shared = self.signature.shared_buffer
-        binding = self._binding(cache, _batch_of(feeds))
+        binding, bound = self._binding(cache, _batch_of(feeds))
         for port in self.signature.inputs:
             if port.role in _PAST_ROLES:
                 continue  # bound by _binding
@@ -300,12 +300,12 @@ class Session:
                 binding.bind_cpu_input(port.name, np.ascontiguousarray(value))
             else:  # an OrtValue (an encoder's cross-attention K/V): bound without a copy
                 binding.bind_ortvalue_input(port.name, value)
-        outputs, fetched = self._bind_outputs(binding, cache, feeds, new_tokens)
+        outputs, fetched = self._bind_outputs(binding, bound, cache, feeds, new_tokens)
         self._run(lambda: self._session.run_with_iobinding(binding))
-        if fetched:
-            values = binding.get_outputs()
-            for port, value in zip(self.signature.outputs, values, strict=True):
-                outputs.setdefault(port.key, value)
+        if fetched:  # ONNX Runtime returns the outputs in the order they were first bound
+            values = dict(zip(bound, binding.get_outputs(), strict=True))
+            for port in self.signature.outputs:
+                outputs.setdefault(port.key, values[port.name])
         if shared:
             lengths = None if cache.lengths is None else np.asarray(cache.lengths) + new_tokens
             values = dict(cache.values)
@@ -329,7 +329,8 @@ class Session:
         """An IO binding with ``cache``'s buffers bound as past (and, for a shared buffer, as
         present). The last shared-buffer binding is kept (weak references to the buffers it
         binds) and reused while a step runs over the very same buffers: a generation loop
-        binds its cache once, not 2 × layers values per token."""
+        binds its cache once, not 2 × layers values per token. → (binding, the names of the
+        outputs bound so far, in binding order: the order of its outputs)."""
         import weakref
 
         shared = self.signature.shared_buffer
@@ -337,8 +338,8 @@ class Session:
         kept = self._kept_binding
         if shared and kept is not None and kept[0] == batch and len(kept[1]) == len(pasts):
             if all(ref() is value for ref, value in zip(kept[1], pasts, strict=True)):
-                return kept[2]
-        binding = self._session.io_binding()
+                return kept[2], kept[3]
+        binding, bound = self._session.io_binding(), []
         for port in self.signature.inputs:
             if port.role in _PAST_ROLES:
                 binding.bind_ortvalue_input(port.name, cache.values[port.key])
@@ -346,18 +347,22 @@ class Session:
             past = (_PRESENT_PAST.get(port.role), port.layer)
             if shared and past in cache.values and port.role not in _STATE_PAST:
                 binding.bind_ortvalue_output(port.name, cache.values[past])  # appended in place
+                bound.append(port.name)
         self._kept_binding = None
         if shared and self._device == "cpu":
             try:
-                self._kept_binding = (batch, [weakref.ref(v) for v in pasts], binding)
+                self._kept_binding = (batch, [weakref.ref(v) for v in pasts], binding, bound)
             except TypeError:  # a runner value without weak references: not kept
                 pass
-        return binding
+        return binding, bound
 
-    def _bind_outputs(self, binding, cache: KVCache, feeds, new_tokens: int) -> tuple[dict, bool]:
+    def _bind_outputs(
+        self, binding, bound: list, cache: KVCache, feeds, new_tokens: int
+    ) -> tuple[dict, bool]:
         """Binds the outputs a step does not alias to its cache: the logits to a fresh
         numpy array where their shape is known (→ {key: array}), the others to the CPU,
-        allocated by ONNX Runtime (→ fetched: True)."""
+        allocated by ONNX Runtime (→ fetched: True); ``bound``: the binding's output names in
+        the order first bound, extended."""
         shared, outputs, fetched = self.signature.shared_buffer, {}, False
         for port in self.signature.outputs:
             past = (_PRESENT_PAST.get(port.role), port.layer)
@@ -373,8 +378,10 @@ class Session:
                     array = np.empty((_batch_of(feeds), new_tokens, shape[2]), dtype)
                     binding.bind_ortvalue_output(port.name, ort.OrtValue.ortvalue_from_numpy(array))
                     outputs[port.key] = array
+                    bound += [] if port.name in bound else [port.name]
                     continue
             binding.bind_output(port.name, "cpu")  # a new value each run, never the last one
+            bound += [] if port.name in bound else [port.name]
             fetched = True
         return outputs, fetched
 

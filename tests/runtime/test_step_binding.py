@@ -69,3 +69,21 @@ def test_kept_step_logits_are_not_overwritten(cached):
     assert len(logits) == 4 and all(x.ndim == 2 and x.shape[0] == 1 for x in logits)
     assert [int(x.argmax()) for x in logits] == result.tokens[0]
     assert all(not np.shares_memory(x, y) for x, y in zip(logits, logits[1:], strict=False))
+
+
+def test_fetched_outputs_are_matched_by_name_on_a_kept_binding(cached):
+    """An output whose shape is not known ahead (a hidden state, a recurrent state) is fetched
+    from the binding; on a kept binding ONNX Runtime returns the outputs in the order they
+    were first bound (the cache's first), not the graph's: each is matched by its name."""
+    reference = CachedDecoder(Session(cached))
+    want_first, cache = reference.step(PROMPT, reference.empty_cache(1, capacity=12))
+    want_next, _ = reference.step(np.array([[9]]), cache)
+    session = Session(cached)
+    name = next(o.name for o in session._session.get_outputs() if "logits" in o.name)
+    session._output_shapes[name] = [None, None, None]  # force the fetched path
+    decoder = CachedDecoder(session)
+    first, cache = decoder.step(PROMPT, decoder.empty_cache(1, capacity=12))
+    again, _ = decoder.step(np.array([[9]]), cache)  # the kept binding
+    assert session._kept_binding is not None
+    assert first.shape == want_first.shape and again.shape == want_next.shape
+    np.testing.assert_allclose(again, want_next, rtol=1e-5, atol=1e-5)
