@@ -112,12 +112,9 @@ def export_builder(checkpoint: Path, out: Path, block: int | None = None) -> Pat
         _run(cmd, "onnxruntime-genai builder")
     if block and _block_size(out / "model.onnx") != block:  # it ignores unknown options
         raise RuntimeError(f"the builder's export in {out} is not at block size {block}")
-    path = out / "genai_config.json"
-    config = json.loads(path.read_text())
-    options = config["model"]["decoder"].setdefault("session_options", {})
-    options.update({"intra_op_num_threads": THREADS, "inter_op_num_threads": 1})
-    path.write_text(json.dumps(config, indent=2))
-    return out
+    from tfgraph.bench.quality_peers import pin_genai_threads
+
+    return pin_genai_threads(out, THREADS)
 
 
 def _block_size(graph: Path) -> int:

@@ -112,11 +112,17 @@ def build_genai(model_dir: Path, out: Path, algo: str, block: int) -> Path:
         cmd += ["-o", str(out), "-p", "int4", "-e", "cpu", "-c", str(out.parent / "cache")]
         cmd += ["--extra_options", f"algo_config={algo}", f"block_size={block}"]
         _check(subprocess.run(cmd, capture_output=True, text=True), "onnxruntime-genai builder")
-    config_path = out / "genai_config.json"
-    config = json.loads(config_path.read_text())
+    return pin_genai_threads(out, THREADS)
+
+
+def pin_genai_threads(out: Path, threads: int) -> Path:
+    """The builder's export in ``out`` with its decoder session on ``threads`` intra-op
+    threads (and one inter-op), written into its genai_config.json; ``out``."""
+    path = out / "genai_config.json"
+    config = json.loads(path.read_text())
     options = config["model"]["decoder"].setdefault("session_options", {})
-    options.update({"intra_op_num_threads": THREADS, "inter_op_num_threads": 1})
-    config_path.write_text(json.dumps(config, indent=2))
+    options.update({"intra_op_num_threads": threads, "inter_op_num_threads": 1})
+    path.write_text(json.dumps(config, indent=2))
     return out
 
 
