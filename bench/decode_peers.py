@@ -190,9 +190,10 @@ def _prompt(past: int, vocab: int) -> list[int]:
 def time_tfgraph(path: Path, past: int, steps: int) -> dict:
     """Seconds between the yields of :func:`tfgraph.runtime.stream` after the prefill's."""
     from tfgraph.runtime import CachedDecoder, GenerationConfig, open_runner, stream
+    from tfgraph.runtime.drafters import vocab_of
 
     decoder = CachedDecoder(open_runner(path, threads=THREADS))
-    vocab = _vocab(decoder)
+    vocab = vocab_of(decoder)
     times, last = [], None
     for _ in stream(decoder, [_prompt(past, vocab)], GenerationConfig(max_new_tokens=steps + 1)):
         now = time.perf_counter()
@@ -202,22 +203,15 @@ def time_tfgraph(path: Path, past: int, steps: int) -> dict:
     return {"times": times}
 
 
-def _vocab(decoder) -> int:
-    """The logits' last dim (the vocabulary), from the artifact's signature."""
-    from tfgraph import contract
-
-    dims = (decoder.session.signature.output(contract.LOGITS).shape or [None])[-1]
-    return dims if isinstance(dims, int) else 3000
-
-
 def time_verify(path: Path, past: int, steps: int, k: int = K) -> dict:
     """Steps of each count of :data:`NEW_TOKENS` new tokens (``k + 1``: the last token and
     ``k`` drafted ones, speculative decoding's verification) over the same past, in turn,
     the cache rolled back to ``past`` by its length after each (speculative decoding's use)."""
     from tfgraph.runtime import CachedDecoder, open_runner
+    from tfgraph.runtime.drafters import vocab_of
 
     decoder = CachedDecoder(open_runner(path, threads=THREADS))
-    prompt = np.asarray([_prompt(past, _vocab(decoder))], np.int64)
+    prompt = np.asarray([_prompt(past, vocab_of(decoder))], np.int64)
     counts = sorted({*NEW_TOKENS, k + 1})
     cache = decoder.empty_cache(1, capacity=past + max(counts))
     _, cache = decoder.step(prompt, cache)

@@ -296,7 +296,8 @@ class SlotBatcher:
             if self.cross:
                 self._encode(slot, np.asarray([request.prompt], np.int64))
                 tokens = np.asarray([[start_token]], np.int64)
-                self._choose(request, self._run(request, tokens, self._cross_rows(slot, slot + 1)))
+                cross = self._cross_rows(slot, slot + 1)
+                self._choose(request, self._run(request, tokens, cross)[-1])
                 return request
             if self.prefill_chunk is None:  # the whole prompt now
                 self._lookup(request)
@@ -307,14 +308,14 @@ class SlotBatcher:
         return request
 
     def _run(self, request: Request, tokens: np.ndarray, extra=None) -> np.ndarray:
-        """``tokens`` (1, T) over ``request``'s slot row at its length; the last logits."""
+        """``tokens`` (1, T) over ``request``'s slot row at its length (grown by T); (T, V)."""
         slot = request.slot
         cache = self.decoder.session.rows(self.cache, slot, slot + 1, [request.length])
         n = request.length + tokens.shape[1]
         mask = np.ones((1, n), np.int64) if self.decoder.mask_input is not None else None
         logits, _ = self.decoder.step(tokens, cache, mask, extra)
         request.length = n
-        return logits[0, -1]
+        return logits[0]
 
     def _lookup(self, request: Request) -> None:
         """Prefix caching: the stored blocks its prompt starts with, copied into its slot as
@@ -327,7 +328,7 @@ class SlotBatcher:
     def _prefill(self, request: Request, stop: int, extra=None) -> int | None:
         """The prompt up to ``stop`` into its slot, its full blocks so far stored; at the
         prompt's end, its first token chosen (returned)."""
-        logits = self._run(request, np.asarray([request.prompt[request.length : stop]]), extra)
+        logits = self._run(request, np.asarray([request.prompt[request.length : stop]]), extra)[-1]
         if self.prefix is not None:
             self.prefix.store(request.prompt[:stop], self.cache.host, request.slot)
         return self._choose(request, logits) if stop == len(request.prompt) else None
@@ -446,9 +447,7 @@ class SlotBatcher:
             request.logits.append(logits.copy())
         request.tokens.append(token)
         eos = request.config.eos_token_id
-        if len(request.tokens) >= request.config.max_new_tokens or (
-            eos is not None and token == eos
-        ):
+        if len(request.tokens) >= request.config.max_new_tokens or token == eos:  # None: never
             self.release(request.slot)
         return token
 

@@ -125,12 +125,8 @@ class SpeculativeBatcher(SlotBatcher):
         out = super()._decode(plain) if plain else {}
         for slot, (draft, probs) in drafts.items():
             request = decoding[slot]
-            cache = self.decoder.session.rows(self.cache, slot, slot + 1, [request.length])
             tokens = np.asarray([[request.last, *draft]], np.int64)
-            n = request.length + tokens.shape[1]
-            mask = np.ones((1, n), np.int64) if self.decoder.mask_input is not None else None
-            logits, _ = self.decoder.step(tokens, cache, mask)
-            out[slot] = self._accept(request, draft, probs, logits[0])
+            out[slot] = self._accept(request, draft, probs, self._run(request, tokens))
         return out
 
     def _accept(self, request: Request, draft: list[int], probs, logits: np.ndarray) -> list[int]:
@@ -146,7 +142,8 @@ class SpeculativeBatcher(SlotBatcher):
         _, length = self.drafters[request.slot]
         if draft:
             length.update(len(draft), len(out) - 1)
-        request.length += len(out)  # ``last`` and the accepted drafts stay in its row
+        # the verify step counted ``last`` and every draft: its row keeps the accepted ones
+        request.length -= len(draft) + 1 - len(out)
         eos, given = request.config.eos_token_id, []
         for i, token in enumerate(out):
             if request.logits is not None:

@@ -176,7 +176,7 @@ class Session:
         self._input_shapes = {i.name: i.shape for i in self._session.get_inputs()}
         self._output_types = {o.name: o.type for o in self._session.get_outputs()}
         self._output_shapes = {o.name: o.shape for o in self._session.get_outputs()}
-        self._kept_binding = None  # (batch, weak refs to the cache values, binding): _binding
+        self._kept_binding = None  # (batch, weak refs to the pasts, binding, bound names): _binding
         self.signature = self._read_signature()
         self._device = "cuda" if chosen[0] == PROVIDERS["cuda"] else "cpu"
         self._optimize = optimize
