@@ -1,12 +1,13 @@
 """The parity rule of an artifact whose kernels quantize activations (``MatMulNBits`` at
 accuracy level 4): within :data:`ACTIVATION_FACTOR` times the activation quantization's own
-effect, plus the fp32 tolerance."""
+effect, plus the tolerance of the check (fp32's; an int8 KV cache's rule adds its own measured
+effect to it, :mod:`tfgraph.verify.kv_quantization`)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from tfgraph.verify.tolerance import FP32
+from tfgraph.verify.tolerance import FP32, Tolerance
 
 ACTIVATION_FACTOR = 2.0
 
@@ -16,17 +17,19 @@ def activation_rule() -> dict:
     return {
         "factor": ACTIVATION_FACTOR,
         "rule": f"max|export - reference| <= {ACTIVATION_FACTOR:g} x max|reference without "
-        "activation quantization - reference| + the fp32 tolerance at the output's scale",
+        "activation quantization - reference| + the tolerance at the output's scale (fp32's; "
+        "with an int8 KV cache, its measured effect added)",
     }
 
 
-def allowed_error(effect: float, scale: float) -> float:
+def allowed_error(effect: float, scale: float, tolerance: Tolerance = FP32) -> float:
     """The rule's bound: ``effect`` (the activation quantization's own, 0 without it) at an
-    output whose largest magnitude is ``scale``."""
-    return ACTIVATION_FACTOR * effect + FP32.atol + FP32.rtol * scale
+    output whose largest magnitude is ``scale``, plus ``tolerance`` (the fp32 one, or one
+    that already holds another measured effect: an int8 KV cache's)."""
+    return ACTIVATION_FACTOR * effect + tolerance.atol + tolerance.rtol * scale
 
 
-def judge_activations(got, want, plain, keep=None) -> dict:
+def judge_activations(got, want, plain, keep=None, tolerance: Tolerance = FP32) -> dict:
     """One output of an artifact whose MatMulNBits quantize activations (accuracy level 4)
     against the reference that quantizes them alike (``want``) and the same reference without
     that quantization (``plain``).
@@ -47,7 +50,7 @@ def judge_activations(got, want, plain, keep=None) -> dict:
     scale = float(np.abs(want).max()) if want.size else 0.0
     err = float(np.abs(got - want).max()) if got.size else 0.0
     effect = float(np.abs(plain - want).max()) if plain.size else 0.0
-    allowed = allowed_error(effect, scale)
+    allowed = allowed_error(effect, scale, tolerance)
     finite = bool(np.isfinite(got).all())
     return {
         "max_abs_err": err,

@@ -67,7 +67,8 @@ def _row(
     want, want_low = eager if eager is not None else eager_outputs(source, inputs, precision)
     if want_low is None:
         return compare_fp32(source, inputs, name, got, want[name][:, rows], tolerance, keep, rows)
-    return compare_in(name, got, want[name][:, rows], want_low[name][:, rows], precision, keep)
+    low = want_low[name][:, rows]
+    return compare_in(name, got, want[name][:, rows], low, precision, keep, tolerance)
 
 
 def check_cache_parity(

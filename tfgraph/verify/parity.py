@@ -93,6 +93,7 @@ def compare_in(
     want_low: np.ndarray,
     precision: str,
     keep: np.ndarray | None = None,
+    tolerance: Tolerance = FP32,
 ) -> dict:
     """An output of an export in ``precision`` (fp16, bf16) against fp32 eager (``want``) and
     eager in that precision (``want_low``): :func:`tfgraph.precision.islands.judge`'s rule,
@@ -102,7 +103,7 @@ def compare_in(
     if precision == "fp32":
         from tfgraph.verify.activation_rule import activation_rule, judge_activations
 
-        row = judge_activations(got, want, want_low, keep)
+        row = judge_activations(got, want, want_low, keep, tolerance)
         return {"name": name, "tolerance": activation_rule(), **row}
     from tfgraph.precision.islands import judge, rule
 
@@ -185,7 +186,7 @@ def _row(
         return row
     if want_low is None:
         return compare_fp32(source, inputs, name, got[name], want[name], tol, keep)
-    return compare_in(name, got[name], want[name], want_low[name], precision, keep)
+    return compare_in(name, got[name], want[name], want_low[name], precision, keep, tol)
 
 
 def summarize(name: str, rows: list[dict], tolerance: Tolerance) -> dict:
