@@ -69,8 +69,8 @@ def open_drafter(spec: str | Path, target, threads: int | None = None):
     draft = CachedDecoder(
         open_runner(path, spinning=False, **({"threads": threads} if threads else {}))
     )
-    DraftModel(draft, target)  # refuses a draft of another tokenizer now, not per request
-    return lambda: DraftModel(draft, target)
+    DraftModel(draft, target)  # refuses a draft of another tokenizer now, once
+    return lambda: DraftModel(draft)  # per request: checked above, no tokenizer files re-read
 
 
 class SpeculativeBatcher(SlotBatcher):
